@@ -1,0 +1,171 @@
+"""Configuration in the seed's YAML shape, shared by both sides.
+
+::
+
+    weight_syncer:            # optional wrapper, as in a Hydra config group
+      type: patch             # or bucket
+      patch: {snapshot_device, transport_device, delta_encoding, compression,
+              position_encoding, value_encoding, init_sync: {enabled, prefixes, bucket_size}}
+      bucket: {bucket_size, bucket_dtype, bucket_device, is_agent, load_instant, init_sync}
+
+Unknown keys are errors, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .compress import Codec, parse_compression
+from .dtypes import parse_float_dtype
+from .errors import ConfigError
+from .framing import Encoding, ValueEncoding
+from .tensorcodec import PatchOptions
+
+MiB = 1 << 20
+DEVICES = ("cpu", "cuda")
+POSITION_ENCODINGS = {"auto": None, "coo": Encoding.COO, "gaps": Encoding.GAPS, "bitmap": Encoding.BITMAP}
+VALUE_ENCODINGS = {"raw": ValueEncoding.RAW, "xor": ValueEncoding.XOR}
+
+
+@dataclass
+class InitSyncConfig:
+    """The one-time bootstrap at init: whole state dict (``prefixes`` None) or matching keys."""
+
+    enabled: bool = True
+    prefixes: list[str] | None = None
+    bucket_size: int = 128 * MiB
+
+
+@dataclass
+class PatchConfig:
+    snapshot_device: str = "cpu"  # where the sender's snapshot lives (pinned when CUDA is present)
+    transport_device: str = "cpu"  # where patch buffers are packed: cuda for nvcomp_lz4
+    delta_encoding: bool = True  # seed COO only: delta-encode rows/cols
+    compression: str = "none"  # none | lz4 | zstd | nvcomp_lz4
+    position_encoding: str = "auto"  # auto (gaps or bitmap, smaller) | gaps | bitmap | coo (the seed's)
+    value_encoding: str = "xor"  # xor (against base_version) | raw (new values, the seed's)
+    init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
+
+    def options(self) -> PatchOptions:
+        """The encoding options these settings select."""
+        positions = POSITION_ENCODINGS[self.position_encoding]
+        if positions is Encoding.COO and self.delta_encoding:
+            positions = Encoding.COO_DELTA
+        return PatchOptions(positions, VALUE_ENCODINGS[self.value_encoding], self.codec)
+
+    @property
+    def codec(self) -> Codec:
+        return parse_compression(self.compression, self.transport_device)
+
+
+@dataclass
+class BucketConfig:
+    bucket_size: int = 512 * MiB
+    bucket_dtype: str | None = None  # None keeps dtypes; a float dtype converts floating tensors only
+    bucket_device: str = "auto"  # where buckets are assembled: cpu, cuda, or auto (the tensor's device)
+    is_agent: bool = False  # accepted for seed-config compatibility; no effect (name maps are explicit)
+    load_instant: bool = True  # decode each bucket on arrival; False keeps frames until the last one
+    init_sync: InitSyncConfig = field(default_factory=lambda: InitSyncConfig(enabled=False))
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return parse_float_dtype(self.bucket_dtype)
+
+
+@dataclass
+class SyncConfig:
+    type: str = "patch"
+    patch: PatchConfig = field(default_factory=PatchConfig)
+    bucket: BucketConfig = field(default_factory=BucketConfig)
+
+    @property
+    def init_sync(self) -> InitSyncConfig:
+        return self.patch.init_sync if self.type == "patch" else self.bucket.init_sync
+
+    def validate(self) -> SyncConfig:
+        if self.type not in ("patch", "bucket"):
+            raise ConfigError(f"type must be 'patch' or 'bucket', got {self.type!r}")
+        p, b = self.patch, self.bucket
+        for name, value, allowed in (
+            ("patch.snapshot_device", p.snapshot_device, DEVICES),
+            ("patch.transport_device", p.transport_device, DEVICES),
+            ("patch.position_encoding", p.position_encoding, tuple(POSITION_ENCODINGS)),
+            ("patch.value_encoding", p.value_encoding, tuple(VALUE_ENCODINGS)),
+            ("bucket.bucket_device", b.bucket_device, (*DEVICES, "auto")),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        if self.type == "patch":
+            parse_compression(p.compression, p.transport_device)
+        else:
+            b.dtype  # noqa: B018 - validates the name
+        for name, init in (("patch", p.init_sync), ("bucket", b.init_sync)):
+            for size in (init.bucket_size, b.bucket_size):
+                if type(size) is not int or size <= 0:
+                    raise ConfigError(f"{name}: bucket sizes must be positive integers, got {size!r}")
+            if init.prefixes is not None and (
+                not isinstance(init.prefixes, list) or not all(isinstance(x, str) and x for x in init.prefixes)
+            ):
+                raise ConfigError(f"{name}.init_sync.prefixes must be null or a list of non-empty strings")
+        return self
+
+
+def load_config(source: SyncConfig | Mapping[str, Any] | str | Path | object | None = None) -> SyncConfig:
+    """A validated ``SyncConfig`` from a YAML path, a mapping, a config object or None (defaults)."""
+    if source is None:
+        return SyncConfig().validate()
+    if isinstance(source, SyncConfig):
+        return source.validate()
+    if isinstance(source, (str, Path)):
+        import yaml
+
+        try:
+            source = yaml.safe_load(Path(source).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {source}: {e}") from None
+    data = _plain(source)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+    if set(data) == {"weight_syncer"}:
+        data = data["weight_syncer"]
+    return _build(SyncConfig, data, "").validate()
+
+
+def _plain(obj: Any) -> Any:
+    """Mappings, dataclasses and attribute objects (OmegaConf, SimpleNamespace) as plain dicts."""
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "__dict__") and not isinstance(obj, (str, bytes, int, float, bool, list, tuple)):
+        return {k: _plain(v) for k, v in vars(obj).items() if not k.startswith("_")}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key {where + unknown[0]!r}; known keys: {sorted(fields)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        sub = {"patch": PatchConfig, "bucket": BucketConfig, "init_sync": InitSyncConfig}.get(name)
+        if sub is not None:
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config key {where + name!r} must be a mapping")
+            if sub is InitSyncConfig and cls is BucketConfig:
+                value = {"enabled": False, **value}
+            kwargs[name] = _build(sub, value, f"{where}{name}.")
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)

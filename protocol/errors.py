@@ -1,0 +1,43 @@
+"""The error family every weightsync failure belongs to.
+
+Callers catch ``WeightSyncError`` for everything, or one of the narrower classes
+for what they can act on: a bad message (``ProtocolError``), corrupted bytes
+(``IntegrityError``), two models that do not match (``MetadataMismatchError``),
+an update that does not apply on top of the current version
+(``StaleVersionError``), or a setting that cannot work here (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+
+class WeightSyncError(Exception):
+    """Base of every error raised by weightsync."""
+
+
+class ProtocolError(WeightSyncError):
+    """A message is malformed: wrong frame count, bad header, bad index, bad size."""
+
+
+class IntegrityError(WeightSyncError):
+    """A buffer's bytes do not match the checksum its header announced."""
+
+
+class MetadataMismatchError(WeightSyncError):
+    """Sender and receiver models disagree on keys or shapes; names the first offending key."""
+
+
+class StaleVersionError(WeightSyncError):
+    """An update does not apply on top of the receiver's current version."""
+
+    def __init__(self, message: str, *, current: int | None = None, got: int | None = None):
+        super().__init__(message)
+        self.current = current
+        self.got = got
+
+
+class ConfigError(WeightSyncError, ValueError):
+    """A setting is invalid, or needs a package or device that is not available."""
+
+
+class LayoutError(WeightSyncError, ValueError):
+    """A tensor cannot be viewed in the 2-D COO layout the patch format needs."""

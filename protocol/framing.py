@@ -1,0 +1,278 @@
+"""The wire format: the one place that knows how a message is laid out in frames.
+
+A message is a ZeroMQ multipart message. Frame 0 is a msgpack map (the header);
+frames 1..n are raw buffers, each described by one ``BufferSpec`` in the header's
+manifest. Tensor bytes never travel inside msgpack.
+
+Header keys (protocol version 1)::
+
+    type     MessageType            proto    PROTOCOL_VERSION
+    session  sender session id      seq      per-session message counter
+    version  weight version or nil  base     base_version of a patch, or nil
+    part     index of this message within its version (0..parts-1)
+    parts    number of messages that make up the version
+    tensors  [[key, encoding, values, nnz, [buffer, ...]], ...]
+             buffer = [frame, role, dtype, shape, nbytes, codec, shuffle, wire_nbytes, checksum]
+    body     small type-specific map (metadata, reasons, ...)
+    hsum     xxh3-64 of the msgpack encoding of all the other keys
+
+``decode_message`` checks everything that can be checked without the target model:
+structure and types, frame count and every frame's length, checksums, dtype codes, and
+``prod(shape) * itemsize == nbytes``. Checks against the model (key range, shapes,
+index bounds) belong to the receiver, and also happen before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from .buffers import Buffer
+from .checksum import checksum
+from .compress import Codec
+from .dtypes import dtype_from_code, itemsize
+from .errors import IntegrityError, ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_DIMS = 8
+
+
+class MessageType(IntEnum):
+    HELLO = 1  # receiver -> sender: metadata, applied version, state digest
+    WELCOME = 2  # sender -> receiver: session, aliases, whether a bootstrap follows
+    BOOTSTRAP = 3  # sender -> receiver: a bucket of the init bootstrap / resync
+    PATCH = 4  # sender -> receiver: sparse changes on top of base_version
+    BUCKET = 5  # sender -> receiver: whole tensors of one version (bucket strategy)
+    ACK = 6  # receiver -> sender: version applied
+    NACK = 7  # receiver -> sender: message rejected; asks for a resync
+    HEARTBEAT = 8  # either way: liveness
+    ERROR = 9  # either way: a fatal error the peer should surface
+    BYE = 10  # either way: orderly goodbye
+
+
+class Encoding(IntEnum):
+    """How a tensor's changed positions travel."""
+
+    DENSE = 0  # the whole tensor, no positions
+    COO = 1  # the seed's 2-D COO: absolute rows and cols
+    COO_DELTA = 2  # the seed's delta-encoded rows and cols
+    GAPS = 3  # flat-index gaps (zero-run lengths between changes)
+    BITMAP = 4  # one bit per element
+
+
+class ValueEncoding(IntEnum):
+    RAW = 0  # the new values
+    XOR = 1  # new bits XOR old bits: valid only on top of exactly base_version
+
+
+class Role(IntEnum):
+    """What a buffer holds within its tensor entry."""
+
+    VALUES = 0
+    ROWS = 1
+    COLS = 2
+    POSITIONS = 3  # gaps or bitmap
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    frame: int
+    role: Role
+    dtype: int  # dtype code of the decoded elements
+    shape: tuple[int, ...]  # decoded element shape
+    nbytes: int  # decoded size
+    codec: Codec
+    shuffle: bool  # bytes regrouped by significance before compression
+    wire_nbytes: int
+    checksum: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.frame, int(self.role), self.dtype, list(self.shape), self.nbytes,
+                int(self.codec), self.shuffle, self.wire_nbytes, self.checksum]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: int  # ordinal in the receiver's ordered keys
+    encoding: Encoding
+    values: ValueEncoding
+    nnz: int  # changed elements (numel for DENSE)
+    buffers: tuple[BufferSpec, ...]
+
+    def buffer(self, role: Role) -> BufferSpec:
+        for b in self.buffers:
+            if b.role is role:
+                return b
+        raise ProtocolError(f"tensor {self.key}: missing {role.name.lower()} buffer")
+
+    def to_wire(self) -> list[Any]:
+        return [self.key, int(self.encoding), int(self.values), self.nnz, [b.to_wire() for b in self.buffers]]
+
+
+@dataclass
+class Message:
+    type: MessageType
+    session: str = ""
+    seq: int = 0
+    version: int | None = None
+    base_version: int | None = None
+    part: int = 0
+    parts: int = 1
+    tensors: list[TensorEntry] = field(default_factory=list)
+    body: dict[str, Any] = field(default_factory=dict)
+    frames: list[Buffer] = field(default_factory=list)  # payload frames 1..n
+
+    @property
+    def payload_nbytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+    def describe(self) -> str:
+        return f"{self.type.name} v{self.version} part {self.part + 1}/{self.parts} seq {self.seq}"
+
+
+def encode_message(msg: Message) -> list[Buffer]:
+    """Frames for ``msg``: the header, then the payload buffers as they are (no copy)."""
+    header: dict[str, Any] = {
+        "type": int(msg.type),
+        "proto": PROTOCOL_VERSION,
+        "session": msg.session,
+        "seq": msg.seq,
+        "version": msg.version,
+        "base": msg.base_version,
+        "part": msg.part,
+        "parts": msg.parts,
+        "tensors": [t.to_wire() for t in msg.tensors],
+        "body": msg.body,
+    }
+    packed = msgpack.packb(header, use_bin_type=True)
+    header["hsum"] = checksum(packed)
+    return [msgpack.packb(header, use_bin_type=True), *msg.frames]
+
+
+def decode_message(frames: Sequence[Buffer]) -> Message:
+    """Parse and validate ``frames``; raises ``ProtocolError`` or ``IntegrityError``."""
+    if not frames:
+        raise ProtocolError("empty message: no header frame")
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header is a {type(header).__name__}, expected a map")
+    hsum = header.pop("hsum", None)
+    if type(hsum) is not int:
+        raise ProtocolError("header has no checksum")
+    if checksum(msgpack.packb(header, use_bin_type=True)) != hsum:
+        raise IntegrityError("header checksum mismatch")
+    proto = _get(header, "proto", int)
+    if proto != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {proto} is not supported (this side speaks {PROTOCOL_VERSION})")
+    raw_type = _get(header, "type", int)
+    try:
+        mtype = MessageType(raw_type)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {raw_type}") from None
+    msg = Message(
+        type=mtype,
+        session=_get(header, "session", str),
+        seq=_nonneg(_get(header, "seq", int), "seq"),
+        version=_get(header, "version", int, optional=True),
+        base_version=_get(header, "base", int, optional=True),
+        part=_nonneg(_get(header, "part", int), "part"),
+        parts=_get(header, "parts", int),
+        body=_get(header, "body", dict),
+    )
+    where = msg.describe()
+    if msg.parts < 1 or msg.part >= msg.parts:
+        raise ProtocolError(f"{where}: part index out of range")
+    raw_tensors = _get(header, "tensors", list)
+    msg.tensors = [_tensor_entry(t, where) for t in raw_tensors]
+    specs = [b for t in msg.tensors for b in t.buffers]
+    if len(frames) != len(specs) + 1:
+        raise ProtocolError(f"{where}: {len(frames) - 1} payload frames, manifest lists {len(specs)}")
+    if sorted(b.frame for b in specs) != list(range(1, len(specs) + 1)):
+        raise ProtocolError(f"{where}: manifest frame indices are not 1..{len(specs)} each once")
+    for t in msg.tensors:
+        for b in t.buffers:
+            frame = frames[b.frame]
+            if len(frame) != b.wire_nbytes:
+                raise ProtocolError(
+                    f"{where}: tensor {t.key} {b.role.name.lower()} frame {b.frame} has {len(frame)} bytes, "
+                    f"manifest says {b.wire_nbytes}"
+                )
+            if b.codec is Codec.NONE and b.wire_nbytes != b.nbytes:
+                raise ProtocolError(f"{where}: tensor {t.key} frame {b.frame}: uncompressed size mismatch")
+            if checksum(frame) != b.checksum:
+                raise IntegrityError(f"{where}: tensor {t.key} {b.role.name.lower()} frame {b.frame} checksum mismatch")
+    msg.frames = list(frames[1:])
+    return msg
+
+
+def _tensor_entry(raw: Any, where: str) -> TensorEntry:
+    if not isinstance(raw, list) or len(raw) != 5:
+        raise ProtocolError(f"{where}: malformed tensor entry {raw!r:.80}")
+    key, enc, val, nnz, bufs = raw
+    key = _nonneg(_typed(key, int, "tensor key"), "tensor key")
+    try:
+        encoding, values = Encoding(_typed(enc, int, "encoding")), ValueEncoding(_typed(val, int, "value encoding"))
+    except ValueError:
+        raise ProtocolError(f"{where}: tensor {key}: unknown encoding {enc!r}/{val!r}") from None
+    if not isinstance(bufs, list):
+        raise ProtocolError(f"{where}: tensor {key}: buffers is not a list")
+    specs = tuple(_buffer_spec(b, f"{where}: tensor {key}") for b in bufs)
+    if len({b.role for b in specs}) != len(specs):
+        raise ProtocolError(f"{where}: tensor {key}: a buffer role appears twice")
+    return TensorEntry(key, encoding, values, _nonneg(_typed(nnz, int, "nnz"), "nnz"), specs)
+
+
+def _buffer_spec(raw: Any, where: str) -> BufferSpec:
+    if not isinstance(raw, list) or len(raw) != 9:
+        raise ProtocolError(f"{where}: malformed buffer entry {raw!r:.80}")
+    frame, role, dtype, shape, nbytes, codec, shuf, wire, csum = raw
+    try:
+        role_e, codec_e = Role(_typed(role, int, "role")), Codec(_typed(codec, int, "codec"))
+    except ValueError:
+        raise ProtocolError(f"{where}: unknown buffer role {role!r} or codec {codec!r}") from None
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or any(type(d) is not int or d < 0 for d in shape):
+        raise ProtocolError(f"{where}: bad shape {shape!r:.80}")
+    dt = dtype_from_code(dtype)
+    nbytes = _nonneg(_typed(nbytes, int, "nbytes"), "nbytes")
+    if math.prod(shape) * itemsize(dt) != nbytes:
+        raise ProtocolError(f"{where}: shape {shape} of {dt} is not {nbytes} bytes")
+    return BufferSpec(
+        frame=_typed(frame, int, "frame"),
+        role=role_e,
+        dtype=dtype,
+        shape=tuple(shape),
+        nbytes=nbytes,
+        codec=codec_e,
+        shuffle=_typed(shuf, bool, "shuffle"),
+        wire_nbytes=_nonneg(_typed(wire, int, "wire_nbytes"), "wire_nbytes"),
+        checksum=_typed(csum, int, "checksum"),
+    )
+
+
+def _typed(value: Any, kind: type, what: str) -> Any:
+    if type(value) is not kind:
+        raise ProtocolError(f"{what} is {type(value).__name__}, expected {kind.__name__}")
+    return value
+
+
+def _nonneg(value: int, what: str) -> int:
+    if value < 0:
+        raise ProtocolError(f"{what} is negative ({value})")
+    return value
+
+
+def _get(header: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
+    if key not in header:
+        raise ProtocolError(f"header lacks {key!r}")
+    value = header[key]
+    if value is None and optional:
+        return None
+    return _typed(value, kind, f"header field {key!r}")

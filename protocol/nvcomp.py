@@ -1,0 +1,61 @@
+"""nvCOMP LZ4 on the GPU (optional extra ``gpu``: ``nvidia-nvcomp-cu12``).
+
+Buffers are compressed on the CUDA device that holds them, in nvCOMP's native
+bitstream (it carries its own sizes), and copied to the host for the frame. The
+receiver copies a frame to its CUDA device and decodes it there. Codec objects are
+not thread-safe, so each call makes its own, bound to torch's current stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .buffers import Buffer, buffer_tensor
+from .errors import ConfigError, IntegrityError
+
+
+def require() -> Any:
+    """Import nvCOMP and check that a CUDA device is usable; ``ConfigError`` names what is missing."""
+    try:
+        from nvidia import nvcomp  # type: ignore[import-not-found, attr-defined, unused-ignore]
+    except ImportError:
+        raise ConfigError(
+            "compression 'nvcomp_lz4' needs the package nvidia-nvcomp-cu12 "
+            "(pip install 'weightsync[gpu]')"
+        ) from None
+    if not torch.cuda.is_available():
+        raise ConfigError("compression 'nvcomp_lz4' needs a CUDA device, and torch sees none")
+    return nvcomp
+
+
+def _codec(nvcomp: Any, device: torch.device) -> Any:
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return nvcomp.Codec(algorithm="LZ4", device_id=device.index or 0, cuda_stream=stream), stream
+
+
+class Lz4Compressor:
+    def compress(self, data: torch.Tensor) -> Buffer:
+        nvcomp = require()
+        if data.device.type != "cuda":
+            raise ConfigError("nvcomp_lz4 compresses CUDA tensors; set transport_device: cuda")
+        codec, stream = _codec(nvcomp, data.device)
+        encoded = codec.encode(nvcomp.as_array(data, cuda_stream=stream))
+        out = torch.from_dlpack(encoded).view(torch.uint8).reshape(-1)
+        return memoryview(out.cpu().numpy()).toreadonly()
+
+    def decompress(self, data: Buffer, nbytes: int, device: torch.device) -> torch.Tensor:
+        nvcomp = require()
+        if device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        src = buffer_tensor(data, torch.uint8, (len(data),)).to(device)
+        codec, stream = _codec(nvcomp, device)
+        try:
+            decoded = codec.decode(nvcomp.as_array(src, cuda_stream=stream), data_type="|u1")
+        except (RuntimeError, ValueError) as e:
+            raise IntegrityError(f"nvcomp_lz4 buffer does not decompress: {e}") from None
+        out = torch.from_dlpack(decoded).view(torch.uint8).reshape(-1)
+        if out.numel() != nbytes:
+            raise IntegrityError(f"nvcomp_lz4 buffer decompressed to {out.numel()} bytes, expected {nbytes}")
+        return out.clone()  # own the memory: the nvcomp array is freed with the codec

@@ -1,0 +1,107 @@
+"""Encodings of a tensor's changed positions: the seed's COO (plain or delta) and two
+denser ones, flat-index gaps and a bitmap.
+
+Encoders take sorted int64 flat indices and return index tensors downscaled to the
+smallest unsigned dtype. Decoders take untrusted buffers and return sorted, unique,
+in-bounds int64 flat indices, or raise ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .coo import coo_shape, delta_decode, delta_encode, split_rows_cols
+from .dtypes import smallest_unsigned
+from .errors import ProtocolError
+from .framing import Encoding, Role
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def downscale(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (non-negative int64) in the smallest unsigned dtype that holds its maximum."""
+    top = int(t.max()) if t.numel() else 0
+    return t.to(smallest_unsigned(top))
+
+
+def encode_positions(flat: torch.Tensor, shape: tuple[int, ...], encoding: Encoding) -> dict[Role, torch.Tensor]:
+    """Index buffers for sorted unique int64 ``flat`` indices of a tensor of ``shape``."""
+    if encoding in (Encoding.COO, Encoding.COO_DELTA):
+        rows, cols = split_rows_cols(flat, shape)
+        if encoding is Encoding.COO_DELTA:
+            rows, cols = delta_encode(rows, cols)
+        return {Role.ROWS: downscale(rows), Role.COLS: downscale(cols)}
+    if encoding is Encoding.GAPS:
+        gaps = torch.diff(flat, prepend=flat.new_full((1,), -1)) - 1
+        return {Role.POSITIONS: downscale(gaps)}
+    if encoding is Encoding.BITMAP:
+        numel = math.prod(shape)
+        mask = torch.zeros(math.ceil(numel / 8) * 8, dtype=torch.uint8, device=flat.device)
+        mask[flat] = 1
+        packed = (mask.view(-1, 8) * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8)
+        return {Role.POSITIONS: packed}
+    raise ValueError(f"{encoding!r} has no positions")
+
+
+def positions_nbytes(nnz: int, numel: int, encoding: Encoding, max_gap: int) -> int:
+    """Uncompressed bytes of the positions, to choose between GAPS and BITMAP cheaply."""
+    if encoding is Encoding.BITMAP:
+        return math.ceil(numel / 8)
+    return nnz * torch.empty((), dtype=smallest_unsigned(max_gap)).element_size()
+
+
+def decode_positions(buffers: dict[Role, torch.Tensor], shape: tuple[int, ...], encoding: Encoding, nnz: int) -> torch.Tensor:
+    """Validated sorted unique int64 flat indices from untrusted index buffers."""
+    numel = math.prod(shape)
+    if encoding in (Encoding.COO, Encoding.COO_DELTA):
+        rows, cols = buffers[Role.ROWS], buffers[Role.COLS]
+        if rows.dim() != 1 or cols.dim() != 1 or rows.numel() != nnz or cols.numel() != nnz:
+            raise ProtocolError(f"rows/cols hold {rows.numel()}/{cols.numel()} entries, expected {nnz}")
+        _require_unsigned(rows, cols)
+        nrows, ncols = coo_shape(shape)
+        # Bound every entry first, so the int64 sums of delta decoding cannot overflow.
+        if nnz and (int(rows.max()) >= nrows or int(cols.max()) >= ncols):
+            raise ProtocolError(f"position out of bounds for a {nrows}x{ncols} view")
+        if encoding is Encoding.COO_DELTA:
+            rows, cols = delta_decode(rows, cols)
+        else:
+            rows, cols = rows.to(torch.int64), cols.to(torch.int64)
+        if nnz and (int(rows.max()) >= nrows or int(cols.max()) >= ncols):
+            raise ProtocolError(f"position out of bounds for a {nrows}x{ncols} view")
+        flat = rows * ncols + cols
+        if nnz > 1 and not bool((torch.diff(flat) > 0).all()):
+            raise ProtocolError("positions are not strictly increasing")
+        return flat
+    if encoding is Encoding.GAPS:
+        gaps = buffers[Role.POSITIONS]
+        if gaps.dim() != 1 or gaps.numel() != nnz:
+            raise ProtocolError(f"gaps hold {gaps.numel()} entries, expected {nnz}")
+        _require_unsigned(gaps)
+        if nnz and int(gaps.max()) >= numel:  # also bounds the cumsum below against overflow
+            raise ProtocolError("gap larger than the tensor")
+        flat = torch.cumsum(gaps.to(torch.int64) + 1, 0) - 1
+        if nnz and int(flat[-1]) >= numel:
+            raise ProtocolError(f"position {int(flat[-1])} out of bounds for {numel} elements")
+        return flat
+    if encoding is Encoding.BITMAP:
+        packed = buffers[Role.POSITIONS]
+        if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != math.ceil(numel / 8):
+            raise ProtocolError(f"bitmap of {packed.numel()} bytes for {numel} elements")
+        bits = (packed.unsqueeze(1) & _BIT_WEIGHTS.to(packed.device)).ne(0).reshape(-1)
+        if bool(bits[numel:].any()):
+            raise ProtocolError("bitmap has bits set past the tensor's end")
+        flat = torch.nonzero(bits[:numel]).squeeze(1)
+        if flat.numel() != nnz:
+            raise ProtocolError(f"bitmap marks {flat.numel()} positions, header says {nnz}")
+        return flat
+    raise ProtocolError(f"{encoding!r} has no positions")
+
+
+def _require_unsigned(*ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dtype not in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+            raise ProtocolError(f"index buffer has dtype {t.dtype}, expected an unsigned integer")
+        if t.dtype == torch.uint64 and t.numel() and int(t.view(torch.int64).min()) < 0:
+            raise ProtocolError("index does not fit in int64")

@@ -1,0 +1,250 @@
+"""What both receiver strategies share: the handshake, collecting a version's messages,
+validating and staging them off the event loop, and the all-or-nothing commit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from protocol.buffers import Buffer
+from protocol.config import SyncConfig, load_config
+from protocol.errors import (
+    ConfigError,
+    MetadataMismatchError,
+    ProtocolError,
+    StaleVersionError,
+    WeightSyncError,
+)
+from protocol.framing import Message, MessageType, ValueEncoding, decode_message, encode_message
+from protocol.metadata import ModelMetadata
+from protocol.state import StateLike, resolve_state
+from protocol.tensorcodec import decode_entry
+
+from .commit import StagedUpdate, commit
+from .stats import ApplyStats
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[Sequence[Buffer]], Awaitable[Any]]
+Recv = Callable[[], Awaitable[Sequence[Buffer]]]
+
+_ERRORS: dict[str, type[WeightSyncError]] = {
+    "metadata_mismatch": MetadataMismatchError,
+    "protocol": ProtocolError,
+    "config": ConfigError,
+}
+
+
+@dataclass
+class PendingVersion:
+    """A version received, validated and staged, not yet written."""
+
+    type: MessageType
+    version: int | None
+    base_version: int | None
+    updates: list[StagedUpdate] = field(default_factory=list)
+    stats: ApplyStats = field(default_factory=lambda: ApplyStats(None, ""))
+
+
+class ReceiverBase:
+    """The rollout side of one sync channel.
+
+    Nothing is written into the model until every message of a version has arrived and
+    been checked against the model: sizes, dtypes, index bounds and checksums. After an
+    error the model is exactly as it was, and ``version`` is unchanged.
+    """
+
+    strategy: ClassVar[str]
+    data_type: ClassVar[MessageType]
+
+    def __init__(self, config: SyncConfig | Any = None) -> None:
+        self.config = load_config(config)
+        self.version: int | None = None
+        self.session: str | None = None
+        self.metadata: ModelMetadata | None = None
+        self.aliases: dict[int, list[int]] = {}
+        self.last_stats: ApplyStats | None = None
+        self.device = torch.device("cpu")  # where buffers are decoded
+
+    # -- handshake --------------------------------------------------------------------
+    async def init_receiver(
+        self,
+        model: StateLike,
+        recv: Recv,
+        send: Send,
+        *,
+        receiver_id: str = "",
+        digest: str | None = None,
+    ) -> int | None:
+        """Send HELLO with this model's metadata, then take WELCOME and apply the bootstrap.
+
+        Returns the version the receiver is at afterwards (None when the sender has none).
+        """
+        tensors = resolve_state(model).tensors
+        self.metadata = ModelMetadata.of(tensors)
+        body = {**self.metadata.to_body(), "receiver": receiver_id, "applied": self.version, "digest": digest}
+        await send(encode_message(Message(MessageType.HELLO, version=self.version, body=body)))
+        welcome = await self._next(recv)
+        if welcome.type is not MessageType.WELCOME:
+            raise ProtocolError(f"expected WELCOME, got {welcome.describe()}")
+        self._welcome(welcome)
+        parts = welcome.body["bootstrap"]
+        if parts:
+            pending = await self.receive(model, recv, bootstrap=True)
+            if pending.stats.messages != parts or pending.version != welcome.version:
+                raise ProtocolError(
+                    f"bootstrap of {pending.stats.messages} parts at v{pending.version} does not match "
+                    f"WELCOME's {parts} parts at v{welcome.version}"
+                )
+            self.commit(model, pending)
+        self.version = welcome.version
+        return self.version
+
+    def _welcome(self, msg: Message) -> None:
+        assert self.metadata is not None
+        strategy, aliases, parts = msg.body.get("strategy"), msg.body.get("aliases"), msg.body.get("bootstrap")
+        if strategy != self.strategy:
+            raise ConfigError(f"sender uses the {strategy!r} strategy, this receiver is {self.strategy!r}")
+        if type(parts) is not int or parts < 0:
+            raise ProtocolError(f"WELCOME announces a bad bootstrap size {parts!r}")
+        if not isinstance(aliases, list):
+            raise ProtocolError("WELCOME lacks its alias list")
+        n = len(self.metadata.keys)
+        self.aliases = {}
+        for pair in aliases:
+            if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int and 0 <= x < n for x in pair)):
+                raise ProtocolError(f"WELCOME has a bad alias entry {pair!r:.60}")
+            self.aliases.setdefault(pair[1], []).append(pair[0])
+        self.session = msg.session
+
+    # -- applying versions ------------------------------------------------------------
+    async def apply(self, model: StateLike, recv: Recv) -> int:
+        """Receive exactly one version, write it into ``model`` and return that version."""
+        pending = await self.receive(model, recv)
+        self.commit(model, pending)
+        assert pending.version is not None
+        return pending.version
+
+    async def receive(self, model: StateLike, recv: Recv, *, bootstrap: bool = False) -> PendingVersion:
+        """Collect and stage every message of the next version; writes nothing."""
+        if self.metadata is None:
+            raise WeightSyncError("init_receiver() must complete before apply()")
+        targets = self.targets(model)
+        first = await self._next(recv)
+        started = time.perf_counter()
+        self._check_first(first, bootstrap)
+        kind = "bootstrap" if first.type is MessageType.BOOTSTRAP else self.strategy
+        pending = PendingVersion(first.type, first.version, first.base_version, stats=ApplyStats(first.version, kind))
+        seen_parts: set[int] = set()
+        seen_keys: set[int] = set()
+        raw: list[Message] = []
+        msg = first
+        while True:
+            if msg is not first:
+                self._check_same_version(first, msg)
+            if msg.part in seen_parts:
+                raise ProtocolError(f"{msg.describe()}: part received twice")
+            seen_parts.add(msg.part)
+            for entry in msg.tensors:
+                if entry.key >= len(targets) or entry.key in seen_keys:
+                    raise ProtocolError(f"{msg.describe()}: tensor ordinal {entry.key} out of range or repeated")
+                seen_keys.add(entry.key)
+            pending.stats.messages += 1
+            pending.stats.wire_bytes += msg.payload_nbytes
+            if self.decode_on_arrival:
+                await self._stage(msg, targets, pending)
+            else:
+                raw.append(msg)
+            if len(seen_parts) == first.parts:
+                break
+            msg = await self._next(recv)
+        for m in raw:
+            await self._stage(m, targets, pending)
+        pending.stats.receive_seconds = time.perf_counter() - started
+        return pending
+
+    @property
+    def decode_on_arrival(self) -> bool:
+        return True
+
+    def commit(self, model: StateLike, pending: PendingVersion) -> None:
+        """Write a staged version into ``model`` and publish it as ``version``."""
+        started = time.perf_counter()
+        commit(self.targets(model), pending.updates, self.aliases)
+        pending.stats.apply_seconds = time.perf_counter() - started
+        self.version = pending.version
+        self.last_stats = pending.stats
+        log.debug("applied %s", pending.stats)
+
+    def targets(self, model: StateLike) -> list[torch.Tensor]:
+        """The model's tensors in metadata order; a model that changed shape is an error."""
+        assert self.metadata is not None
+        tensors = resolve_state(model).tensors
+        out = []
+        for key, shape in zip(self.metadata.keys, self.metadata.shapes):
+            t = tensors.get(key)
+            if t is None or tuple(t.shape) != shape:
+                raise MetadataMismatchError(f"key {key!r} is missing from the model or changed shape since init")
+            out.append(t)
+        return out
+
+    # -- validation -------------------------------------------------------------------
+    async def _next(self, recv: Recv) -> Message:
+        frames = await recv()
+        msg = await asyncio.to_thread(decode_message, frames)
+        if msg.type is MessageType.ERROR:
+            code, text = msg.body.get("code"), msg.body.get("message")
+            raise _ERRORS.get(str(code), WeightSyncError)(f"sender reported: {text}")
+        if self.session is not None and msg.session != self.session:
+            raise ProtocolError(f"{msg.describe()}: from session {msg.session[:8]}, expected {self.session[:8]}")
+        return msg
+
+    def _check_first(self, msg: Message, bootstrap: bool) -> None:
+        allowed = (MessageType.BOOTSTRAP,) if bootstrap else (self.data_type, MessageType.BOOTSTRAP)
+        if msg.type not in allowed:
+            raise ProtocolError(f"unexpected {msg.describe()}; this receiver takes {[t.name for t in allowed]}")
+        current = self.version
+        if msg.type is MessageType.PATCH:
+            if msg.version is None or msg.base_version != current:
+                raise StaleVersionError(
+                    f"patch v{msg.version} applies on top of v{msg.base_version}, receiver is at v{current}",
+                    current=current, got=msg.base_version,
+                )
+            if msg.base_version is not None and msg.version <= msg.base_version:
+                raise ProtocolError(f"patch v{msg.version} does not follow its base v{msg.base_version}")
+        elif msg.type is MessageType.BUCKET:
+            if msg.version is None or (current is not None and msg.version <= current):
+                raise StaleVersionError(f"bucket v{msg.version} is not newer than v{current}", current=current, got=msg.version)
+        elif not bootstrap and msg.version is not None and current is not None and msg.version < current:
+            raise StaleVersionError(f"bootstrap v{msg.version} is older than v{current}", current=current, got=msg.version)
+
+    @staticmethod
+    def _check_same_version(first: Message, msg: Message) -> None:
+        if (msg.type, msg.version, msg.base_version, msg.parts) != (first.type, first.version, first.base_version, first.parts):
+            raise ProtocolError(f"{msg.describe()} arrived while {first.describe()} was incomplete")
+
+    async def _stage(self, msg: Message, targets: list[torch.Tensor], pending: PendingVersion) -> None:
+        started = time.perf_counter()
+        updates = await asyncio.to_thread(self._decode, msg, targets)
+        pending.updates.extend(updates)
+        pending.stats.tensors += len(updates)
+        pending.stats.changed_elements += sum(u.values.numel() for u in updates)
+        pending.stats.decode_seconds += time.perf_counter() - started
+
+    def _decode(self, msg: Message, targets: list[torch.Tensor]) -> list[StagedUpdate]:
+        assert self.metadata is not None
+        exact = msg.type is not MessageType.BUCKET
+        updates = []
+        for entry in msg.tensors:
+            if entry.values is ValueEncoding.XOR and msg.type is not MessageType.PATCH:
+                raise ProtocolError(f"{msg.describe()}: XOR values outside a patch")
+            shape, dtype = self.metadata.shapes[entry.key], self.metadata.dtypes[entry.key]
+            decoded = decode_entry(entry, msg.frames, shape, dtype, self.device, exact_dtype=exact)
+            updates.append(StagedUpdate.stage(decoded, targets[entry.key]))
+        return updates

@@ -1,0 +1,59 @@
+"""Writing a fully validated update into the model: the only code that touches it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocol.tensorcodec import DecodedTensor
+
+
+@dataclass
+class StagedUpdate:
+    """One tensor's update, decoded, validated and already on the target's device."""
+
+    ordinal: int
+    flat: torch.Tensor | None  # None: replace the whole tensor
+    values: torch.Tensor  # final values at the target's dtype (sparse) or the whole tensor (dense)
+
+    @classmethod
+    def stage(cls, decoded: DecodedTensor, target: torch.Tensor) -> StagedUpdate:
+        """Resolve XOR values against ``target`` and move everything to its device."""
+        if decoded.flat is None:
+            return cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
+        flat = decoded.flat.to(target.device)
+        old = read_flat(target, flat)
+        return cls(decoded.key, flat, decoded.new_values(old).to(target.device))
+
+
+def read_flat(target: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    if target.is_contiguous():
+        return target.view(-1)[flat]
+    return target[torch.unravel_index(flat, target.shape)]
+
+
+@torch.no_grad()
+def write(target: torch.Tensor, update: StagedUpdate) -> None:
+    if update.flat is None:
+        target.copy_(update.values)
+    elif target.is_contiguous():
+        target.view(-1)[update.flat] = update.values
+    else:
+        target[torch.unravel_index(update.flat, target.shape)] = update.values
+
+
+def commit(targets: Sequence[torch.Tensor], updates: Sequence[StagedUpdate], aliases: dict[int, list[int]]) -> None:
+    """Write every update, and the same into untied aliases of its tensor."""
+    for update in updates:
+        target = targets[update.ordinal]
+        write(target, update)
+        for alias in aliases.get(update.ordinal, ()):
+            other = targets[alias]
+            if not _same_storage(other, target):
+                write(other, update)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()

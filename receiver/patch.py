@@ -1,0 +1,25 @@
+"""The patch strategy, rollout side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from protocol.compress import Codec
+from protocol.framing import MessageType
+
+from .base import ReceiverBase
+
+
+class PatchReceiver(ReceiverBase):
+    """Applies PATCH messages, each only on top of exactly its ``base_version``."""
+
+    strategy = "patch"
+    data_type = MessageType.PATCH
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        patch = self.config.patch
+        if patch.codec is Codec.NVCOMP_LZ4:  # decompressed where it was compressed: on the GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,22 @@
+"""Per-version figures of the receiver."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class ApplyStats:
+    version: int | None
+    kind: str  # "patch", "bucket" or "bootstrap"
+    messages: int = 0
+    wire_bytes: int = 0
+    changed_elements: int = 0
+    tensors: int = 0
+    receive_seconds: float = 0.0  # from the first message's arrival to the last one's
+    decode_seconds: float = 0.0  # validate, decompress and stage (off the event loop)
+    apply_seconds: float = 0.0  # the commit: writes into the model
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,33 @@
+"""Per-version figures of the sender."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class SyncStats:
+    version: int
+    strategy: str  # "patch" or "bucket"
+    messages: int = 0
+    wire_bytes: int = 0  # every frame of every message, headers included
+    dense_bytes: int = 0  # the tracked tensors at the receiver's dtypes: what a full copy sends
+    total_elements: int = 0
+    changed_elements: int = 0
+    tensors_changed: int = 0
+    tensors_dense: int = 0  # changed tensors sent whole because a patch would be larger
+    build_seconds: float = 0.0  # compare, gather, encode and compress
+    send_seconds: float = 0.0  # time spent in the injected send()
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense bytes per wire byte (higher is better)."""
+        return self.dense_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "changed_fraction": self.changed_fraction}
