@@ -47,7 +47,7 @@ class PatchConfig:
     snapshot_device: str = "cpu"  # where the sender's snapshot lives (pinned when CUDA is present)
     transport_device: str = "cpu"  # where patch buffers are packed: cuda for nvcomp_lz4
     delta_encoding: bool = True  # seed COO only: delta-encode rows/cols
-    compression: str = "none"  # none | lz4 | zstd | nvcomp_lz4
+    compression: str = "zstd"  # none | lz4 | zstd | nvcomp_lz4
     position_encoding: str = "auto"  # auto (gaps or bitmap, smaller) | gaps | bitmap | coo (the seed's)
     value_encoding: str = "xor"  # xor (against base_version) | raw (new values, the seed's)
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
