@@ -276,3 +276,15 @@ def _get(header: dict[str, Any], key: str, kind: type, optional: bool = False) -
     if value is None and optional:
         return None
     return _typed(value, kind, f"header field {key!r}")
+
+
+def peek_type(frames: Sequence[Buffer]) -> MessageType | None:
+    """The message type, read without validating anything, to route a message cheaply.
+
+    Only for routing: the message must still go through ``decode_message`` before use.
+    """
+    try:
+        header = msgpack.unpackb(frames[0], raw=False)
+        return MessageType(header["type"])
+    except Exception:
+        return None

@@ -4,9 +4,11 @@ validating and staging them off the event loop, and the all-or-nothing commit.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -71,6 +73,8 @@ class ReceiverBase:
         self.aliases: dict[int, list[int]] = {}
         self.last_stats: ApplyStats | None = None
         self.device = torch.device("cpu")  # where buffers are decoded
+        # Held while a version is written; the daemon makes it its model lock's write side.
+        self.write_guard: Callable[[], AbstractAsyncContextManager[Any]] = contextlib.nullcontext
 
     # -- handshake --------------------------------------------------------------------
     async def init_receiver(
@@ -88,8 +92,15 @@ class ReceiverBase:
         """
         tensors = resolve_state(model).tensors
         self.metadata = ModelMetadata.of(tensors)
-        body = {**self.metadata.to_body(), "receiver": receiver_id, "applied": self.version, "digest": digest}
+        body = {
+            **self.metadata.to_body(),
+            "receiver": receiver_id,
+            "applied": self.version,
+            "digest": digest,
+            "session": self.session,  # the sender session it last followed, to resume from its ring
+        }
         await send(encode_message(Message(MessageType.HELLO, version=self.version, body=body)))
+        self.session = None  # WELCOME may come from a new sender session
         welcome = await self._next(recv)
         if welcome.type is not MessageType.WELCOME:
             raise ProtocolError(f"expected WELCOME, got {welcome.describe()}")
@@ -102,7 +113,7 @@ class ReceiverBase:
                     f"bootstrap of {pending.stats.messages} parts at v{pending.version} does not match "
                     f"WELCOME's {parts} parts at v{welcome.version}"
                 )
-            self.commit(model, pending)
+            await self.commit(model, pending)
         self.version = welcome.version
         return self.version
 
@@ -127,7 +138,7 @@ class ReceiverBase:
     async def apply(self, model: StateLike, recv: Recv) -> int:
         """Receive exactly one version, write it into ``model`` and return that version."""
         pending = await self.receive(model, recv)
-        self.commit(model, pending)
+        await self.commit(model, pending)
         assert pending.version is not None
         return pending.version
 
@@ -141,16 +152,16 @@ class ReceiverBase:
         self._check_first(first, bootstrap)
         kind = "bootstrap" if first.type is MessageType.BOOTSTRAP else self.strategy
         pending = PendingVersion(first.type, first.version, first.base_version, stats=ApplyStats(first.version, kind))
-        seen_parts: set[int] = set()
+        received = 0
         seen_keys: set[int] = set()
         raw: list[Message] = []
         msg = first
         while True:
             if msg is not first:
                 self._check_same_version(first, msg)
-            if msg.part in seen_parts:
-                raise ProtocolError(f"{msg.describe()}: part received twice")
-            seen_parts.add(msg.part)
+            if msg.part != received:  # ZeroMQ keeps order: a gap or a repeat is an error
+                raise ProtocolError(f"{msg.describe()}: expected part {received + 1} of {first.parts}")
+            received += 1
             for entry in msg.tensors:
                 if entry.key >= len(targets) or entry.key in seen_keys:
                     raise ProtocolError(f"{msg.describe()}: tensor ordinal {entry.key} out of range or repeated")
@@ -161,7 +172,7 @@ class ReceiverBase:
                 await self._stage(msg, targets, pending)
             else:
                 raw.append(msg)
-            if len(seen_parts) == first.parts:
+            if received == first.parts:
                 break
             msg = await self._next(recv)
         for m in raw:
@@ -173,12 +184,15 @@ class ReceiverBase:
     def decode_on_arrival(self) -> bool:
         return True
 
-    def commit(self, model: StateLike, pending: PendingVersion) -> None:
-        """Write a staged version into ``model`` and publish it as ``version``."""
-        started = time.perf_counter()
-        commit(self.targets(model), pending.updates, self.aliases)
-        pending.stats.apply_seconds = time.perf_counter() - started
-        self.version = pending.version
+    async def commit(self, model: StateLike, pending: PendingVersion) -> None:
+        """Write a staged version into ``model`` (off the event loop, under
+        ``write_guard``) and only then set ``version``."""
+        targets = self.targets(model)
+        async with self.write_guard():
+            started = time.perf_counter()
+            await asyncio.to_thread(commit, targets, pending.updates, self.aliases)
+            pending.stats.apply_seconds = time.perf_counter() - started
+            self.version = pending.version
         self.last_stats = pending.stats
         log.debug("applied %s", pending.stats)
 
@@ -239,7 +253,7 @@ class ReceiverBase:
 
     def _decode(self, msg: Message, targets: list[torch.Tensor]) -> list[StagedUpdate]:
         assert self.metadata is not None
-        exact = msg.type is not MessageType.BUCKET
+        exact = msg.type is MessageType.PATCH  # buckets and bootstraps may carry a float dtype to convert
         updates = []
         for entry in msg.tensors:
             if entry.values is ValueEncoding.XOR and msg.type is not MessageType.PATCH:

@@ -4,72 +4,99 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from protocol.config import BucketConfig
 from protocol.errors import ConfigError, MetadataMismatchError
-from protocol.framing import MessageType
-from protocol.state import StateLike, resolve_state
+from protocol.framing import Message, MessageType
+from protocol.state import StateLike, materialize, resolve_state
 
 from .base import SenderBase, Send
 from .buckets import bucket_messages, plan_buckets
+from .plan import SyncPlan
 from .stats import SyncStats
 
 
-class BucketSender(SenderBase):
-    """Full copies of the tracked tensors, one version at a time.
+class BucketBuilder:
+    """Builds the BUCKET messages of a version.
 
     ``bucket_dtype`` converts floating tensors only (integer and bool buffers keep
     their dtype); ``bucket_device`` is where that cast happens before the host copy.
     """
 
-    strategy = "bucket"
-
-    def __init__(self, config: Any = None) -> None:
-        super().__init__(config)
-        bucket = self.config.bucket
-        self.dtype = bucket.dtype
-        self.device = None if bucket.bucket_device == "auto" else torch.device(bucket.bucket_device)
+    def __init__(self, plan: SyncPlan, config: BucketConfig) -> None:
+        self.plan = plan
+        self.bucket_size = config.bucket_size
+        self.dtype = config.dtype
+        self.device = None if config.bucket_device == "auto" else torch.device(config.bucket_device)
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("bucket_device: cuda, but torch sees no CUDA device (use cpu or auto)")
 
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
-    async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
-        """Send every tracked tensor as version ``version``, bucket by bucket."""
-        self.require_init()
-        self.next_version(version)
-        tensors = resolve_state(model).tensors
-        keys = self.tracked_keys()
+    def build(
+        self, tensors: dict[str, torch.Tensor], version: int, *, copy: bool = True
+    ) -> tuple[Iterator[Message], SyncStats]:
+        """The version's buckets, built lazily one at a time, and its stats so far.
+
+        ``copy`` False lets frames share memory with ``tensors`` (see ``bucket_messages``).
+        """
+        keys = self.plan.tracked
         for key in keys:
             if key not in tensors:
                 raise MetadataMismatchError(f"key {key!r} was tracked at init but is missing from the model now")
-        size = self.config.bucket.bucket_size
         # A version always has at least one message, even with nothing tracked.
-        buckets = plan_buckets(keys, lambda k: tensors[k].numel() * self.wire_dtype(tensors[k]).itemsize, size) or [[]]
+        buckets = plan_buckets(keys, lambda k: tensors[k].numel() * self.wire_dtype(tensors[k]).itemsize, self.bucket_size)
         messages = bucket_messages(
-            MessageType.BUCKET, buckets, tensors, self.ordinal, lambda _, t: t.to(self.wire_dtype(t)), self.device, version=version
+            MessageType.BUCKET, buckets or [[]], tensors.__getitem__, self.plan.ordinal,
+            lambda _, t: t.to(self.wire_dtype(t)), self.device, version=version, copy=copy,
         )
-        self.version = version
-        stats = SyncStats(version, self.strategy)
+        stats = SyncStats(version, "bucket")
         for key in keys:
             n = tensors[key].numel()
             stats.total_elements += n
-            stats.changed_elements += n
-            stats.dense_bytes += n * self.receiver_dtype(key).itemsize
+            stats.dense_bytes += n * self.plan.receiver_dtype(key).itemsize
+        stats.changed_elements = stats.total_elements
         stats.tensors_changed = stats.tensors_dense = len(keys)
-        while True:
-            started = time.perf_counter()
-            msg = await asyncio.to_thread(next, messages, None)
-            if msg is None:
-                break
+        return messages, stats
+
+    def retain(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of the tracked tensors at their wire dtypes: a consistent version
+        that frames can share and resyncs can be built from after the model moves on."""
+        out = {}
+        for key in self.plan.tracked:
+            src = materialize(tensors[key]).detach()
+            t = src if self.device is None else src.to(self.device)
+            host = t.to(self.wire_dtype(t)).cpu()
+            out[key] = host.clone() if host.data_ptr() == src.data_ptr() else host
+        return out
+
+
+class BucketSender(SenderBase):
+    """The bucket strategy over injected ``send``/``recv``: full copies, bucket by bucket."""
+
+    strategy = "bucket"
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self.config.bucket.dtype  # noqa: B018 - fail fast on a bad bucket_dtype
+
+    async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
+        """Send every tracked tensor as version ``version``."""
+        plan = self.require_plan(version)
+        messages, stats = BucketBuilder(plan, self.config.bucket).build(resolve_state(model).tensors, version)
+        self.version = version
+        started = time.perf_counter()
+        while (msg := await asyncio.to_thread(next, messages, None)) is not None:
             wire = self.stamp(msg)
-            stats.build_seconds += time.perf_counter() - started
             stats.messages += 1
             stats.wire_bytes += sum(len(f) for f in wire)
-            started = time.perf_counter()
+            sent = time.perf_counter()
             await send(wire)
-            stats.send_seconds += time.perf_counter() - started
+            stats.send_seconds += time.perf_counter() - sent
+        stats.build_seconds = time.perf_counter() - started - stats.send_seconds
         return stats

@@ -35,24 +35,29 @@ def plan_buckets(keys: list[str], nbytes: Callable[[str], int], bucket_size: int
 def bucket_messages(
     mtype: MessageType,
     buckets: list[list[str]],
-    tensors: dict[str, torch.Tensor],
+    source: Callable[[str], torch.Tensor],
     ordinal: Callable[[str], int],
     cast: Callable[[str, torch.Tensor], torch.Tensor],
     device: torch.device | None,
     *,
     version: int | None,
+    copy: bool = True,
 ) -> Iterator[Message]:
     """One message per bucket, built lazily so at most one bucket is materialized at a time.
 
     ``cast`` gives a tensor its wire dtype; ``device`` (None: where it is) is where the
-    cast happens before the bytes are copied to the host.
+    cast happens before the bytes are copied to the host. Frames reference their
+    tensors without copying, so ``copy`` must stay True unless ``source`` gives tensors
+    that are never written again: a frame still queued must not change under the checksum.
     """
     for part, keys in enumerate(buckets):
         entries = []
         for key in keys:
-            t = materialize(tensors[key]).detach()
-            if device is not None:
-                t = t.to(device, non_blocking=True)
-            entries.append(encode_dense(ordinal(key), cast(key, t).cpu(), Codec.NONE))
+            src = materialize(source(key)).detach()
+            t = src if device is None else src.to(device, non_blocking=True)
+            host = cast(key, t).cpu()
+            if copy and host.data_ptr() == src.data_ptr():  # neither the cast nor a move copied it
+                host = host.clone()
+            entries.append(encode_dense(ordinal(key), host, Codec.NONE))
         specs, frames = assemble(entries)
         yield Message(mtype, version=version, part=part, parts=len(buckets), tensors=specs, frames=frames)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from protocol.config import PatchConfig
 from protocol.dtypes import bits_dtype
 from protocol.errors import MetadataMismatchError
 from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding
@@ -16,6 +17,7 @@ from protocol.state import ModelState, StateLike, materialize, resolve_state
 from protocol.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sparse_buffers
 
 from .base import SenderBase, Send
+from .plan import Source, SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
 
@@ -32,59 +34,46 @@ class _Staged:
     events: list[torch.cuda.Event]
 
 
-class PatchSender(SenderBase):
-    """Sparse, versioned patches against a snapshot kept at the receiver's dtypes.
+class PatchBuilder:
+    """Builds PATCH messages: the bitwise difference between the model (cast to the
+    receivers' dtypes) and the snapshot of what the receivers hold.
 
-    Comparison is bitwise on integer views, so NaNs and signed zeros behave, and only
-    changes visible at the receiver's dtype travel (an fp32 master that moves less than
-    a bf16 ulp sends nothing). Frozen parameters travel only in the init bootstrap.
+    Comparison is on integer views, so NaNs and signed zeros behave, and only changes
+    visible at the receiver's dtype travel (an fp32 master that moves less than a bf16
+    ulp sends nothing). Frozen parameters are not tracked: they travel in bootstraps.
     """
 
-    strategy = "patch"
+    def __init__(self, plan: SyncPlan, config: PatchConfig) -> None:
+        self.plan = plan
+        self.options = config.options()
+        self.snapshot = Snapshot(config.snapshot_device)
+        self.transport = torch.device(config.transport_device)
 
-    def __init__(self, config: Any = None) -> None:
-        super().__init__(config)
-        patch = self.config.patch
-        self.options = patch.options()
-        self.snapshot = Snapshot(patch.snapshot_device)
-        self.transport = torch.device(patch.transport_device)
+    def capture(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the snapshot: what the receivers hold after the bootstrap."""
+        for key in self.plan.tracked:
+            self.snapshot.capture(key, materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key)))
 
-    async def after_init(self, state: ModelState) -> None:
-        def capture() -> None:
-            for key in self.tracked_keys():
-                t = materialize(state.tensors[key]).detach()
-                self.snapshot.capture(key, t.to(self.receiver_dtype(key)))
+    async def source(self, tensors: dict[str, torch.Tensor]) -> Source:
+        """Tensors for a bootstrap at the snapshot's version: tracked keys from the
+        snapshot, frozen ones from the model."""
+        await self.snapshot.wait_writeback()
+        snap = self.snapshot.tensors
+        return lambda key: snap[key] if key in snap else tensors[key]
 
-        await asyncio.to_thread(capture)
-
-    async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
-        """Build the patch from the snapshot to ``model`` and send it as one PATCH message.
-
-        The snapshot and ``self.version`` advance once the patch is built, before it is
-        sent: if ``send`` fails, receivers miss ``version``, and the next patch (based on
-        it) is rejected by them as stale, which asks for a resync rather than diverging.
-        """
-        self.require_init()
-        self.next_version(version)
-        stats = SyncStats(version, self.strategy)
+    async def build(self, tensors: dict[str, torch.Tensor], version: int, base: int | None) -> tuple[Message, SyncStats]:
+        """The PATCH from ``base`` to ``version``; advances the snapshot to ``version``."""
+        stats = SyncStats(version, "patch")
         started = time.perf_counter()
         await self.snapshot.wait_writeback()
-        tensors = resolve_state(model).tensors
         entries = await asyncio.to_thread(self._build, tensors, stats)
         specs, frames = assemble(entries)
-        msg = Message(MessageType.PATCH, version=version, base_version=self.version, tensors=specs, frames=frames)
-        wire = self.stamp(msg)
-        self.version = version
         stats.build_seconds = time.perf_counter() - started
-        stats.messages, stats.wire_bytes = 1, sum(len(f) for f in wire)
-        started = time.perf_counter()
-        await send(wire)
-        stats.send_seconds = time.perf_counter() - started
-        return stats
+        return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames), stats
 
     def _build(self, tensors: dict[str, torch.Tensor], stats: SyncStats) -> list[EncodedTensor]:
         """Compare, gather and encode on each tensor's device; then pack on the host."""
-        keys = self.tracked_keys()
+        keys = self.plan.tracked
         staged: list[_Staged] = []
         fetched = self._fetch(keys[0], tensors) if keys else None
         for i, key in enumerate(keys):
@@ -105,7 +94,7 @@ class PatchSender(SenderBase):
         return self.snapshot.fetch(key, tensors[key].device)
 
     def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> _Staged | None:
-        dtype = self.receiver_dtype(key)
+        dtype = self.plan.receiver_dtype(key)
         if tuple(cur.shape) != tuple(snap.shape):
             raise MetadataMismatchError(f"key {key!r} changed shape from {list(snap.shape)} to {list(cur.shape)}")
         cast = cur.to(dtype).reshape(-1)
@@ -133,9 +122,46 @@ class PatchSender(SenderBase):
                 buffers[role], event = self.snapshot.stream(t.device).to_host(t)
                 if event is not None:
                     events.append(event)
-        return _Staged(self.ordinal(key), encoding, values, nnz if encoding is not Encoding.DENSE else numel, buffers, events)
+        ordinal = self.plan.ordinal(key)
+        return _Staged(ordinal, encoding, values, numel if encoding is Encoding.DENSE else nnz, buffers, events)
 
     def _pack(self, item: _Staged) -> EncodedTensor:
         for event in item.events:
             event.synchronize()
         return pack_entry(item.key, item.encoding, item.values, item.nnz, item.buffers, self.options.codec)
+
+
+class PatchSender(SenderBase):
+    """The patch strategy over injected ``send``/``recv``: one receiver, one PATCH per version."""
+
+    strategy = "patch"
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self.config.patch.options()  # fail fast on a bad encoding or compressor
+        self.builder: PatchBuilder | None = None
+
+    async def on_init(self, state: ModelState) -> None:
+        assert self.plan is not None
+        self.builder = PatchBuilder(self.plan, self.config.patch)
+        await asyncio.to_thread(self.builder.capture, state.tensors)
+
+    async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
+        """Build the patch from the snapshot to ``model`` and send it as one PATCH message.
+
+        The snapshot and ``self.version`` advance once the patch is built, before it is
+        sent: if ``send`` fails, the receiver misses ``version`` and rejects the next
+        patch as stale, which asks for a resync rather than silently diverging.
+        """
+        self.require_plan(version)
+        assert self.builder is not None
+        msg, stats = await self.builder.build(resolve_state(model).tensors, version, self.version)
+        self.version = version
+        started = time.perf_counter()
+        wire = self.stamp(msg)
+        stats.build_seconds += time.perf_counter() - started
+        stats.messages, stats.wire_bytes = 1, sum(len(f) for f in wire)
+        started = time.perf_counter()
+        await send(wire)
+        stats.send_seconds = time.perf_counter() - started
+        return stats

@@ -1,0 +1,75 @@
+"""How the trainer's model maps onto a receiver's metadata: ordinals, dtypes, tracked
+keys, aliases and the bootstrap. Shared by the transport-free senders and the daemon."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol.config import InitSyncConfig
+from protocol.errors import ConfigError
+from protocol.framing import Message, MessageType
+from protocol.metadata import ModelMetadata
+from protocol.state import ModelState
+
+from .buckets import bucket_messages, plan_buckets
+
+Source = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class SyncPlan:
+    state: ModelState
+    metadata: ModelMetadata
+    init_sync: InitSyncConfig
+    tracked: list[str] = field(init=False)  # tracked keys without aliases: each storage travels once
+
+    def __post_init__(self) -> None:
+        self.metadata.check_against(self.state.tensors)
+        self.tracked = [k for k in self.state.tracked if k not in self.state.aliases]
+        if self.init_sync.enabled:
+            self.bootstrap_keys()  # a prefix that matches nothing is a configuration error: fail now
+
+    def ordinal(self, key: str) -> int:
+        return self.metadata.ordinal(key)
+
+    def receiver_dtype(self, key: str) -> torch.dtype:
+        return self.metadata.dtypes[self.metadata.ordinal(key)]
+
+    def wire_aliases(self) -> list[list[int]]:
+        return [[self.ordinal(a), self.ordinal(c)] for a, c in self.state.aliases.items()]
+
+    def bootstrap_keys(self) -> list[str]:
+        """Keys of the bootstrap: all, or those equal to a prefix or under ``prefix.``."""
+        canonical = [k for k in self.state.tensors if k not in self.state.aliases]
+        prefixes = self.init_sync.prefixes
+        if prefixes is None:
+            return canonical
+        for p in prefixes:
+            if not any(k == p or k.startswith(p + ".") for k in canonical):
+                raise ConfigError(f"init_sync prefix {p!r} matches no key of the state dict")
+        return [k for k in canonical if any(k == p or k.startswith(p + ".") for p in prefixes)]
+
+    def bootstrap(self, version: int | None, source: Source | None = None) -> tuple[int, Iterator[Message]]:
+        """The bootstrap at the receiver's dtypes: how many buckets, and the buckets, built
+        one at a time as they are sent. ``source`` gives a key's tensor (default: the model's)."""
+        keys = self.bootstrap_keys() if self.init_sync.enabled else []
+        buckets = plan_buckets(
+            keys, lambda k: self.state.tensors[k].numel() * self.receiver_dtype(k).itemsize, self.init_sync.bucket_size
+        )
+        messages = bucket_messages(
+            MessageType.BOOTSTRAP,
+            buckets,
+            source or self.state.tensors.__getitem__,
+            self.ordinal,
+            lambda k, t: t.to(self.receiver_dtype(k)),
+            None,
+            version=version,
+        )
+        return len(buckets), messages
+
+    def welcome(self, strategy: str, version: int | None, bootstrap_parts: int) -> Message:
+        body = {"strategy": strategy, "aliases": self.wire_aliases(), "bootstrap": bootstrap_parts}
+        return Message(MessageType.WELCOME, version=version, body=body)
