@@ -1,0 +1,53 @@
+"""Command-line plumbing shared by ``python -m sender`` and ``python -m receiver``:
+logging, the event loop (uvloop when installed), signals, and ``module:callable`` specs."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def load_object(spec: str) -> Any:
+    """``package.module:attribute`` -> the attribute (a model factory, say)."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise SystemExit(f"expected module:callable, got {spec!r}")
+    sys.path.insert(0, ".")  # let a daemon started in a project import its modules
+    return getattr(importlib.import_module(module), attr)
+
+
+def report(event: str, **fields: Any) -> None:
+    """One JSON line on stdout: machine-readable progress for scripts and tests."""
+    print(json.dumps({"event": event, **fields}, default=str), flush=True)
+
+
+def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``main(stop)`` on uvloop when available; SIGINT/SIGTERM set ``stop``."""
+
+    async def wrapper() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(wrapper())
+    else:
+        uvloop.run(wrapper())
