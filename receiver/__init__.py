@@ -1,19 +1,24 @@
-"""weightsync, rollout side: validate and apply patches or buckets, all or nothing."""
+"""weightsync, rollout side: validate and apply patches or buckets, all or nothing.
 
-from typing import Any
-
-from protocol.config import load_config
+``Receiver`` is the daemon; ``PatchReceiver`` / ``BucketReceiver`` are the
+transport-free strategies it runs, usable over any transport.
+"""
 
 from .base import PendingVersion, ReceiverBase
 from .bucket import BucketReceiver
+from .factory import make_receiver
 from .patch import PatchReceiver
+from .rwlock import ReadWriteLock
+from .service import Receiver
 from .stats import ApplyStats
 
-
-def make_receiver(config: Any = None) -> PatchReceiver | BucketReceiver:
-    """The receiver strategy a config's ``type`` names (``patch`` or ``bucket``)."""
-    cfg = load_config(config)
-    return PatchReceiver(cfg) if cfg.type == "patch" else BucketReceiver(cfg)
-
-
-__all__ = ["ApplyStats", "BucketReceiver", "PatchReceiver", "PendingVersion", "ReceiverBase", "make_receiver"]
+__all__ = [
+    "ApplyStats",
+    "BucketReceiver",
+    "PatchReceiver",
+    "PendingVersion",
+    "ReadWriteLock",
+    "Receiver",
+    "ReceiverBase",
+    "make_receiver",
+]

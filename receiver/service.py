@@ -29,7 +29,7 @@ from protocol.errors import ConfigError, IntegrityError, MetadataMismatchError, 
 from protocol.framing import Message, MessageType, decode_message, encode_message, peek_type
 from protocol.state import StateLike, resolve_state
 
-from . import make_receiver
+from .factory import make_receiver
 from .rwlock import ReadWriteLock
 from .socket import DealerSocket
 from .stats import ApplyStats

@@ -1,4 +1,8 @@
-"""weightsync, actor side: build patches or buckets of the trainer's weights and send them."""
+"""weightsync, actor side: build patches or buckets of the trainer's weights and send them.
+
+``Sender`` is the daemon; ``PatchSender`` / ``BucketSender`` are the transport-free
+strategies, usable over any transport.
+"""
 
 from typing import Any
 
@@ -7,6 +11,7 @@ from protocol.config import load_config
 from .base import SenderBase
 from .bucket import BucketSender
 from .patch import PatchSender
+from .service import Sender
 from .stats import SyncStats
 
 
@@ -16,4 +21,4 @@ def make_sender(config: Any = None) -> PatchSender | BucketSender:
     return PatchSender(cfg) if cfg.type == "patch" else BucketSender(cfg)
 
 
-__all__ = ["BucketSender", "PatchSender", "SenderBase", "SyncStats", "make_sender"]
+__all__ = ["BucketSender", "PatchSender", "Sender", "SenderBase", "SyncStats", "make_sender"]
