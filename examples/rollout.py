@@ -16,10 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.tiny_model import build, generate  # noqa: E402
-from protocol.checksum import state_digest  # noqa: E402
-from protocol.cli import report, setup_logging  # noqa: E402
-from receiver import Receiver  # noqa: E402
+from examples.tiny_model import build, generate
+from protocol.checksum import state_digest
+from protocol.cli import report, setup_logging
+from receiver import Receiver
 
 
 async def main(args: argparse.Namespace) -> None:

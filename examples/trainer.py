@@ -9,17 +9,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.tiny_model import build, train_step  # noqa: E402
-from protocol.checksum import state_digest  # noqa: E402
-from protocol.cli import report, setup_logging  # noqa: E402
-from sender import Sender  # noqa: E402
+from examples.tiny_model import build, train_step
+from protocol.checksum import state_digest
+from protocol.cli import report, setup_logging
+from sender import Sender
 
 
 def bf16_digest(model: torch.nn.Module) -> str:

@@ -16,7 +16,7 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).toreadonly()
+    return flat.view(torch.uint8).numpy().data.toreadonly()
 
 
 def buffer_tensor(buf: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

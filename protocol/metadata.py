@@ -33,7 +33,7 @@ class ModelMetadata:
         object.__setattr__(self, "_index", {k: i for i, k in enumerate(self.keys)})
 
     def ordinal(self, key: str) -> int:
-        return self._index[key]  # type: ignore[attr-defined, no-any-return]
+        return self._index[key]  # type: ignore[attr-defined]
 
     def __contains__(self, key: str) -> bool:
         return key in self._index  # type: ignore[attr-defined]

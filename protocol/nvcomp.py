@@ -43,7 +43,7 @@ class Lz4Compressor:
         codec, stream = _codec(nvcomp, data.device)
         encoded = codec.encode(nvcomp.as_array(data, cuda_stream=stream))
         out = torch.from_dlpack(encoded).view(torch.uint8).reshape(-1)
-        return memoryview(out.cpu().numpy()).toreadonly()
+        return out.cpu().numpy().data.toreadonly()
 
     def decompress(self, data: Buffer, nbytes: int, device: torch.device) -> torch.Tensor:
         nvcomp = require()

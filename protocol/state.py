@@ -72,7 +72,7 @@ def find_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _identity(t: torch.Tensor) -> tuple[object, ...] | None:
-    local = t.to_local() if is_dtensor(t) else t
+    local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
     if local.numel() == 0:
         return None
     ptr = local.untyped_storage().data_ptr()
@@ -85,4 +85,4 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 def materialize(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor for ``t``: DTensors (FSDP2) are gathered; a collective on every rank."""
-    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined, no-any-return]
+    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]

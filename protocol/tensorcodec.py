@@ -198,7 +198,9 @@ def decode_entry(
     for b in entry.buffers:  # bound every index buffer by the target before decompressing
         if b.role is not Role.VALUES and math.prod(b.shape) > max(entry.nnz, math.ceil(numel / 8)):
             raise ProtocolError(f"{where}: {b.role.name.lower()} buffer of shape {list(b.shape)} is too large")
-    index = {b.role: unpack_buffer(b, frames[b.frame - 1], device) for b in entry.buffers if b.role is not Role.VALUES}
+    index: dict[Role, torch.Tensor] = {
+        b.role: unpack_buffer(b, frames[b.frame - 1], device) for b in entry.buffers if b.role is not Role.VALUES
+    }
     flat = decode_positions(index, tuple(shape), entry.encoding, entry.nnz)
     values = unpack_buffer(vspec, frames[vspec.frame - 1], device)
     return DecodedTensor(entry.key, flat, values, entry.values)

@@ -117,7 +117,7 @@ class Receiver:
         """Each newly applied version, as it is published."""
         seen = self.version
         while True:
-            await self._wait(lambda: self.version != seen, None)
+            await self._wait(lambda seen=seen: self.version != seen, None)  # type: ignore[misc]
             seen = self.version
             yield seen
 

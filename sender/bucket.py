@@ -14,7 +14,7 @@ from protocol.errors import ConfigError, MetadataMismatchError
 from protocol.framing import Message, MessageType
 from protocol.state import StateLike, materialize, resolve_state
 
-from .base import SenderBase, Send
+from .base import Send, SenderBase
 from .buckets import bucket_messages, plan_buckets
 from .plan import SyncPlan
 from .stats import SyncStats

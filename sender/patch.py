@@ -16,7 +16,7 @@ from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding
 from protocol.state import ModelState, StateLike, materialize, resolve_state
 from protocol.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sparse_buffers
 
-from .base import SenderBase, Send
+from .base import Send, SenderBase
 from .plan import Source, SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
