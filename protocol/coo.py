@@ -55,8 +55,7 @@ def delta_encode(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def delta_decode(drows: torch.Tensor, dcols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``delta_encode``, on int64; rejects repeated positions within a row."""
-    drows, dcols = drows.to(torch.int64), dcols.to(torch.int64)
+    """Inverse of ``delta_encode`` on int64 inputs; rejects repeated positions within a row."""
     if drows.numel() == 0:
         return drows, dcols
     rows = torch.cumsum(drows, 0)

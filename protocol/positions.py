@@ -59,15 +59,13 @@ def decode_positions(buffers: dict[Role, torch.Tensor], shape: tuple[int, ...], 
         rows, cols = buffers[Role.ROWS], buffers[Role.COLS]
         if rows.dim() != 1 or cols.dim() != 1 or rows.numel() != nnz or cols.numel() != nnz:
             raise ProtocolError(f"rows/cols hold {rows.numel()}/{cols.numel()} entries, expected {nnz}")
-        _require_unsigned(rows, cols)
+        rows, cols = _as_int64(rows), _as_int64(cols)
         nrows, ncols = coo_shape(shape)
         # Bound every entry first, so the int64 sums of delta decoding cannot overflow.
         if nnz and (int(rows.max()) >= nrows or int(cols.max()) >= ncols):
             raise ProtocolError(f"position out of bounds for a {nrows}x{ncols} view")
         if encoding is Encoding.COO_DELTA:
             rows, cols = delta_decode(rows, cols)
-        else:
-            rows, cols = rows.to(torch.int64), cols.to(torch.int64)
         if nnz and (int(rows.max()) >= nrows or int(cols.max()) >= ncols):
             raise ProtocolError(f"position out of bounds for a {nrows}x{ncols} view")
         flat = rows * ncols + cols
@@ -78,10 +76,10 @@ def decode_positions(buffers: dict[Role, torch.Tensor], shape: tuple[int, ...], 
         gaps = buffers[Role.POSITIONS]
         if gaps.dim() != 1 or gaps.numel() != nnz:
             raise ProtocolError(f"gaps hold {gaps.numel()} entries, expected {nnz}")
-        _require_unsigned(gaps)
+        gaps = _as_int64(gaps)
         if nnz and int(gaps.max()) >= numel:  # also bounds the cumsum below against overflow
             raise ProtocolError("gap larger than the tensor")
-        flat = torch.cumsum(gaps.to(torch.int64) + 1, 0) - 1
+        flat = torch.cumsum(gaps + 1, 0) - 1
         if nnz and int(flat[-1]) >= numel:
             raise ProtocolError(f"position {int(flat[-1])} out of bounds for {numel} elements")
         return flat
@@ -99,9 +97,13 @@ def decode_positions(buffers: dict[Role, torch.Tensor], shape: tuple[int, ...], 
     raise ProtocolError(f"{encoding!r} has no positions")
 
 
-def _require_unsigned(*ts: torch.Tensor) -> None:
-    for t in ts:
-        if t.dtype not in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
-            raise ProtocolError(f"index buffer has dtype {t.dtype}, expected an unsigned integer")
-        if t.dtype == torch.uint64 and t.numel() and int(t.view(torch.int64).min()) < 0:
+def _as_int64(t: torch.Tensor) -> torch.Tensor:
+    """An unsigned index buffer as int64 (CPU torch lacks most ops on uint16/32/64)."""
+    if t.dtype not in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        raise ProtocolError(f"index buffer has dtype {t.dtype}, expected an unsigned integer")
+    if t.dtype == torch.uint64:
+        signed = t.view(torch.int64)
+        if t.numel() and int(signed.min()) < 0:
             raise ProtocolError("index does not fit in int64")
+        return signed
+    return t.to(torch.int64)

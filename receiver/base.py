@@ -128,10 +128,14 @@ class ReceiverBase:
             raise ProtocolError("WELCOME lacks its alias list")
         n = len(self.metadata.keys)
         self.aliases = {}
+        meta = self.metadata
         for pair in aliases:
             if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int and 0 <= x < n for x in pair)):
                 raise ProtocolError(f"WELCOME has a bad alias entry {pair!r:.60}")
-            self.aliases.setdefault(pair[1], []).append(pair[0])
+            alias, canonical = pair
+            if alias == canonical or (meta.shapes[alias], meta.dtypes[alias]) != (meta.shapes[canonical], meta.dtypes[canonical]):
+                raise ProtocolError(f"WELCOME ties {meta.keys[alias]!r} to {meta.keys[canonical]!r}, which differ in shape or dtype")
+            self.aliases.setdefault(canonical, []).append(alias)
         self.session = msg.session
 
     # -- applying versions ------------------------------------------------------------

@@ -42,15 +42,22 @@ class SyncPlan:
         return [[self.ordinal(a), self.ordinal(c)] for a, c in self.state.aliases.items()]
 
     def bootstrap_keys(self) -> list[str]:
-        """Keys of the bootstrap: all, or those equal to a prefix or under ``prefix.``."""
-        canonical = [k for k in self.state.tensors if k not in self.state.aliases]
+        """Keys of the bootstrap: all, or those equal to a prefix or under ``prefix.``.
+
+        A tied alias that matches brings its canonical key (the storage travels once).
+        """
+        aliases = self.state.aliases
+        canonical = [k for k in self.state.tensors if k not in aliases]
         prefixes = self.init_sync.prefixes
         if prefixes is None:
             return canonical
+        matched = set()
         for p in prefixes:
-            if not any(k == p or k.startswith(p + ".") for k in canonical):
+            hits = {aliases.get(k, k) for k in self.state.tensors if k == p or k.startswith(p + ".")}
+            if not hits:
                 raise ConfigError(f"init_sync prefix {p!r} matches no key of the state dict")
-        return [k for k in canonical if any(k == p or k.startswith(p + ".") for p in prefixes)]
+            matched |= hits
+        return [k for k in canonical if k in matched]
 
     def bootstrap(self, version: int | None, source: Source | None = None) -> tuple[int, Iterator[Message]]:
         """The bootstrap at the receiver's dtypes: how many buckets, and the buckets, built

@@ -1,0 +1,455 @@
+"""All-or-nothing: after any rejected message the receiver's tensors are bit-identical to
+before and its version is unchanged; the genuine message still applies afterwards.
+
+Every bad message is a modified copy of real frames captured from a real sender
+(``Pipe.sent``), fed to the receiver through a fresh ``Pipe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from channel import Channel, Pipe
+from models import Trainer, cast_like, make_model, mismatches, single_thread, snapshot
+
+import receiver
+import sender
+from protocol.checksum import checksum
+from protocol.compress import Codec
+from protocol.errors import IntegrityError, ProtocolError, StaleVersionError, WeightSyncError
+from protocol.framing import Encoding, Message, MessageType, Role, decode_message, encode_message
+
+Frames = list[bytes]
+
+PATCH = {"type": "patch", "patch": {"compression": "none"}}
+PATCH_CONFIGS = {
+    "default": {"type": "patch"},
+    "seed-coo-raw": {"type": "patch", "patch": {"position_encoding": "coo", "delta_encoding": True, "value_encoding": "raw"}},
+    "zstd": {"type": "patch", "patch": {"compression": "zstd"}},
+}
+
+
+def bucket_config(load_instant: bool = True, bucket_dtype: str | None = "bfloat16") -> dict[str, Any]:
+    # 40 KiB buckets of bf16: exactly three buckets per version for the tiny model
+    return {
+        "type": "bucket",
+        "bucket": {
+            "bucket_size": 40 << 10,
+            "bucket_dtype": bucket_dtype,
+            "load_instant": load_instant,
+            "init_sync": {"enabled": True, "bucket_size": 16 << 10},
+        },
+    }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with single_thread():
+        yield
+
+
+@dataclass
+class Pair:
+    model: torch.nn.Module
+    rmodel: torch.nn.Module
+    s: Any
+    r: Any
+    ch: Channel
+    trainer: Trainer
+
+    async def step(self, version: int) -> None:
+        """Train one step and sync it normally."""
+        self.trainer.step()
+        await self.s.sync(self.model, self.ch.to_receiver.send, version)
+        assert await self.r.apply(self.rmodel, self.ch.to_receiver.recv) == version
+
+    async def capture(self, version: int) -> list[Frames]:
+        """Train one step and capture the version's real frames without delivering them."""
+        self.trainer.step()
+        cap = Pipe()
+        await self.s.sync(self.model, cap.send, version)
+        return cap.sent
+
+    def before(self) -> tuple[dict[str, torch.Tensor], int | None]:
+        return snapshot(self.rmodel.state_dict()), self.r.version
+
+    def assert_untouched(self, before: tuple[dict[str, torch.Tensor], int | None]) -> None:
+        state, version = before
+        assert mismatches(state, self.rmodel.state_dict()) == [], "receiver tensors were written"
+        assert self.r.version == version
+
+    def assert_synced(self) -> None:
+        sd, rsd = self.model.state_dict(), self.rmodel.state_dict()
+        assert mismatches(cast_like(sd, rsd), rsd) == []
+
+    async def feed(self, messages: list[Frames]) -> int:
+        pipe = Pipe()
+        for frames in messages:
+            await pipe.send(frames)
+        return int(await asyncio.wait_for(self.r.apply(self.rmodel, pipe.recv), timeout=10))
+
+    async def reject(self, messages: list[Frames], error: type[BaseException]) -> BaseException:
+        before = self.before()
+        with pytest.raises(error) as info:
+            await self.feed(messages)
+        self.assert_untouched(before)
+        return info.value
+
+    async def recover(self, messages: list[Frames], version: int, *, latest: bool = True) -> None:
+        """The genuine version still applies after the rejection (bit-exact when it is the
+        sender's latest)."""
+        assert await self.feed(messages) == version
+        assert self.r.version == version
+        if latest:
+            self.assert_synced()
+
+
+async def make_pair(config: dict[str, Any], steps: int = 2, lr: float = 1e-3) -> Pair:
+    model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
+    s, r = sender.make_sender(config), receiver.make_receiver(config)
+    ch = Channel()
+    await asyncio.gather(
+        s.init_sender(model, ch.to_receiver.send, ch.to_sender.recv),
+        r.init_receiver(rmodel, ch.to_receiver.recv, ch.to_sender.send),
+    )
+    pair = Pair(model, rmodel, s, r, ch, Trainer(model, lr))
+    for v in range(1, steps + 1):
+        await pair.step(v)
+    pair.assert_synced()
+    return pair
+
+
+# -- frame surgery ---------------------------------------------------------------------------
+def flip(frames: Frames, index: int, pos: int | None = None) -> Frames:
+    out = list(frames)
+    buf = bytearray(out[index])
+    pos = len(buf) // 2 if pos is None else pos
+    buf[pos] ^= 0x01
+    out[index] = bytes(buf)
+    return out
+
+
+def reencode(frames: Frames, edit: Callable[[Message], None]) -> Frames:
+    """Decode real frames, edit the message, encode it again with valid checksums."""
+    msg = decode_message(frames)
+    edit(msg)
+    return [bytes(f) for f in encode_message(msg)]
+
+
+def replace_frame(msg: Message, frame: int, data: bytes) -> None:
+    """Put ``data`` into payload frame ``frame`` (1-based) and fix its manifest entry."""
+    msg.frames = list(msg.frames)
+    msg.frames[frame - 1] = data
+    for i, t in enumerate(msg.tensors):
+        specs = tuple(
+            dataclasses.replace(b, wire_nbytes=len(data), checksum=checksum(data)) if b.frame == frame else b for b in t.buffers
+        )
+        msg.tensors[i] = dataclasses.replace(t, buffers=specs)
+
+
+# -- patches ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(PATCH_CONFIGS))
+async def test_corrupted_payload_byte(name: str) -> None:
+    pair = await make_pair(PATCH_CONFIGS[name])
+    (good,) = await pair.capture(3)
+    n = len(good)
+    assert n > 3
+    for index in (1, n // 2, n - 1):
+        await pair.reject([flip(good, index)], IntegrityError)
+    await pair.reject([flip(good, n - 1, pos=0)], IntegrityError)
+    await pair.recover([good], 3)
+
+
+async def test_corrupted_header() -> None:
+    pair = await make_pair(PATCH)
+    (good,) = await pair.capture(3)
+    for pos in (0, 5, len(good[0]) // 2, len(good[0]) - 1):
+        await pair.reject([flip(good, 0, pos)], WeightSyncError)
+    await pair.reject([[b"\xc1garbage", *good[1:]]], ProtocolError)
+    await pair.recover([good], 3)
+
+
+async def test_truncated_message() -> None:
+    pair = await make_pair(PATCH)
+    (good,) = await pair.capture(3)
+    await pair.reject([good[:-1]], ProtocolError)  # last frame missing
+    await pair.reject([good[:1]], ProtocolError)  # header only
+    await pair.reject([[]], ProtocolError)  # nothing at all
+    await pair.reject([[*good[:-1], good[-1][:-1]]], ProtocolError)  # last frame one byte short
+    await pair.reject([[good[0][:-3], *good[1:]]], WeightSyncError)  # header cut
+    await pair.reject([[*good, b"extra"]], ProtocolError)  # a frame too many
+    await pair.recover([good], 3)
+
+
+async def test_patch_on_wrong_base_version_is_stale() -> None:
+    pair = await make_pair(PATCH)
+    (good,) = await pair.capture(3)
+    assert decode_message(good).base_version == 2
+    for base in (1, 0, None):
+        bad = reencode(good, lambda m, b=base: setattr(m, "base_version", b))
+        err = await pair.reject([bad], StaleVersionError)
+        assert err.current == 2  # type: ignore[attr-defined]
+    # a base ahead of the receiver (it missed a version) is stale too
+    bad = reencode(good, lambda m: (setattr(m, "base_version", 3), setattr(m, "version", 4)))
+    await pair.reject([bad], StaleVersionError)
+    await pair.recover([good], 3)
+
+
+async def test_replayed_patch_is_stale() -> None:
+    pair = await make_pair(PATCH, steps=0)
+    v1 = await pair.capture(1)
+    await pair.recover(v1, 1)
+    v2 = await pair.capture(2)
+    await pair.recover(v2, 2)
+    await pair.reject(v1, StaleVersionError)  # an old patch
+    await pair.reject(v2, StaleVersionError)  # the current one again
+    v3 = await pair.capture(3)
+    await pair.recover(v3, 3)
+
+
+async def test_message_from_another_session() -> None:
+    pair = await make_pair(PATCH)
+    (good,) = await pair.capture(3)
+    forged = reencode(good, lambda m: setattr(m, "session", uuid.uuid4().hex))
+    await pair.reject([forged], ProtocolError)
+    # a real patch of a real second sender with the same base version
+    other = sender.make_sender(PATCH)
+    ch = Channel()
+    twin = make_model(1, dtype=torch.bfloat16)
+    await asyncio.gather(
+        other.init_sender(pair.model, ch.to_receiver.send, ch.to_sender.recv, version=2),
+        receiver.make_receiver(PATCH).init_receiver(twin, ch.to_receiver.recv, ch.to_sender.send),
+    )
+    saved = pair.model.mix.detach().clone()
+    with torch.no_grad():
+        pair.model.mix.add_(1.0)
+    cap = Pipe()
+    await other.sync(pair.model, cap.send, 3)
+    assert decode_message(cap.sent[0]).base_version == 2
+    await pair.reject(cap.sent, ProtocolError)
+    with torch.no_grad():
+        pair.model.mix.copy_(saved)
+    await pair.recover([good], 3)
+
+
+async def test_invalid_last_entry_writes_nothing() -> None:
+    """Checksums are fine but the last tensor entry does not fit its target: earlier
+    entries (valid) must not have been written either."""
+    pair = await make_pair(PATCH)
+    (good,) = await pair.capture(3)
+    msg = decode_message(good)
+    assert len(msg.tensors) >= 3
+    keys = pair.r.metadata.keys
+    shapes = pair.r.metadata.shapes
+    last = msg.tensors[-1]
+    wrong = next(i for i, s in enumerate(shapes) if s != shapes[last.key] and i not in {t.key for t in msg.tensors})
+
+    def retarget(m: Message) -> None:
+        m.tensors[-1] = dataclasses.replace(m.tensors[-1], key=wrong)
+
+    await pair.reject([reencode(good, retarget)], ProtocolError)
+
+    def out_of_range(m: Message) -> None:
+        m.tensors[-1] = dataclasses.replace(m.tensors[-1], key=len(keys) + 5)
+
+    await pair.reject([reencode(good, out_of_range)], ProtocolError)
+
+    def repeat_first(m: Message) -> None:
+        m.tensors[-1] = dataclasses.replace(m.tensors[-1], key=m.tensors[0].key)
+
+    await pair.reject([reencode(good, repeat_first)], ProtocolError)
+    await pair.recover([good], 3)
+
+
+async def test_out_of_bounds_positions_with_valid_checksums() -> None:
+    pair = await make_pair(PATCH)
+    (good,) = await pair.capture(3)
+    msg = decode_message(good)
+    sparse = [t for t in msg.tensors if t.encoding is not Encoding.DENSE]
+    assert sparse, "expected at least one sparse tensor (LayerNorm weights move little)"
+    entry = sparse[-1]
+    spec = entry.buffer(Role.POSITIONS if entry.encoding in (Encoding.GAPS, Encoding.BITMAP) else Role.COLS)
+    assert spec.codec is Codec.NONE
+
+    def poison(m: Message) -> None:
+        replace_frame(m, spec.frame, b"\xff" * spec.wire_nbytes)
+
+    await pair.reject([reencode(good, poison)], ProtocolError)
+
+    def nnz_lies(m: Message) -> None:
+        i = next(i for i, t in enumerate(m.tensors) if t.key == entry.key)
+        m.tensors[i] = dataclasses.replace(m.tensors[i], nnz=m.tensors[i].nnz + 1)
+
+    await pair.reject([reencode(good, nnz_lies)], ProtocolError)
+    await pair.recover([good], 3)
+
+
+async def test_bucket_message_to_patch_receiver() -> None:
+    pair = await make_pair(PATCH)
+    (good,) = await pair.capture(3)
+    # a real BUCKET message of a bucket sender for the same model
+    bs = sender.make_sender(bucket_config())
+    ch = Channel()
+    await asyncio.gather(
+        bs.init_sender(pair.model, ch.to_receiver.send, ch.to_sender.recv, version=2),
+        receiver.make_receiver(bucket_config()).init_receiver(
+            make_model(2, dtype=torch.bfloat16), ch.to_receiver.recv, ch.to_sender.send
+        ),
+    )
+    cap = Pipe()
+    await bs.sync(pair.model, cap.send, 3)
+    await pair.reject(cap.sent, ProtocolError)  # wrong session, and wrong type
+    # the same BUCKET forged into the patch sender's session: the type alone is refused
+    session = pair.s.session
+    forged = [reencode(f, lambda m: setattr(m, "session", session)) for f in cap.sent]
+    assert decode_message(forged[0]).type is MessageType.BUCKET
+    await pair.reject(forged, ProtocolError)
+    # other message types in place of a patch
+    for mtype in (MessageType.HELLO, MessageType.WELCOME, MessageType.ACK):
+        await pair.reject([reencode(good, lambda m, t=mtype: setattr(m, "type", t))], ProtocolError)
+    await pair.recover([good], 3)
+
+
+# -- buckets -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("load_instant", [True, False], ids=["instant", "deferred"])
+async def test_corrupted_bucket_2_of_3(load_instant: bool) -> None:
+    pair = await make_pair(bucket_config(load_instant))
+    good = await pair.capture(3)
+    assert [decode_message(f).part for f in good] == [0, 1, 2]
+    assert decode_message(good[0]).parts == 3
+    for index in (1, 2):  # bucket 2 of 3, then the last one
+        bad = list(good)
+        bad[index] = flip(good[index], len(good[index]) - 1)
+        await pair.reject(bad, IntegrityError)
+    # valid checksums, but bucket 2 has a tensor of the wrong shape
+    bad = list(good)
+
+    def wrong_key(m: Message) -> None:
+        m.tensors[0] = dataclasses.replace(m.tensors[0], key=pair.r.metadata.ordinal("step_count"))
+
+    bad[1] = reencode(good[1], wrong_key)
+    await pair.reject(bad, ProtocolError)
+    await pair.recover(good, 3)
+
+
+@pytest.mark.parametrize("load_instant", [True, False], ids=["instant", "deferred"])
+async def test_parts_of_two_versions_interleaved(load_instant: bool) -> None:
+    pair = await make_pair(bucket_config(load_instant))
+    v3 = await pair.capture(3)
+    v4 = await pair.capture(4)
+    await pair.reject([v3[0], v4[1]], ProtocolError)
+    await pair.reject([v3[0], v3[1], v4[2]], ProtocolError)
+    await pair.reject([v4[0], v3[1]], ProtocolError)
+    # a part claiming another part count
+    await pair.reject([v3[0], reencode(v3[1], lambda m: setattr(m, "parts", 4))], ProtocolError)
+    await pair.recover(v3, 3, latest=False)
+    await pair.recover(v4, 4)
+
+
+@pytest.mark.parametrize("load_instant", [True, False], ids=["instant", "deferred"])
+async def test_duplicated_part(load_instant: bool) -> None:
+    pair = await make_pair(bucket_config(load_instant))
+    good = await pair.capture(3)
+    await pair.reject([good[0], good[0]], ProtocolError)
+    await pair.reject([good[0], good[1], good[1]], ProtocolError)
+    # the same part again with a fresh sequence number is still a duplicate
+    await pair.reject([good[0], good[1], reencode(good[1], lambda m: setattr(m, "seq", m.seq + 10))], ProtocolError)
+    await pair.recover(good, 3)
+
+
+@pytest.mark.parametrize("load_instant", [True, False], ids=["instant", "deferred"])
+async def test_reordered_parts_are_rejected(load_instant: bool) -> None:
+    """ZeroMQ keeps a peer's messages in order, so parts out of order mean a broken
+    stream: rejected, nothing written, and the genuine order still applies after."""
+    pair = await make_pair(bucket_config(load_instant))
+    good = await pair.capture(3)
+    await pair.reject([good[2], good[0], good[1]], ProtocolError)
+    await pair.reject([good[0], good[2], good[1]], ProtocolError)
+    await pair.recover(good, 3)
+
+
+async def test_stale_and_foreign_buckets() -> None:
+    pair = await make_pair(bucket_config())
+    v3 = await pair.capture(3)
+    await pair.recover(v3, 3)
+    await pair.reject(v3, StaleVersionError)  # replay
+    v4 = await pair.capture(4)
+    await pair.reject([reencode(f, lambda m: setattr(m, "version", 2)) for f in v4], StaleVersionError)
+    await pair.reject([reencode(f, lambda m: setattr(m, "session", "0" * 32)) for f in v4], ProtocolError)
+
+    # a PATCH sent to a BucketReceiver
+    def as_patch(m: Message) -> None:
+        m.type, m.base_version, m.parts = MessageType.PATCH, 3, 1
+
+    forged = reencode(v4[0], as_patch)
+    await pair.reject([forged], ProtocolError)
+    await pair.recover(v4, 4)
+
+
+# -- the init bootstrap ----------------------------------------------------------------------------
+async def _capture_init(config: dict[str, Any], model: torch.nn.Module) -> tuple[Any, list[Frames]]:
+    """The WELCOME and bootstrap frames a real sender sends to a receiver of this model's shape."""
+    s = sender.make_sender(config)
+    ch = Channel()
+    await asyncio.gather(
+        s.init_sender(model, ch.to_receiver.send, ch.to_sender.recv),
+        receiver.make_receiver(config).init_receiver(make_model(7, dtype=torch.bfloat16), ch.to_receiver.recv, ch.to_sender.send),
+    )
+    return s, ch.to_receiver.sent
+
+
+async def _init_from(r: Any, rmodel: torch.nn.Module, messages: list[Frames]) -> int | None:
+    pipe, back = Pipe(), Pipe()
+    for frames in messages:
+        await pipe.send(frames)
+    return await asyncio.wait_for(r.init_receiver(rmodel, pipe.recv, back.send), timeout=10)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("kind", ["patch", "bucket"])
+async def test_corrupted_bootstrap_writes_nothing(kind: str) -> None:
+    config = {"type": "patch", "patch": {"init_sync": {"bucket_size": 16 << 10}}} if kind == "patch" else bucket_config()
+    model = make_model(0)
+    _, sent = await _capture_init(config, model)
+    assert len(sent) >= 4  # WELCOME and at least three bootstrap buckets
+    rmodel = make_model(1, dtype=torch.bfloat16)
+    before = snapshot(rmodel.state_dict())
+    for bad in ([sent[0], sent[1], flip(sent[2], len(sent[2]) - 1), *sent[3:]], [*sent[:-1], sent[-1][:1]]):
+        r = receiver.make_receiver(config)
+        with pytest.raises(WeightSyncError):
+            await _init_from(r, rmodel, bad)
+        assert mismatches(before, rmodel.state_dict()) == [] and r.version is None
+    r = receiver.make_receiver(config)
+    await _init_from(r, rmodel, sent)
+    assert mismatches(cast_like(model.state_dict(), rmodel.state_dict()), rmodel.state_dict()) == []
+
+
+async def test_welcome_with_mismatched_alias_is_rejected_before_writing() -> None:
+    """A WELCOME that ties two tensors of different shapes must be refused up front, not
+    fail in the middle of the bootstrap commit with the model half-written."""
+    config = {"type": "patch"}
+    model = make_model(0)
+    _, sent = await _capture_init(config, model)
+    rmodel = make_model(1, dtype=torch.bfloat16)
+    probe = receiver.make_receiver(config)
+    await _init_from(probe, make_model(1, dtype=torch.bfloat16), sent)
+    emb, ln = probe.metadata.ordinal("embed.weight"), probe.metadata.ordinal("ln_f.bias")
+
+    def bad_alias(m: Message) -> None:
+        m.body = {**m.body, "aliases": [*m.body["aliases"], [ln, emb]]}
+
+    forged = [reencode(sent[0], bad_alias), *sent[1:]]
+    before = snapshot(rmodel.state_dict())
+    r = receiver.make_receiver(config)
+    try:
+        with pytest.raises(WeightSyncError):
+            await _init_from(r, rmodel, forged)
+    finally:
+        assert mismatches(before, rmodel.state_dict()) == [], "model half-written by a failed bootstrap"
+        assert r.version is None
