@@ -101,6 +101,15 @@ class SyncConfig:
         ):
             if value not in allowed:
                 raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        for name, value in (
+            ("patch.delta_encoding", p.delta_encoding),
+            ("patch.init_sync.enabled", p.init_sync.enabled),
+            ("bucket.is_agent", b.is_agent),
+            ("bucket.load_instant", b.load_instant),
+            ("bucket.init_sync.enabled", b.init_sync.enabled),
+        ):
+            if type(value) is not bool:  # "false" is a true string: never guess
+                raise ConfigError(f"{name} must be true or false, got {value!r}")
         if self.type == "patch":
             parse_compression(p.compression, p.transport_device)
         else:
@@ -133,7 +142,9 @@ def load_config(source: SyncConfig | Mapping[str, Any] | str | Path | object | N
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
     if set(data) == {"weight_syncer"}:
-        data = data["weight_syncer"]
+        data = data["weight_syncer"] or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"weight_syncer must be a mapping, got {type(data).__name__}")
     return _build(SyncConfig, data, "").validate()
 
 

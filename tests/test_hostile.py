@@ -1,0 +1,568 @@
+"""Malformed and adversarial input: decoding raises a typed WeightSyncError, never anything else,
+never allocates what a header merely claims, and never yields a silently different update."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol.checksum import checksum
+from protocol.compress import Codec, compress
+from protocol.dtypes import dtype_code
+from protocol.errors import IntegrityError, ProtocolError, WeightSyncError
+from protocol.framing import (
+    BufferSpec,
+    Encoding,
+    Message,
+    MessageType,
+    Role,
+    ValueEncoding,
+    decode_message,
+    encode_message,
+)
+from protocol.tensorcodec import EncodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_entry
+
+CPU = torch.device("cpu")
+Targets = dict[int, tuple[tuple[int, ...], torch.dtype]]
+
+
+def reseal(header: dict) -> bytes:
+    """A header frame for ``header`` with a valid ``hsum``, as encode_message computes it."""
+    header = {k: v for k, v in header.items() if k != "hsum"}
+    header["hsum"] = checksum(msgpack.packb(header, use_bin_type=True))
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def header_of(frames: list[bytes]) -> dict:
+    return msgpack.unpackb(frames[0], raw=False)
+
+
+def message(entries: list[EncodedTensor], mtype: MessageType = MessageType.PATCH) -> list[bytes]:
+    tensors, payload = assemble(entries)
+    msg = Message(mtype, session="s", seq=1, version=2, base_version=1, tensors=tensors, frames=payload)
+    return [bytes(f) for f in encode_message(msg)]
+
+
+def decode_all(frames: list[bytes], targets: Targets) -> list:
+    """What a receiver does with a message: parse and validate it, then decode every entry."""
+    msg = decode_message(frames)
+    out = []
+    for entry in msg.tensors:
+        if entry.key not in targets:
+            raise AssertionError(f"decoded an entry for unknown key {entry.key}")
+        shape, dtype = targets[entry.key]
+        out.append(decode_entry(entry, msg.frames, shape, dtype, CPU))
+    return out
+
+
+def mutate(frames: list[bytes], edit: Callable[[dict], None]) -> list[bytes]:
+    """``frames`` with the header edited and re-checksummed: only semantic checks can catch it."""
+    header = header_of(frames)
+    edit(header)
+    return [reseal(header), *frames[1:]]
+
+
+def sparse(key: int, shape: tuple[int, ...], dtype: torch.dtype, flat: list[int], options: PatchOptions) -> EncodedTensor:
+    gen = torch.Generator().manual_seed(key)
+    n = len(flat)
+    new = torch.randn(n, generator=gen).to(dtype)
+    old = torch.randn(n, generator=gen).to(dtype)
+    return encode_sparse(key, torch.tensor(flat), new, old, shape, options)
+
+
+def small_message() -> tuple[list[bytes], Targets]:
+    entries = [
+        sparse(0, (3, 5), torch.float32, [1, 7, 14], PatchOptions(Encoding.GAPS, ValueEncoding.RAW)),
+        sparse(1, (4, 6), torch.bfloat16, [0, 5, 6, 23], PatchOptions(Encoding.COO_DELTA, ValueEncoding.XOR)),
+        sparse(2, (2, 2, 3), torch.float16, [2, 11], PatchOptions(Encoding.BITMAP, ValueEncoding.XOR)),
+        encode_dense(3, torch.tensor([7, -1], dtype=torch.int64), Codec.NONE),
+        encode_dense(4, torch.zeros(64), Codec.LZ4),  # a compressed frame
+    ]
+    assert entries[4].buffers[0][0].codec is Codec.LZ4
+    targets = {0: ((3, 5), torch.float32), 1: ((4, 6), torch.bfloat16), 2: ((2, 2, 3), torch.float16),
+               3: ((2,), torch.int64), 4: ((64,), torch.float32)}
+    return message(entries), targets
+
+
+def big_message() -> tuple[list[bytes], Targets]:
+    entries = [
+        sparse(0, (64, 50), torch.float32, list(range(0, 3200, 3)), PatchOptions(Encoding.COO_DELTA, ValueEncoding.XOR, Codec.LZ4)),
+        encode_dense(1, torch.arange(200, dtype=torch.bfloat16), Codec.ZSTD),
+        sparse(2, (100,), torch.float16, list(range(0, 100, 7)), PatchOptions(Encoding.BITMAP, ValueEncoding.RAW, Codec.ZSTD)),
+    ]
+    return message(entries), {0: ((64, 50), torch.float32), 1: ((200,), torch.bfloat16), 2: ((100,), torch.float16)}
+
+
+def same(a: list, b: list) -> bool:
+    def key(d):
+        return (d.key, None if d.flat is None else d.flat.tolist(), d.values.dtype, d.values.contiguous().view(torch.uint8).tolist())
+    return [key(d) for d in a] == [key(d) for d in b]
+
+
+def check_rejected(frames: list[bytes], targets: Targets, baseline: list) -> str | None:
+    """None when decoding raises a WeightSyncError; otherwise what went wrong."""
+    try:
+        got = decode_all(frames, targets)
+    except WeightSyncError:
+        return None
+    except Exception as e:  # the point is to catch anything untyped
+        return f"raised {type(e).__name__}: {e}"
+    return "decoded to the same update without error" if same(got, baseline) else "decoded to a DIFFERENT update"
+
+
+def expect_protocol_error(frames: list[bytes], targets: Targets | None = None) -> ProtocolError:
+    started = time.perf_counter()
+    with pytest.raises(ProtocolError) as err:
+        decode_all(frames, targets or {})
+    assert time.perf_counter() - started < 1.0
+    return err.value
+
+
+# --------------------------------------------------------------------------- byte flips
+
+
+def test_baselines_decode():
+    for frames, targets in (small_message(), big_message()):
+        assert len(decode_all(frames, targets)) == len(targets)
+
+
+def test_every_single_byte_flip_is_rejected():
+    frames, targets = small_message()
+    baseline = decode_all(frames, targets)
+    failures = []
+    for i, frame in enumerate(frames):
+        for pos in range(len(frame)):
+            for mask in (0x01, 0x80, 0xFF):
+                bad = bytearray(frame)
+                bad[pos] ^= mask
+                problem = check_rejected([*frames[:i], bytes(bad), *frames[i + 1:]], targets, baseline)
+                if problem:
+                    failures.append(f"frame {i} byte {pos} ^{mask:#x}: {problem}")
+    assert sum(len(f) for f in frames) > 200
+    assert not failures, "\n".join(failures[:20])
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_sampled_byte_flips_in_a_big_message_are_rejected(data):
+    frames, targets = BIG
+    i = data.draw(st.integers(0, len(frames) - 1))
+    pos = data.draw(st.integers(0, len(frames[i]) - 1))
+    mask = data.draw(st.integers(1, 255))
+    bad = bytearray(frames[i])
+    bad[pos] ^= mask
+    assert check_rejected([*frames[:i], bytes(bad), *frames[i + 1:]], targets, BIG_BASELINE) is None
+
+
+BIG = big_message()
+BIG_BASELINE = decode_all(*BIG)
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def test_truncated_and_extended_frames():
+    frames, targets = small_message()
+    for i, frame in enumerate(frames):
+        for bad in (frame[:-1], frame[: len(frame) // 2], b"", frame + b"\x00"):
+            with pytest.raises(ProtocolError):
+                decode_all([*frames[:i], bad, *frames[i + 1:]], targets)
+
+
+def test_missing_frames():
+    frames, targets = small_message()
+    for i in range(1, len(frames)):
+        with pytest.raises(ProtocolError, match="payload frames"):
+            decode_all(frames[:i] + frames[i + 1:], targets)
+    with pytest.raises(ProtocolError):
+        decode_all(frames[1:], targets)  # no header
+    with pytest.raises(ProtocolError):
+        decode_all(frames[:1], targets)  # header only
+
+
+def test_extra_frames():
+    frames, targets = small_message()
+    for extra in (b"", frames[1], b"\x00" * 16):
+        with pytest.raises(ProtocolError, match="payload frames"):
+            decode_all([*frames, extra], targets)
+
+
+def test_swapped_frames():
+    frames, targets = small_message()
+    baseline = decode_all(frames, targets)
+    failures = []
+    for i in range(len(frames)):
+        for j in range(i + 1, len(frames)):
+            if frames[i] == frames[j]:
+                continue
+            swapped = list(frames)
+            swapped[i], swapped[j] = swapped[j], swapped[i]
+            problem = check_rejected(swapped, targets, baseline)
+            if problem:
+                failures.append(f"frames {i}<->{j}: {problem}")
+    assert not failures, "\n".join(failures)
+    rotated = [*frames[1:], frames[0]]
+    assert check_rejected(rotated, targets, baseline) is None
+
+
+def test_equal_length_frames_swapped_fail_the_checksum():
+    # COO rows and cols of the same length and dtype: sizes agree, only checksums can tell.
+    entry = sparse(0, (8, 8), torch.float32, [1, 10, 20], PatchOptions(Encoding.COO, ValueEncoding.RAW))
+    frames = message([entry])
+    assert len(frames[1]) == len(frames[2]) and frames[1] != frames[2]
+    with pytest.raises(IntegrityError):
+        decode_message([frames[0], frames[2], frames[1], frames[3]])
+
+
+def test_empty_message():
+    with pytest.raises(ProtocolError, match="empty"):
+        decode_message([])
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"",
+        b"\xc1",  # never used in msgpack
+        b"\x92\x01",  # array of 2 with one element
+        b"\x81\xa1a",  # map missing its value
+        b"\xdd\xff\xff\xff\xff",  # array32 claiming 4G elements
+        b"\xdb\xff\xff\xff\xff\x00",  # str32 claiming 4 GB
+        b"\xc6\xff\xff\xff\xff\x00",  # bin32 claiming 4 GB
+        b"\x91" * 100_000 + b"\xc0",  # nesting far past any sane depth
+        b"\xff" * 64,
+        b"\x80\x80",  # two maps: trailing data
+    ],
+)
+def test_header_not_msgpack(header):
+    started = time.perf_counter()
+    with pytest.raises(ProtocolError):
+        decode_message([header])
+    assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[1, 2, 3], [], 7, "type", None, True, 1.5, b"bytes"],
+    ids=["list", "empty-list", "int", "str", "nil", "bool", "float", "bin"],
+)
+def test_header_not_a_map(value):
+    with pytest.raises(ProtocolError):
+        decode_message([msgpack.packb(value, use_bin_type=True)])
+
+
+def test_header_as_a_list_of_the_right_values():
+    frames = message([])
+    header = header_of(frames)
+    with pytest.raises(ProtocolError):
+        decode_message([msgpack.packb(list(header.values()), use_bin_type=True)])
+
+
+def test_header_without_or_with_bad_checksum():
+    header = header_of(message([]))
+    del header["hsum"]
+    with pytest.raises(ProtocolError, match="checksum"):
+        decode_message([msgpack.packb(header)])
+    for hsum in ("123", 1.0, None, True):
+        header["hsum"] = hsum
+        with pytest.raises(ProtocolError):
+            decode_message([msgpack.packb(header)])
+
+
+def test_header_with_non_string_keys():
+    with pytest.raises(ProtocolError):
+        decode_message([msgpack.packb({1: 2, "hsum": 0})])
+
+
+@pytest.mark.parametrize("field", ["type", "proto", "session", "seq", "part", "parts", "tensors", "body"])
+def test_header_missing_field(field):
+    frames = mutate(message([]), lambda h: h.pop(field))
+    with pytest.raises(ProtocolError, match=repr(field)):
+        decode_message(frames)
+
+
+# --------------------------------------------------------------------------- manifest values
+
+
+def spec_edit(tensor: int, buffer: int, index: int, value) -> Callable[[dict], None]:
+    def edit(h: dict) -> None:
+        h["tensors"][tensor][4][buffer][index] = value
+    return edit
+
+
+def entry_edit(tensor: int, index: int, value) -> Callable[[dict], None]:
+    def edit(h: dict) -> None:
+        h["tensors"][tensor][index] = value
+    return edit
+
+
+def field_edit(name: str, value) -> Callable[[dict], None]:
+    def edit(h: dict) -> None:
+        h[name] = value
+    return edit
+
+
+# buffer = [frame, role, dtype, shape, nbytes, codec, shuffle, wire_nbytes, checksum]
+FRAME, ROLE, DTYPE, SHAPE, NBYTES, CODEC, SHUFFLE, WIRE, CSUM = range(9)
+HOSTILE_EDITS = {
+    # negative numbers
+    "seq<0": field_edit("seq", -1),
+    "part<0": field_edit("part", -1),
+    "parts<0": field_edit("parts", -1),
+    "key<0": entry_edit(0, 0, -1),
+    "nnz<0": entry_edit(0, 3, -3),
+    "frame<0": spec_edit(0, 0, FRAME, -1),
+    "dim<0": spec_edit(0, 0, SHAPE, [-3]),
+    "nbytes<0": spec_edit(0, 0, NBYTES, -3),
+    "wire<0": spec_edit(0, 0, WIRE, -3),
+    # wrong types
+    "seq-str": field_edit("seq", "1"),
+    "version-str": field_edit("version", "2"),
+    "base-float": field_edit("base", 1.0),
+    "session-int": field_edit("session", 5),
+    "body-list": field_edit("body", []),
+    "tensors-map": field_edit("tensors", {"0": 1}),
+    "entry-not-list": field_edit("tensors", [5]),
+    "entry-short": lambda h: h["tensors"][0].pop(),
+    "buffers-nil": entry_edit(0, 4, None),
+    "buffer-short": lambda h: h["tensors"][0][4][0].pop(),
+    "key-str": entry_edit(0, 0, "0"),
+    "key-bool": entry_edit(0, 0, False),
+    "encoding-str": entry_edit(0, 1, "GAPS"),
+    "encoding-unknown": entry_edit(0, 1, 9),
+    "values-unknown": entry_edit(0, 2, 7),
+    "nnz-float": entry_edit(0, 3, 3.0),
+    "buffers-map": entry_edit(0, 4, {}),
+    "buffer-not-list": entry_edit(0, 4, [7, 8]),
+    "frame-str": spec_edit(0, 0, FRAME, "1"),
+    "frame-float": spec_edit(0, 0, FRAME, 1.0),
+    "frame-out-of-range": spec_edit(0, 0, FRAME, 99),
+    "role-unknown": spec_edit(0, 0, ROLE, 9),
+    "role-str": spec_edit(0, 0, ROLE, "values"),
+    "dtype-str": spec_edit(0, 0, DTYPE, "float32"),
+    "shape-str": spec_edit(0, 0, SHAPE, "3"),
+    "shape-float-dim": spec_edit(0, 0, SHAPE, [3.0]),
+    "shape-str-dim": spec_edit(0, 0, SHAPE, ["3"]),
+    "shape-100-dims": spec_edit(0, 0, SHAPE, [3] + [1] * 99),  # sizes agree: only the dims limit refutes it
+    "shape-9-dims": spec_edit(0, 0, SHAPE, [3] + [1] * 8),
+    "nbytes-str": spec_edit(0, 0, NBYTES, "3"),
+    "codec-unknown": spec_edit(0, 0, CODEC, 77),
+    "codec-nil": spec_edit(0, 0, CODEC, None),
+    "shuffle-int": spec_edit(0, 0, SHUFFLE, 1),
+    "wire-bool": spec_edit(0, 0, WIRE, True),
+    "checksum-str": spec_edit(0, 0, CSUM, "abc"),
+    # dtype codes outside the allowlist
+    "dtype-0": spec_edit(0, 0, DTYPE, 0),
+    "dtype-16": spec_edit(0, 0, DTYPE, 16),
+    "dtype-99": spec_edit(0, 0, DTYPE, 99),
+    "dtype-neg": spec_edit(0, 0, DTYPE, -1),
+    "dtype-2**32": spec_edit(0, 0, DTYPE, 2**32),
+    "dtype-bool": spec_edit(0, 0, DTYPE, True),
+    # sizes that do not add up
+    "nbytes-off-by-one": spec_edit(0, 0, NBYTES, 4),
+    "huge-nbytes": lambda h: (spec_edit(0, 0, SHAPE, [2**38])(h), spec_edit(0, 0, NBYTES, 2**40)(h)),
+    "huge-wire": spec_edit(0, 0, WIRE, 2**40),
+    "shape-overflow": lambda h: spec_edit(0, 0, SHAPE, [2**63, 2**63])(h),
+    "duplicate-role": lambda h: h["tensors"][0][4].append(list(h["tensors"][0][4][0])),
+    "duplicate-frame": spec_edit(0, 1, FRAME, 1),
+    "part>=parts": field_edit("part", 1),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_EDITS))
+def test_hostile_manifest_is_a_protocol_error(name):
+    # One GAPS entry: buffer 0 is the positions (3 x uint8), buffer 1 the values (3 x float32).
+    entry = sparse(0, (3, 5), torch.float32, [1, 7, 14], PatchOptions(Encoding.GAPS, ValueEncoding.RAW))
+    frames = message([entry])
+    assert len(frames) == 3 and len(frames[1]) == 3
+    bad = mutate(frames, HOSTILE_EDITS[name])
+    started = time.perf_counter()
+    with pytest.raises(ProtocolError):  # structure, types and sizes: checked without the target
+        decode_message(bad)
+    assert time.perf_counter() - started < 1.0
+
+
+def test_huge_nbytes_behind_a_compressed_frame_is_refused_before_decompressing():
+    """A compressed frame's announced size is only bounded by the target: 2**40 bytes must not be tried."""
+    frames = message([encode_dense(0, torch.zeros(256), Codec.LZ4)])
+    edit = lambda h: (spec_edit(0, 0, SHAPE, [2**38])(h), spec_edit(0, 0, NBYTES, 2**40)(h))  # noqa: E731
+    bad = mutate(frames, edit)
+    decode_message(bad)  # consistent with itself: only the target can bound it
+    expect_protocol_error(bad, {0: ((256,), torch.float32)})
+    # The same lie in a sparse entry's values and in each of its index buffers.
+    flat = torch.arange(0, 3200, 2)
+    ones = torch.ones(flat.numel())
+    entry = encode_sparse(0, flat, ones, ones * 0, (64, 50), PatchOptions(Encoding.COO, ValueEncoding.RAW, Codec.LZ4))
+    frames = message([entry])
+    buffers = header_of(frames)["tensors"][0][4]
+    assert [b[CODEC] for b in buffers] == [int(Codec.LZ4)] * 3
+    for b, spec in enumerate(buffers):
+        claim = 2**40 // (spec[NBYTES] // 1600)  # elements of 2**40 bytes in this buffer's dtype
+        bad = mutate(frames, lambda h, b=b, claim=claim: (spec_edit(0, b, SHAPE, [claim])(h), spec_edit(0, b, NBYTES, 2**40)(h)))
+        decode_message(bad)
+        expect_protocol_error(bad, {0: ((64, 50), torch.float32)})
+
+
+# --------------------------------------------------------------------------- adversarial but checksummed
+
+U8 = torch.uint8
+
+
+def crafted(encoding: Encoding, nnz: int, buffers: dict[Role, torch.Tensor], values: ValueEncoding = ValueEncoding.RAW,
+            codec: Codec = Codec.NONE) -> list[bytes]:
+    """A message built by the real packers: every size and checksum is consistent."""
+    return message([pack_entry(0, encoding, values, nnz, buffers, codec)])
+
+
+def vals(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.arange(1, n + 1).to(dtype)
+
+
+def u8(*xs: int) -> torch.Tensor:
+    return torch.tensor(xs, dtype=U8)
+
+
+ADVERSARIAL = {
+    # COO on a 4 x 10 view
+    "coo-row-oob": (Encoding.COO, 2, {Role.ROWS: u8(0, 4), Role.COLS: u8(1, 2), Role.VALUES: vals(2)}),
+    "coo-col-oob": (Encoding.COO, 2, {Role.ROWS: u8(0, 1), Role.COLS: u8(1, 10), Role.VALUES: vals(2)}),
+    "coo-repeated": (Encoding.COO, 2, {Role.ROWS: u8(1, 1), Role.COLS: u8(2, 2), Role.VALUES: vals(2)}),
+    "coo-decreasing-rows": (Encoding.COO, 2, {Role.ROWS: u8(2, 1), Role.COLS: u8(0, 0), Role.VALUES: vals(2)}),
+    "coo-decreasing-cols": (Encoding.COO, 2, {Role.ROWS: u8(1, 1), Role.COLS: u8(5, 2), Role.VALUES: vals(2)}),
+    "coo-signed-index": (Encoding.COO, 2, {Role.ROWS: torch.tensor([0, 1], dtype=torch.int8), Role.COLS: u8(1, 2),
+                                           Role.VALUES: vals(2)}),
+    "coo-2d-index": (Encoding.COO, 2, {Role.ROWS: u8(0, 1).reshape(2, 1), Role.COLS: u8(1, 2), Role.VALUES: vals(2)}),
+    "coo-short-cols": (Encoding.COO, 2, {Role.ROWS: u8(0, 1), Role.COLS: u8(1), Role.VALUES: vals(2)}),
+    "coo-missing-cols": (Encoding.COO, 2, {Role.ROWS: u8(0, 1), Role.VALUES: vals(2)}),
+    "coo-uint64-top-bit": (Encoding.COO, 1, {Role.ROWS: torch.tensor([-1], dtype=torch.int64).view(torch.uint64),
+                                             Role.COLS: u8(1), Role.VALUES: vals(1)}),
+    # COO_DELTA: each entry in range, the running sums not
+    "delta-rows-sum-oob": (Encoding.COO_DELTA, 2, {Role.ROWS: u8(3, 3), Role.COLS: u8(0, 0), Role.VALUES: vals(2)}),
+    "delta-cols-sum-oob": (Encoding.COO_DELTA, 2, {Role.ROWS: u8(0, 0), Role.COLS: u8(6, 6), Role.VALUES: vals(2)}),
+    "delta-repeated": (Encoding.COO_DELTA, 2, {Role.ROWS: u8(1, 0), Role.COLS: u8(2, 0), Role.VALUES: vals(2)}),
+    # GAPS on 40 elements
+    "gaps-oob": (Encoding.GAPS, 1, {Role.POSITIONS: u8(40), Role.VALUES: vals(1)}),
+    "gaps-sum-oob": (Encoding.GAPS, 2, {Role.POSITIONS: u8(20, 20), Role.VALUES: vals(2)}),
+    "gaps-signed": (Encoding.GAPS, 2, {Role.POSITIONS: torch.tensor([1, 2], dtype=torch.int16), Role.VALUES: vals(2)}),
+    "gaps-uint64-top-bit": (Encoding.GAPS, 1, {Role.POSITIONS: torch.tensor([-5], dtype=torch.int64).view(torch.uint64),
+                                               Role.VALUES: vals(1)}),
+    "gaps-longer-than-nnz": (Encoding.GAPS, 2, {Role.POSITIONS: u8(0, 0, 0), Role.VALUES: vals(2)}),
+    "gaps-with-rows": (Encoding.GAPS, 1, {Role.ROWS: u8(0), Role.POSITIONS: u8(0), Role.VALUES: vals(1)}),
+    # BITMAP on 40 elements: 5 bytes
+    "bitmap-short": (Encoding.BITMAP, 1, {Role.POSITIONS: u8(1, 0, 0, 0), Role.VALUES: vals(1)}),
+    "bitmap-long": (Encoding.BITMAP, 1, {Role.POSITIONS: u8(1, 0, 0, 0, 0, 0), Role.VALUES: vals(1)}),
+    "bitmap-count": (Encoding.BITMAP, 3, {Role.POSITIONS: u8(3, 0, 0, 0, 0), Role.VALUES: vals(3)}),
+    "bitmap-uint16": (Encoding.BITMAP, 1, {Role.POSITIONS: torch.tensor([1, 0, 0, 0, 0], dtype=torch.uint16),
+                                           Role.VALUES: vals(1)}),
+    # nnz
+    "nnz-zero": (Encoding.GAPS, 0, {Role.POSITIONS: u8(), Role.VALUES: vals(0)}),
+    "nnz-above-numel": (Encoding.GAPS, 41, {Role.POSITIONS: torch.zeros(41, dtype=U8), Role.VALUES: vals(41)}),
+    "nnz-above-numel-bitmap": (Encoding.BITMAP, 41, {Role.POSITIONS: u8(255, 255, 255, 255, 255), Role.VALUES: vals(41)}),
+    # values
+    "values-dtype-raw": (Encoding.GAPS, 1, {Role.POSITIONS: u8(0), Role.VALUES: vals(1, torch.float16)}),
+    "values-bits-as-raw": (Encoding.GAPS, 1, {Role.POSITIONS: u8(0), Role.VALUES: vals(1, torch.int32)}),
+    "values-too-many": (Encoding.GAPS, 1, {Role.POSITIONS: u8(0), Role.VALUES: vals(2)}),
+    "values-2d": (Encoding.GAPS, 2, {Role.POSITIONS: u8(0, 0), Role.VALUES: vals(2).reshape(2, 1)}),
+    "values-missing": (Encoding.GAPS, 1, {Role.POSITIONS: u8(0)}),
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_adversarial_sparse_entry_is_a_protocol_error(name):
+    encoding, nnz, buffers = ADVERSARIAL[name]
+    frames = crafted(encoding, nnz, buffers)
+    decode_message(frames)  # well-formed and checksummed: only the target can refute it
+    expect_protocol_error(frames, {0: ((4, 10), torch.float32)})
+
+
+def test_bitmap_padding_bits_are_a_protocol_error():
+    # 10 elements -> 2 bytes, bits 10..15 are padding.
+    for pad_bit in range(10, 16):
+        packed = u8(0b101, 1 << (pad_bit - 8))
+        frames = crafted(Encoding.BITMAP, 3, {Role.POSITIONS: packed, Role.VALUES: vals(3)})
+        with pytest.raises(ProtocolError, match="past the tensor"):
+            decode_all(frames, {0: ((10,), torch.float32)})
+    good = crafted(Encoding.BITMAP, 3, {Role.POSITIONS: u8(0b101, 0b10), Role.VALUES: vals(3)})
+    assert decode_all(good, {0: ((10,), torch.float32)})[0].flat.tolist() == [0, 2, 9]
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "target"),
+    [
+        (ValueEncoding.XOR, torch.int32, torch.bfloat16),  # bf16 XOR bits are int16
+        (ValueEncoding.XOR, torch.float32, torch.float32),  # XOR bits must be integers
+        (ValueEncoding.RAW, torch.int16, torch.bfloat16),
+        (ValueEncoding.RAW, torch.float32, torch.int64),
+        (ValueEncoding.XOR, torch.int32, torch.int64),
+    ],
+)
+def test_values_of_the_wrong_dtype(values, dtype, target):
+    frames = crafted(Encoding.GAPS, 2, {Role.POSITIONS: u8(0, 3), Role.VALUES: vals(2, dtype)}, values)
+    expect_protocol_error(frames, {0: ((10,), target)})
+
+
+def test_adversarial_dense_entries():
+    target = {0: ((4, 10), torch.float32)}
+    cases = [
+        pack_entry(0, Encoding.DENSE, ValueEncoding.RAW, 40, {Role.VALUES: torch.zeros(40)}, Codec.NONE),  # flat shape
+        pack_entry(0, Encoding.DENSE, ValueEncoding.RAW, 40, {Role.VALUES: torch.zeros(4, 10, dtype=torch.float64)}, Codec.NONE),
+        pack_entry(0, Encoding.DENSE, ValueEncoding.RAW, 40, {Role.VALUES: torch.zeros(4, 10, dtype=torch.int32)}, Codec.NONE),
+        pack_entry(0, Encoding.DENSE, ValueEncoding.XOR, 40, {Role.VALUES: torch.zeros(4, 10)}, Codec.NONE),
+        pack_entry(0, Encoding.DENSE, ValueEncoding.RAW, 39, {Role.VALUES: torch.zeros(4, 10)}, Codec.NONE),
+        pack_entry(0, Encoding.DENSE, ValueEncoding.RAW, 40, {Role.VALUES: torch.zeros(4, 10), Role.POSITIONS: u8(0)}, Codec.NONE),
+        pack_entry(0, Encoding.DENSE, ValueEncoding.RAW, 40, {Role.VALUES: torch.zeros(4, 11)}, Codec.NONE),
+    ]
+    for entry in cases:
+        expect_protocol_error(message([entry]), target)
+    # float -> float conversion is only for buckets (exact_dtype=False), never into integers
+    msg = decode_message(message([cases[1]]))
+    assert decode_entry(msg.tensors[0], msg.frames, (4, 10), torch.float32, CPU, exact_dtype=False).values.dtype == torch.float64
+    msg = decode_message(message([cases[2]]))
+    with pytest.raises(ProtocolError):
+        decode_entry(msg.tensors[0], msg.frames, (4, 10), torch.float32, CPU, exact_dtype=False)
+
+
+def lying_entry(codec: Codec, wire: bytes, nbytes: int) -> EncodedTensor:
+    """A dense float32 entry whose frame is ``wire`` and whose header says it decodes to ``nbytes``."""
+    spec = BufferSpec(0, Role.VALUES, dtype_code(torch.float32), (nbytes // 4,), nbytes, codec, False, len(wire), checksum(wire))
+    return EncodedTensor(0, Encoding.DENSE, ValueEncoding.RAW, nbytes // 4, [(spec, wire)])
+
+
+@pytest.mark.parametrize("codec", [Codec.LZ4, Codec.ZSTD], ids=lambda c: c.name)
+def test_compressed_frame_that_decodes_to_another_size(codec):
+    wire = bytes(compress(torch.zeros(400, dtype=U8), codec))  # 400 bytes = 100 floats
+    for announced in (396, 404, 4000):
+        frames = message([lying_entry(codec, wire, announced)])
+        with pytest.raises(IntegrityError):
+            decode_all(frames, {0: ((announced // 4,), torch.float32)})
+
+
+@pytest.mark.parametrize("codec", [Codec.LZ4, Codec.ZSTD], ids=lambda c: c.name)
+def test_compressed_frame_of_garbage(codec):
+    frames = message([lying_entry(codec, b"\x00\xff" * 20 + b"garbage!", 400)])
+    with pytest.raises(IntegrityError):
+        decode_all(frames, {0: ((100,), torch.float32)})
+
+
+def test_zstd_bomb_is_bounded_by_the_announced_size():
+    wire = bytes(compress(torch.zeros(64 << 20, dtype=U8), Codec.ZSTD))  # 64 MiB of zeros, a few KiB on the wire
+    assert len(wire) < 64 << 10
+    frames = message([lying_entry(Codec.ZSTD, wire, 400)])
+    started = time.perf_counter()
+    with pytest.raises(IntegrityError):
+        decode_all(frames, {0: ((100,), torch.float32)})
+    assert time.perf_counter() - started < 1.0
+
+
+def test_gpu_codec_on_a_cpu_receiver_is_a_typed_error():
+    wire = b"\x00" * 16
+    spec = BufferSpec(0, Role.VALUES, dtype_code(torch.float32), (100,), 400, Codec.NVCOMP_LZ4, False, len(wire), checksum(wire))
+    frames = message([EncodedTensor(0, Encoding.DENSE, ValueEncoding.RAW, 100, [(spec, wire)])])
+    with pytest.raises(WeightSyncError):
+        decode_all(frames, {0: ((100,), torch.float32)})
