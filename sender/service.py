@@ -23,7 +23,7 @@ import zmq.asyncio
 from protocol.buffers import Buffer
 from protocol.checksum import state_digest
 from protocol.config import SyncConfig, load_config
-from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, WeightSyncError
+from protocol.errors import ConfigError, MetadataMismatchError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message
 from protocol.metadata import ModelMetadata
 from protocol.state import ModelState, StateLike, resolve_state
@@ -90,6 +90,7 @@ class Sender:
         self._resync: tuple[int | None, list[Message]] | None = None
         self._digest: tuple[int | None, str] | None = None
         self._peers: dict[bytes, Peer] = {}
+        self._greeting: dict[bytes, asyncio.Task[None]] = {}  # HELLOs being answered
         self._lock = asyncio.Lock()  # the snapshot / retained version: builds vs bootstraps
         self._acked = asyncio.Condition()
         self._socket: RouterSocket | None = None
@@ -299,7 +300,12 @@ class Sender:
             if peer is not None:
                 peer.last_seen = time.monotonic()
             if msg.type is MessageType.HELLO:
-                await self._on_hello(identity, msg)
+                # Handled in its own task: a bootstrap can take a while to build, and the
+                # other receivers' acks and heartbeats must keep flowing meanwhile.
+                previous = self._greeting.pop(identity, None)
+                if previous is not None:
+                    previous.cancel()
+                self._greeting[identity] = self._spawn(self._on_hello(identity, msg), f"hello-{identity!r}")
             elif peer is None:
                 if msg.type is not MessageType.BYE:  # e.g. after a sender restart: ask it to say HELLO
                     self._try_send(Peer(identity), self.stamp(Message(MessageType.ERROR, body={"code": "unknown_peer", "message": "say HELLO"})))
@@ -327,11 +333,17 @@ class Sender:
             old.task.cancel()
         peer = Peer(identity)
         try:
-            await self._adopt(hello)
-        except (MetadataMismatchError, ConfigError, ProtocolError) as e:
+            await self._greet(peer, hello)
+        except WeightSyncError as e:  # this receiver cannot be served; the others carry on
             log.error("receiver %s refused: %s", peer.name, e)
             self._try_send(peer, self.stamp(error_message(e)))
-            return
+        finally:
+            if self._greeting.get(identity) is asyncio.current_task():
+                del self._greeting[identity]
+
+    async def _greet(self, peer: Peer, hello: Message) -> None:
+        identity = peer.identity
+        await self._adopt(hello)
         assert self._plan is not None
         applied, digest, session = hello.body.get("applied"), hello.body.get("digest"), hello.body.get("session")
         known = {self.version} | {e.base for e in self._ring}
