@@ -12,6 +12,7 @@ bandwidth) measured in the same run. Absolute times are noisy; the ratios are th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -23,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocol.compress import Codec  # noqa: E402
-from protocol.framing import Encoding, Message, MessageType, ValueEncoding, decode_message, encode_message  # noqa: E402
-from protocol.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse  # noqa: E402
+from protocol.compress import Codec
+from protocol.framing import Encoding, Message, MessageType, ValueEncoding, decode_message, encode_message
+from protocol.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse
 
 CONFIGS = {
     "seed (coo+delta, raw, none)": PatchOptions(Encoding.COO_DELTA, ValueEncoding.RAW, Codec.NONE),
@@ -56,6 +57,23 @@ def step(old: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tenso
     return bits.view(torch.bfloat16)
 
 
+def encode(old: torch.Tensor, new: torch.Tensor, flat: torch.Tensor, options: PatchOptions) -> list[bytes]:
+    """The PATCH message of one tensor, as the bytes that go on the wire."""
+    entry = encode_sparse(0, flat, new.view(-1)[flat], old.view(-1)[flat], tuple(old.shape), options)
+    tensors, frames = assemble([entry])
+    msg = Message(MessageType.PATCH, version=1, base_version=0, tensors=tensors, frames=frames)
+    return [bytes(f) for f in encode_message(msg)]
+
+
+def decode(old: torch.Tensor, new: torch.Tensor, wire: list[bytes]) -> None:
+    """Validate, decode and apply the message onto a copy of ``old``; checks the result."""
+    msg = decode_message(wire)
+    d = decode_entry(msg.tensors[0], msg.frames, tuple(old.shape), torch.bfloat16, torch.device("cpu"))
+    target = old.clone()
+    target.view(-1)[d.flat] = d.new_values(target.view(-1)[d.flat])
+    assert torch.equal(target.view(torch.int16), new.view(torch.int16))
+
+
 def run(rows: int, cols: int, densities: list[float], repeat: int) -> dict[str, object]:
     generator = torch.Generator().manual_seed(0)
     old = (torch.randn(rows, cols, generator=generator) * 0.02).to(torch.bfloat16)
@@ -68,20 +86,7 @@ def run(rows: int, cols: int, densities: list[float], repeat: int) -> dict[str, 
         h = -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
         floor = old.numel() * h / 8 + flat.numel() / 8
         for name, options in CONFIGS.items():
-            def encode() -> list:  # type: ignore[type-arg]
-                entry = encode_sparse(0, flat, new.view(-1)[flat], old.view(-1)[flat], tuple(old.shape), options)
-                tensors, frames = assemble([entry])
-                return [bytes(f) for f in encode_message(Message(MessageType.PATCH, version=1, base_version=0, tensors=tensors, frames=frames))]
-
-            wire = encode()
-
-            def decode() -> None:
-                msg = decode_message(wire)
-                d = decode_entry(msg.tensors[0], msg.frames, tuple(old.shape), torch.bfloat16, torch.device("cpu"))
-                target = old.clone()
-                target.view(-1)[d.flat] = d.new_values(target.view(-1)[d.flat])
-                assert torch.equal(target.view(torch.int16), new.view(torch.int16))
-
+            wire = encode(old, new, flat, options)
             wire_bytes = sum(len(f) for f in wire)
             results.append({
                 "density": p,
@@ -90,8 +95,8 @@ def run(rows: int, cols: int, densities: list[float], repeat: int) -> dict[str, 
                 "wire_bytes": wire_bytes,
                 "dense_over_wire": dense_bytes / wire_bytes,
                 "wire_over_floor": wire_bytes / floor,
-                "encode_over_copy": best_of(encode, repeat) / copy_seconds,
-                "decode_over_copy": best_of(decode, repeat) / copy_seconds,
+                "encode_over_copy": best_of(functools.partial(encode, old, new, flat, options), repeat) / copy_seconds,
+                "decode_over_copy": best_of(functools.partial(decode, old, new, wire), repeat) / copy_seconds,
             })
     return {
         "benchmark": "encodings",

@@ -101,15 +101,15 @@ class SyncConfig:
         ):
             if value not in allowed:
                 raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
-        for name, value in (
+        for name, flag in (
             ("patch.delta_encoding", p.delta_encoding),
             ("patch.init_sync.enabled", p.init_sync.enabled),
             ("bucket.is_agent", b.is_agent),
             ("bucket.load_instant", b.load_instant),
             ("bucket.init_sync.enabled", b.init_sync.enabled),
         ):
-            if type(value) is not bool:  # "false" is a true string: never guess
-                raise ConfigError(f"{name} must be true or false, got {value!r}")
+            if type(flag) is not bool:  # "false" is a true string: never guess
+                raise ConfigError(f"{name} must be true or false, got {flag!r}")
         if self.type == "patch":
             parse_compression(p.compression, p.transport_device)
         else:

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -178,7 +178,7 @@ class Receiver:
 
     async def _session(self) -> None:
         sock = self._socket = DealerSocket(self._context, self.endpoint, self.identity.encode())
-        inbox: asyncio.Queue[list[Buffer] | BaseException] = asyncio.Queue()
+        inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
         last_seen = [time.monotonic()]
 
         async def read() -> None:
@@ -203,15 +203,19 @@ class Receiver:
                 if silent > self.peer_timeout:
                     inbox.put_nowait(_Reconnect(f"no message from the sender for {silent:.1f}s"))
 
-        async def recv() -> list[Buffer]:
+        async def recv() -> Sequence[Buffer]:
             item = await inbox.get()
             if isinstance(item, BaseException):
                 raise item
             return item
 
         tasks = [asyncio.create_task(read()), asyncio.create_task(beat())]
-        for t in tasks:  # a reader that dies must end the session, not hang it
-            t.add_done_callback(lambda t: t.cancelled() or inbox.put_nowait(_Reconnect(f"socket task failed: {t.exception()!r}")))
+        def ended(task: asyncio.Task[None]) -> None:  # a reader that dies must end the session, not hang it
+            if not task.cancelled():
+                inbox.put_nowait(_Reconnect(f"socket task failed: {task.exception()!r}"))
+
+        for t in tasks:
+            t.add_done_callback(ended)
         try:
             await self._handshake(sock, recv)
             await self._follow(sock, recv)
@@ -279,7 +283,7 @@ class Receiver:
         await self._notify()
 
 
-def _error_code(frames: list[Buffer]) -> str | None:
+def _error_code(frames: Sequence[Buffer]) -> str | None:
     try:
         return str(decode_message(frames).body.get("code"))
     except WeightSyncError:

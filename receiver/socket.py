@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -28,7 +29,7 @@ class DealerSocket:
     def try_send(self, frames: Sequence[Buffer]) -> bool:
         """Queue a message without waiting; False when it cannot be queued now (no
         connection, or a full queue). Acks and heartbeats repeat, so dropping one is safe."""
-        future = self.sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
+        future: Any = self.sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
         return not future.done() or future.exception() is None
 
     async def recv(self) -> list[memoryview]:

@@ -45,7 +45,8 @@ def newest(watch: Path, after: int | None) -> tuple[int, Path] | None:
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
+    state: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
+    return state
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:

@@ -347,6 +347,7 @@ class Sender:
         assert self._plan is not None
         applied, digest, session = hello.body.get("applied"), hello.body.get("digest"), hello.body.get("session")
         known = {self.version} | {e.base for e in self._ring}
+        greeting: list[Message]
         if session == self.session and applied in known:
             greeting, version = [], applied  # it was with us: the ring catches it up
         elif applied == self.version and self.version is not None and digest == await self._state_digest():

@@ -68,4 +68,8 @@ class Snapshot:
         """Wait until every background write-back has landed in host memory."""
         pending, self._writebacks = self._writebacks, []
         if pending:
-            await asyncio.to_thread(lambda: [event.synchronize() for event, _ in pending])
+            def drain() -> None:
+                for event, _ in pending:
+                    event.synchronize()
+
+            await asyncio.to_thread(drain)

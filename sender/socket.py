@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -39,7 +40,7 @@ class RouterSocket:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(bindable(endpoint))
         self.sock = sock
-        self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = bytes(sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
 
     async def recv(self) -> tuple[bytes, list[memoryview]]:
         """The next message: the peer's identity and its frames."""
@@ -48,7 +49,7 @@ class RouterSocket:
 
     def try_send(self, identity: bytes, frames: Sequence[Buffer]) -> bool:
         """Queue a whole message for ``identity`` without blocking; False when its queue is full."""
-        future = self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        future: Any = self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
         if not future.done():  # cannot happen with NOBLOCK; keep the message either way
             return True
         error = future.exception()
