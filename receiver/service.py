@@ -80,6 +80,7 @@ class Receiver:
         self.pending_version: int | None = None  # being received or applied now
         self.connected = False
         self.reconnects = 0
+        self._handshakes = 0
         self._hooks: list[Callable[[int | None], Any]] = []
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
@@ -162,6 +163,7 @@ class Receiver:
     async def _run(self) -> None:
         delay = self.reconnect_backoff[0]
         while True:
+            handshakes = self._handshakes
             try:
                 await self._session()
             except _Reconnect as e:
@@ -173,6 +175,8 @@ class Receiver:
             finally:
                 self.connected = False
             self.reconnects += 1
+            if self._handshakes != handshakes:  # that session worked: start backing off afresh
+                delay = self.reconnect_backoff[0]
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.reconnect_backoff[1])
 
@@ -237,10 +241,15 @@ class Receiver:
             self.peer_timeout + 60.0,
         )
         self.connected = True
-        if self.strategy.last_stats is not None and self.strategy.last_stats.kind == "bootstrap":
-            self._record(self.strategy.last_stats)
-            self.strategy.last_stats = None
-        await self._publish(version, sock)
+        self._handshakes += 1
+        boot = self.strategy.last_stats
+        self.strategy.last_stats = None
+        if boot is not None and boot.kind == "bootstrap":
+            self._record(boot)
+        if (boot is not None and boot.kind == "bootstrap") or version != self.version:
+            await self._publish(version, sock)
+        else:  # resumed where it was: nothing new to announce to hooks, only to the sender
+            sock.try_send(encode_message(Message(MessageType.ACK, version=version)))
         self._ready.set()
         log.info("receiver %s connected to %s at v%s", self.identity, self.endpoint, version)
 

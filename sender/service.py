@@ -26,7 +26,7 @@ from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message
 from protocol.metadata import ModelMetadata
-from protocol.state import ModelState, StateLike, resolve_state
+from protocol.state import ModelState, StateLike, materialize, resolve_state
 
 from .base import Stamper, check_next_version, error_message, plan_for
 from .bucket import BucketBuilder
@@ -86,6 +86,7 @@ class Sender:
         self._builder: PatchBuilder | BucketBuilder | None = None
         self._ring: collections.deque[_RingEntry] = collections.deque(maxlen=ring_size)
         self._retained: dict[str, torch.Tensor] | None = None  # bucket mode: the current version
+        self._held: dict[str, torch.Tensor] | None = None  # the current version, before any receiver
         self._bucket_frames: tuple[int, list[list[Buffer]]] | None = None  # bucket mode: its messages
         self._resync: tuple[int | None, list[Message]] | None = None
         self._digest: tuple[int | None, str] | None = None
@@ -122,6 +123,7 @@ class Sender:
             raise WeightSyncError("sender already started")
         self._model, self.version = model, version
         self._state = resolve_state(model, self._trainable_keys)
+        self._hold(self._state.tensors)
         self._socket = RouterSocket(self._context, self._endpoint)
         self._spawn(self._serve(), "serve")
         self._spawn(self._heartbeat(), "heartbeat")
@@ -170,13 +172,16 @@ class Sender:
         self._closed = True
         if self._socket is not None:
             for peer in list(self._peers.values()):
-                self._try_send(peer, self.stamp(Message(MessageType.BYE)))
+                try:
+                    self._try_send(peer, self.stamp(Message(MessageType.BYE)))
+                except PeerGone:
+                    pass
         tasks = list(self._tasks) + [p.task for p in self._peers.values() if p.task]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._socket is not None:
-            self._socket.close()
+            await self._socket.aclose()
         log.info("sender %s closed", self.session[:8])
 
     async def __aenter__(self) -> Sender:
@@ -189,6 +194,7 @@ class Sender:
     async def _build(self, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
         builder = self._builder
         if builder is None:  # no receiver yet: nothing to diff against, only the version moves
+            self._hold(tensors)
             return SyncStats(version, self.strategy)
         if isinstance(builder, PatchBuilder):
             msg, stats = await builder.build(tensors, version, self.version)
@@ -204,6 +210,16 @@ class Sender:
         stats.messages, stats.wire_bytes = len(frames_list), sum(len(f) for fr in frames_list for f in fr)
         stats.build_seconds = time.perf_counter() - started
         return stats
+
+    def _hold(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep a copy of the current version until the first receiver says which dtypes
+        it wants: the weights may move on before it joins, and it must get this version."""
+        held = self._held
+        if held is None or held.keys() != tensors.keys():
+            self._held = {k: materialize(t).detach().clone() for k, t in tensors.items()}
+            return
+        for key, t in tensors.items():
+            held[key].copy_(materialize(t).detach())
 
     def _source(self) -> Source:
         """Tensors of the current version at rest: the snapshot or retained copy for
@@ -355,7 +371,8 @@ class Sender:
         else:
             greeting, version = await self._resync_messages(), self.version
         welcome = self._plan.welcome(self.strategy, version, len(greeting))
-        peer.acked = peer.sent = version
+        peer.sent = version
+        peer.acked = None if greeting else version
         peer.inflight = [version] if greeting else []
         self._peers[identity] = peer
         peer.task = asyncio.get_running_loop().create_task(self._pump(peer, [welcome, *greeting]))
@@ -368,13 +385,16 @@ class Sender:
         if self._plan is None:
             plan = plan_for(self._state, hello, self.config)
             builder: PatchBuilder | BucketBuilder
+            held = self._held
+            assert held is not None
             if self.strategy == "patch":
                 builder = PatchBuilder(plan, self.config.patch)
-                tensors = resolve_state(self._model).tensors if self._model is not None else self._state.tensors
-                await asyncio.to_thread(builder.capture, tensors)
+                await asyncio.to_thread(builder.capture, held)
             else:
                 builder = BucketBuilder(plan, self.config.bucket)
+                self._retained = await asyncio.to_thread(builder.retain, held)
             self._plan, self._builder = plan, builder
+            self._held = None  # the snapshot (or retained copy) holds the version from now on
             return
         theirs = ModelMetadata.from_body(hello.body)
         ours = self._plan.metadata
@@ -383,11 +403,6 @@ class Sender:
                 if key not in ours or ours.shapes[ours.ordinal(key)] != shape or ours.dtypes[ours.ordinal(key)] != dtype:
                     raise MetadataMismatchError(f"key {key!r}: this receiver differs from the others ({list(shape)}, {dtype})")
             raise MetadataMismatchError("this receiver's keys differ from the other receivers'")
-        if isinstance(self._builder, BucketBuilder) and self.version is not None and self._retained is None:
-            # Versions were synced before any receiver could say which dtypes it wants.
-            async with self._lock:
-                tensors = resolve_state(self._model).tensors if self._model is not None else self._state.tensors
-                self._retained = await asyncio.to_thread(self._builder.retain, tensors)
 
     async def _pump(self, peer: Peer, greeting: list[Message]) -> None:
         """Send ``peer`` what it is missing, never more than ``max_inflight`` versions ahead."""

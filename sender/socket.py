@@ -7,6 +7,7 @@ the message and retries later), and a peer that is gone raises ``PeerGone``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -61,5 +62,19 @@ class RouterSocket:
             raise PeerGone(identity.decode(errors="replace"))
         raise error
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    async def aclose(self, timeout: float = 1.0) -> None:
+        """Close, and return only once the endpoint is free to bind again: ZeroMQ releases
+        it in the background, so a sender restarted at once could find it still taken."""
+        if self.endpoint.startswith("inproc://"):  # no listener to wait for
+            self.sock.close(linger=0)
+            return
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        try:
+            self.sock.unbind(self.endpoint)
+            await asyncio.wait_for(monitor.recv_multipart(), timeout)
+        except (zmq.ZMQError, TimeoutError):
+            log.warning("endpoint %s may still be bound after close", self.endpoint)
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(linger=0)
+            self.sock.close(linger=0)
