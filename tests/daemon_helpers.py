@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from models import mismatches  # noqa: E402 - re-exported for the daemon tests
+
 from examples.tiny_model import build, train_step  # noqa: E402
 from protocol.checksum import state_digest  # noqa: E402
 
@@ -53,28 +55,6 @@ def free_port() -> int:
 def bf16_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What a bf16 rollout holds for ``state``: floating tensors cast (round to nearest)."""
     return {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).clone() for k, v in state.items()}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    if t.is_floating_point() or t.is_complex():
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-        return t.view(ints[t.element_size()])
-    return t
-
-
-def mismatches(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor]) -> list[str]:
-    """Keys whose tensors differ in presence, dtype, shape or any bit."""
-    bad = sorted(set(expected) ^ set(actual))
-    for k in expected:
-        if k not in actual:
-            continue
-        e, a = expected[k], actual[k]
-        if e.dtype != a.dtype or e.shape != a.shape or not torch.equal(_bits(e), _bits(a)):
-            bad.append(k)
-    return bad
 
 
 def receiver_model(seed: int = 1, **kwargs: int) -> torch.nn.Module:

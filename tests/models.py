@@ -8,7 +8,6 @@ persistent float buffer, and a non-persistent buffer that must never travel.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator, Mapping
 
@@ -133,15 +132,3 @@ def iter_float_keys(state: Mapping[str, torch.Tensor]) -> Iterator[str]:
 
 def numel(state: Mapping[str, torch.Tensor]) -> int:
     return sum(math.prod(v.shape) for v in state.values())
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and spinning OpenMP workers make a
-    loaded CI machine crawl; run one thread while a module's tests run, then restore."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 from channel import Channel, Pipe
-from models import Trainer, cast_like, make_model, mismatches, single_thread, snapshot
+from models import Trainer, cast_like, make_model, mismatches, snapshot
 
 import receiver
 import sender
@@ -47,12 +47,6 @@ def bucket_config(load_instant: bool = True, bucket_dtype: str | None = "bfloat1
             "init_sync": {"enabled": True, "bucket_size": 16 << 10},
         },
     }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with single_thread():
-        yield
 
 
 @dataclass

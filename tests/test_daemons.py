@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +30,6 @@ from sender import Sender
 
 MODES = ["patch", "bucket"]
 STEPS = 5
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The trainer's torch ops and the daemons' decode threads share two cores; without
-    this, OpenMP oversubscription makes a tiny training step take most of a second."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class Daemons:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,18 +24,6 @@ MODEL = "examples.tiny_model:build"
 TIMING = ["--heartbeat", str(HEARTBEAT), "--peer-timeout", str(PEER_TIMEOUT)]
 STEPS = 5
 SEED = 7  # the trainer's; the receiver CLIs build seed 0, so only the bootstrap makes them equal
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Three daemons and the trainer share two cores: no OpenMP oversubscription."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture

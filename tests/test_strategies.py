@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from channel import Channel, Pipe
-from models import Trainer, bits, cast_like, make_model, mismatches, single_thread, snapshot
+from models import Trainer, bits, cast_like, make_model, mismatches, snapshot
 
 import receiver
 import sender
@@ -25,12 +25,6 @@ from protocol.errors import ConfigError, MetadataMismatchError, StaleVersionErro
 from protocol.framing import Encoding, MessageType, ValueEncoding, decode_message
 
 STEPS = 10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with single_thread():
-        yield
 
 
 # -- helpers ------------------------------------------------------------------------------
