@@ -29,8 +29,8 @@ from .tensorcodec import PatchOptions
 
 MiB = 1 << 20
 DEVICES = ("cpu", "cuda")
-POSITION_ENCODINGS = {"auto": None, "coo": Encoding.COO, "gaps": Encoding.GAPS, "bitmap": Encoding.BITMAP}
-VALUE_ENCODINGS = {"raw": ValueEncoding.RAW, "xor": ValueEncoding.XOR}
+POSITION_ENCODINGS = {"auto": None, "ans": Encoding.ANS_GAPS, "coo": Encoding.COO, "gaps": Encoding.GAPS, "bitmap": Encoding.BITMAP}
+VALUE_ENCODINGS = {"ulp": ValueEncoding.ULP, "raw": ValueEncoding.RAW, "xor": ValueEncoding.XOR}
 
 
 @dataclass
@@ -48,8 +48,8 @@ class PatchConfig:
     transport_device: str = "cpu"  # where patch buffers are packed: cuda for nvcomp_lz4
     delta_encoding: bool = True  # seed COO only: delta-encode rows/cols
     compression: str = "zstd"  # none | lz4 | zstd | nvcomp_lz4
-    position_encoding: str = "auto"  # auto (gaps or bitmap, smaller) | gaps | bitmap | coo (the seed's)
-    value_encoding: str = "xor"  # xor (against base_version) | raw (new values, the seed's)
+    position_encoding: str = "auto"  # auto | ans (entropy-coded gaps) | gaps | bitmap | coo (the seed's)
+    value_encoding: str = "ulp"  # ulp (entropy-coded bit differences) | xor | raw (the seed's new values)
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
 
     def options(self) -> PatchOptions:

@@ -63,11 +63,13 @@ class Encoding(IntEnum):
     COO_DELTA = 2  # the seed's delta-encoded rows and cols
     GAPS = 3  # flat-index gaps (zero-run lengths between changes)
     BITMAP = 4  # one bit per element
+    ANS_GAPS = 5  # gaps, entropy coded (protocol/entropy.py)
 
 
 class ValueEncoding(IntEnum):
     RAW = 0  # the new values
     XOR = 1  # new bits XOR old bits: valid only on top of exactly base_version
+    ULP = 2  # new bits - old bits, entropy coded: valid only on top of exactly base_version
 
 
 class Role(IntEnum):
@@ -76,7 +78,12 @@ class Role(IntEnum):
     VALUES = 0
     ROWS = 1
     COLS = 2
-    POSITIONS = 3  # gaps or bitmap
+    POSITIONS = 3  # gaps, bitmap, or the entropy-coded high parts of gaps
+    LOW_BITS = 4  # entropy-coded gaps: their low bits
+    POSITION_MODEL = 5  # entropy-coded gaps: the split and the counts table
+    POSITION_ESCAPES = 6  # entropy-coded gaps: gaps too large for the table
+    VALUE_MODEL = 7  # entropy-coded values: the counts table
+    VALUE_ESCAPES = 8  # entropy-coded values: differences too large for the table
 
 
 @dataclass(frozen=True)

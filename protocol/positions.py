@@ -1,5 +1,5 @@
-"""Encodings of a tensor's changed positions: the seed's COO (plain or delta) and two
-denser ones, flat-index gaps and a bitmap.
+"""Encodings of a tensor's changed positions: the seed's COO (plain or delta), flat-index
+gaps (raw or entropy coded) and a bitmap.
 
 Encoders take sorted int64 flat indices and return index tensors downscaled to the
 smallest unsigned dtype. Decoders take untrusted buffers and return sorted, unique,
@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from . import entropy
 from .coo import coo_shape, delta_decode, delta_encode, split_rows_cols
 from .dtypes import smallest_unsigned
 from .errors import ProtocolError
@@ -34,8 +35,15 @@ def encode_positions(flat: torch.Tensor, shape: tuple[int, ...], encoding: Encod
             rows, cols = delta_encode(rows, cols)
         return {Role.ROWS: downscale(rows), Role.COLS: downscale(cols)}
     if encoding is Encoding.GAPS:
-        gaps = torch.diff(flat, prepend=flat.new_full((1,), -1)) - 1
-        return {Role.POSITIONS: downscale(gaps)}
+        return {Role.POSITIONS: downscale(gaps_of(flat))}
+    if encoding is Encoding.ANS_GAPS:
+        coded = entropy.encode_gaps(gaps_of(flat).cpu())
+        return {
+            Role.POSITIONS: coded["words"],
+            Role.LOW_BITS: coded["low"],
+            Role.POSITION_MODEL: coded["model"],
+            Role.POSITION_ESCAPES: coded["escapes"],
+        }
     if encoding is Encoding.BITMAP:
         numel = math.prod(shape)
         mask = torch.zeros(math.ceil(numel / 8) * 8, dtype=torch.uint8, device=flat.device)
@@ -43,6 +51,11 @@ def encode_positions(flat: torch.Tensor, shape: tuple[int, ...], encoding: Encod
         packed = (mask.view(-1, 8) * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8)
         return {Role.POSITIONS: packed}
     raise ValueError(f"{encoding!r} has no positions")
+
+
+def gaps_of(flat: torch.Tensor) -> torch.Tensor:
+    """Zero-run lengths before each of the sorted flat indices."""
+    return torch.diff(flat, prepend=flat.new_full((1,), -1)) - 1
 
 
 def positions_nbytes(nnz: int, numel: int, encoding: Encoding, max_gap: int) -> int:
@@ -72,11 +85,16 @@ def decode_positions(buffers: dict[Role, torch.Tensor], shape: tuple[int, ...], 
         if nnz > 1 and not bool((torch.diff(flat) > 0).all()):
             raise ProtocolError("positions are not strictly increasing")
         return flat
-    if encoding is Encoding.GAPS:
-        gaps = buffers[Role.POSITIONS]
-        if gaps.dim() != 1 or gaps.numel() != nnz:
-            raise ProtocolError(f"gaps hold {gaps.numel()} entries, expected {nnz}")
-        gaps = _as_int64(gaps)
+    if encoding in (Encoding.GAPS, Encoding.ANS_GAPS):
+        if encoding is Encoding.ANS_GAPS:
+            gaps = entropy.decode_gaps(
+                buffers[Role.POSITIONS], buffers[Role.LOW_BITS], buffers[Role.POSITION_MODEL], buffers[Role.POSITION_ESCAPES], nnz
+            )
+        else:
+            gaps = buffers[Role.POSITIONS]
+            if gaps.dim() != 1 or gaps.numel() != nnz:
+                raise ProtocolError(f"gaps hold {gaps.numel()} entries, expected {nnz}")
+            gaps = _as_int64(gaps)
         if nnz and int(gaps.max()) >= numel:  # also bounds the cumsum below against overflow
             raise ProtocolError("gap larger than the tensor")
         flat = torch.cumsum(gaps + 1, 0) - 1

@@ -15,29 +15,41 @@ from dataclasses import dataclass
 
 import torch
 
+from . import entropy
 from .buffers import Buffer, buffer_tensor, tensor_view
 from .checksum import checksum
 from .compress import Codec, compress, decompress, shuffle, unshuffle
-from .dtypes import bits_dtype, dtype_code, dtype_from_code, itemsize
+from .dtypes import UNSIGNED_INDEX_DTYPES, bits_dtype, dtype_code, dtype_from_code, itemsize
 from .errors import ProtocolError
 from .framing import BufferSpec, Encoding, Role, TensorEntry, ValueEncoding
-from .positions import decode_positions, encode_positions, positions_nbytes
+from .positions import decode_positions, encode_positions, gaps_of, positions_nbytes
 
-_ROLES = {
-    Encoding.DENSE: {Role.VALUES},
-    Encoding.COO: {Role.ROWS, Role.COLS, Role.VALUES},
-    Encoding.COO_DELTA: {Role.ROWS, Role.COLS, Role.VALUES},
-    Encoding.GAPS: {Role.POSITIONS, Role.VALUES},
-    Encoding.BITMAP: {Role.POSITIONS, Role.VALUES},
+_POSITION_ROLES = {
+    Encoding.DENSE: frozenset(),
+    Encoding.COO: frozenset({Role.ROWS, Role.COLS}),
+    Encoding.COO_DELTA: frozenset({Role.ROWS, Role.COLS}),
+    Encoding.GAPS: frozenset({Role.POSITIONS}),
+    Encoding.BITMAP: frozenset({Role.POSITIONS}),
+    Encoding.ANS_GAPS: frozenset({Role.POSITIONS, Role.LOW_BITS, Role.POSITION_MODEL, Role.POSITION_ESCAPES}),
 }
+_VALUE_ROLES = {
+    ValueEncoding.RAW: frozenset({Role.VALUES}),
+    ValueEncoding.XOR: frozenset({Role.VALUES}),
+    ValueEncoding.ULP: frozenset({Role.VALUES, Role.VALUE_MODEL, Role.VALUE_ESCAPES}),
+}
+# Entropy-coded buffers are already dense: compressing them again only costs time.
+_ENTROPY_CODED = frozenset({Role.LOW_BITS, Role.POSITION_MODEL, Role.POSITION_ESCAPES, Role.VALUE_MODEL, Role.VALUE_ESCAPES})
+ANS_MIN_CHANGES = 128  # below this, a counts table costs more than it saves
+ULP_MAX_ESCAPES = 0.25  # above this share of large differences (fp32 receivers), XOR compresses better
 
 
 @dataclass(frozen=True)
 class PatchOptions:
-    """How patches are encoded. ``positions`` None picks GAPS or BITMAP per tensor, by size."""
+    """How patches are encoded. ``positions`` None picks per tensor: entropy-coded gaps
+    when there are enough changes, else the smaller of raw gaps and a bitmap."""
 
     positions: Encoding | None = None
-    values: ValueEncoding = ValueEncoding.XOR
+    values: ValueEncoding = ValueEncoding.ULP
     codec: Codec = Codec.NONE
 
 
@@ -56,7 +68,11 @@ class EncodedTensor:
 
 def pack_buffer(role: Role, t: torch.Tensor, codec: Codec) -> tuple[BufferSpec, Buffer]:
     """One buffer: bytes of ``t``, shuffled and compressed when that pays, and checksummed."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:  # empty tensors may carry any stride, which view() refuses
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+    else:
+        raw = flat.contiguous().view(torch.uint8)
     size = itemsize(t.dtype)
     wire: Buffer | None = None
     shuffled = False
@@ -81,27 +97,47 @@ def sparse_buffers(
     old: torch.Tensor,
     shape: tuple[int, ...],
     options: PatchOptions,
-) -> tuple[Encoding, dict[Role, torch.Tensor]]:
-    """Position and value buffers of changes at sorted int64 ``flat``, on ``flat``'s device."""
+) -> tuple[Encoding, ValueEncoding, dict[Role, torch.Tensor]]:
+    """Position and value buffers of changes at sorted int64 ``flat``, and the encodings
+    chosen. Raw and XOR buffers stay on ``flat``'s device; entropy-coded ones are on the host."""
     encoding = options.positions
-    if encoding is None:
-        numel, nnz = math.prod(shape), flat.numel()
-        max_gap = int((torch.diff(flat, prepend=flat.new_full((1,), -1)) - 1).max()) if nnz else 0
+    numel, nnz = math.prod(shape), flat.numel()
+    if encoding is None and nnz >= ANS_MIN_CHANGES:
+        encoding = Encoding.ANS_GAPS
+    elif encoding is None:
+        max_gap = int(gaps_of(flat).max()) if nnz else 0
         gaps = positions_nbytes(nnz, numel, Encoding.GAPS, max_gap)
         encoding = Encoding.GAPS if gaps <= positions_nbytes(nnz, numel, Encoding.BITMAP, 0) else Encoding.BITMAP
     buffers = encode_positions(flat, shape, encoding)
-    if options.values is ValueEncoding.XOR:
+    values = options.values
+    if values is ValueEncoding.ULP:
+        diffs = entropy.ulp_differences(new, old).cpu()
+        coded = entropy.encode_values(diffs)
+        if coded["escapes"].numel() <= ULP_MAX_ESCAPES * nnz:
+            buffers.update({Role.VALUES: coded["words"], Role.VALUE_MODEL: coded["model"], Role.VALUE_ESCAPES: coded["escapes"]})
+            return encoding, values, buffers
+        values = ValueEncoding.XOR
+    if values is ValueEncoding.XOR:
         bits = bits_dtype(new.dtype)
         buffers[Role.VALUES] = new.view(bits) ^ old.view(bits)
     else:
         buffers[Role.VALUES] = new
-    return encoding, buffers
+    return encoding, values, buffers
 
 
 def pack_entry(
     key: int, encoding: Encoding, values: ValueEncoding, nnz: int, buffers: dict[Role, torch.Tensor], codec: Codec
 ) -> EncodedTensor:
-    return EncodedTensor(key, encoding, values, nnz, [pack_buffer(r, t, codec) for r, t in buffers.items()])
+    packed = [pack_buffer(r, t, Codec.NONE if _entropy_coded(r, encoding, values) else codec) for r, t in buffers.items()]
+    return EncodedTensor(key, encoding, values, nnz, packed)
+
+
+def _entropy_coded(role: Role, encoding: Encoding, values: ValueEncoding) -> bool:
+    return (
+        role in _ENTROPY_CODED
+        or (role is Role.POSITIONS and encoding is Encoding.ANS_GAPS)
+        or (role is Role.VALUES and values is ValueEncoding.ULP)
+    )
 
 
 def encode_sparse(
@@ -113,8 +149,8 @@ def encode_sparse(
     options: PatchOptions,
 ) -> EncodedTensor:
     """Changed positions ``flat`` (sorted int64) with their ``new`` and ``old`` values."""
-    encoding, buffers = sparse_buffers(flat, new, old, shape, options)
-    return pack_entry(key, encoding, options.values, flat.numel(), buffers, options.codec)
+    encoding, values, buffers = sparse_buffers(flat, new, old, shape, options)
+    return pack_entry(key, encoding, values, flat.numel(), buffers, options.codec)
 
 
 def raw_nbytes(buffers: dict[Role, torch.Tensor]) -> int:
@@ -159,6 +195,8 @@ class DecodedTensor:
         if self.encoding is ValueEncoding.XOR:
             bits = bits_dtype(old.dtype)
             return (old.view(bits) ^ self.values.to(old.device)).view(old.dtype)
+        if self.encoding is ValueEncoding.ULP:
+            return entropy.apply_differences(old, self.values.to(old.device))
         return self.values
 
 
@@ -178,8 +216,9 @@ def decode_entry(
     """
     where = f"tensor {entry.key}"
     roles = {b.role for b in entry.buffers}
-    if roles != _ROLES[entry.encoding]:
-        raise ProtocolError(f"{where}: {entry.encoding.name} needs buffers {sorted(r.name for r in _ROLES[entry.encoding])}")
+    wanted = _POSITION_ROLES[entry.encoding] | _VALUE_ROLES[entry.values]
+    if roles != wanted:
+        raise ProtocolError(f"{where}: {entry.encoding.name}/{entry.values.name} needs buffers {sorted(r.name for r in wanted)}")
     numel = math.prod(shape)
     vspec = entry.buffer(Role.VALUES)
     vdtype = dtype_from_code(vspec.dtype)
@@ -190,17 +229,43 @@ def decode_entry(
         if vdtype != dtype and not convertible:
             raise ProtocolError(f"{where}: values of dtype {vdtype} cannot load into {dtype}")
         return DecodedTensor(entry.key, None, unpack_buffer(vspec, frames[vspec.frame - 1], device), entry.values)
-    if not 0 < entry.nnz <= numel:
-        raise ProtocolError(f"{where}: {entry.nnz} changes for a tensor of {numel} elements")
-    want = bits_dtype(dtype) if entry.values is ValueEncoding.XOR else dtype
-    if vdtype != want or vspec.shape != (entry.nnz,):
-        raise ProtocolError(f"{where}: values {vdtype}{list(vspec.shape)}, expected {want}[{entry.nnz}]")
-    for b in entry.buffers:  # bound every index buffer by the target before decompressing
-        if b.role is not Role.VALUES and math.prod(b.shape) > max(entry.nnz, math.ceil(numel / 8)):
-            raise ProtocolError(f"{where}: {b.role.name.lower()} buffer of shape {list(b.shape)} is too large")
-    index: dict[Role, torch.Tensor] = {
-        b.role: unpack_buffer(b, frames[b.frame - 1], device) for b in entry.buffers if b.role is not Role.VALUES
-    }
-    flat = decode_positions(index, tuple(shape), entry.encoding, entry.nnz)
-    values = unpack_buffer(vspec, frames[vspec.frame - 1], device)
+    nnz = entry.nnz
+    if not 0 < nnz <= numel:
+        raise ProtocolError(f"{where}: {nnz} changes for a tensor of {numel} elements")
+    for b in entry.buffers:  # bound every buffer by the target before decompressing anything
+        allowed, limit = _buffer_rule(b.role, entry, dtype, numel)
+        if dtype_from_code(b.dtype) not in allowed or len(b.shape) != 1 or b.shape[0] > limit:
+            raise ProtocolError(
+                f"{where}: {b.role.name.lower()} buffer {dtype_from_code(b.dtype)}{list(b.shape)}, expected {allowed} of at most {limit}"
+            )
+    if entry.values in (ValueEncoding.RAW, ValueEncoding.XOR) and vspec.shape != (nnz,):
+        raise ProtocolError(f"{where}: {vspec.shape[0]} values for {nnz} changes")
+    decoded = {b.role: unpack_buffer(b, frames[b.frame - 1], device) for b in entry.buffers}
+    flat = decode_positions(decoded, tuple(shape), entry.encoding, nnz)
+    if entry.values is ValueEncoding.ULP:
+        values = entropy.decode_values(decoded[Role.VALUES].cpu(), decoded[Role.VALUE_MODEL].cpu(), decoded[Role.VALUE_ESCAPES].cpu(), nnz)
+    else:
+        values = decoded[Role.VALUES]
     return DecodedTensor(entry.key, flat, values, entry.values)
+
+
+def _buffer_rule(role: Role, entry: TensorEntry, dtype: torch.dtype, numel: int) -> tuple[tuple[torch.dtype, ...], int]:
+    """The dtypes a sparse entry's buffer may have, and its most elements."""
+    nnz = entry.nnz
+    if role is Role.VALUES:
+        if entry.values is ValueEncoding.ULP:
+            return (torch.uint32,), nnz + 2  # rANS: at most 24 bits a symbol, plus its state
+        return ((bits_dtype(dtype) if entry.values is ValueEncoding.XOR else dtype),), nnz
+    if role is Role.POSITIONS and entry.encoding is Encoding.ANS_GAPS:
+        return (torch.uint32,), nnz + 2
+    if role is Role.POSITIONS and entry.encoding is Encoding.BITMAP:
+        return (torch.uint8,), math.ceil(numel / 8)
+    if role is Role.LOW_BITS:
+        return (torch.uint8,), math.ceil(nnz * entropy.MAX_K / 8)
+    if role is Role.POSITION_MODEL:
+        return (torch.int64,), 1 + entropy.HIGH_SYMBOLS
+    if role is Role.VALUE_MODEL:
+        return (torch.int64,), entropy.VALUE_SYMBOLS
+    if role in (Role.POSITION_ESCAPES, Role.VALUE_ESCAPES):
+        return (torch.int64,), nnz
+    return UNSIGNED_INDEX_DTYPES, nnz  # rows, cols and raw gaps: one per change

@@ -260,8 +260,8 @@ class ReceiverBase:
         exact = msg.type is MessageType.PATCH  # buckets and bootstraps may carry a float dtype to convert
         updates = []
         for entry in msg.tensors:
-            if entry.values is ValueEncoding.XOR and msg.type is not MessageType.PATCH:
-                raise ProtocolError(f"{msg.describe()}: XOR values outside a patch")
+            if entry.values is not ValueEncoding.RAW and msg.type is not MessageType.PATCH:
+                raise ProtocolError(f"{msg.describe()}: {entry.values.name} values outside a patch")
             shape, dtype = self.metadata.shapes[entry.key], self.metadata.dtypes[entry.key]
             decoded = decode_entry(entry, msg.frames, shape, dtype, self.device, exact_dtype=exact)
             updates.append(StagedUpdate.stage(decoded, targets[entry.key]))

@@ -108,8 +108,7 @@ class PatchBuilder:
         if nnz == 0:
             return None
         new = cast[flat]
-        encoding, buffers = sparse_buffers(flat, new, snap_flat[flat], tuple(cur.shape), self.options)
-        values = self.options.values
+        encoding, values, buffers = sparse_buffers(flat, new, snap_flat[flat], tuple(cur.shape), self.options)
         if raw_nbytes(buffers) >= numel * cast.element_size():
             encoding, values, buffers = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: cast.view(cur.shape).clone()}
             stats.tensors_dense += 1

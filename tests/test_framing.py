@@ -275,7 +275,7 @@ def test_config_defaults():
     assert p.compression in COMPRESSION_NAMES and p.codec is not Codec.NVCOMP_LZ4  # a default must work on CPU
     assert cfg.init_sync is p.init_sync and p.init_sync.enabled and p.init_sync.prefixes is None
     assert p.init_sync.bucket_size == 128 << 20
-    assert p.options() == PatchOptions(None, ValueEncoding.XOR, COMPRESSION_NAMES[p.compression])
+    assert p.options() == PatchOptions(None, ValueEncoding.ULP, COMPRESSION_NAMES[p.compression])
     assert cfg.bucket.bucket_size == 512 << 20 and not cfg.bucket.init_sync.enabled
     assert load_config({}) == cfg
     assert load_config(SyncConfig()) == cfg
@@ -285,7 +285,7 @@ def test_config_coo_with_and_without_delta():
     cfg = load_config({"patch": {"position_encoding": "coo"}})
     assert cfg.patch.options().positions is Encoding.COO_DELTA
     cfg = load_config({"patch": {"position_encoding": "coo", "delta_encoding": False, "compression": "lz4"}})
-    assert cfg.patch.options() == PatchOptions(Encoding.COO, ValueEncoding.XOR, Codec.LZ4)
+    assert cfg.patch.options() == PatchOptions(Encoding.COO, ValueEncoding.ULP, Codec.LZ4)
 
 
 def test_config_weight_syncer_wrapper():

@@ -1,0 +1,189 @@
+"""Entropy coding of patches, close to the information floor.
+
+Positions: the gaps between changed flat indices are split Rice-style into a high part
+``gap >> k``, entropy coded with rANS under its empirical distribution (a small counts
+table travels along), and ``k`` low bits packed at fixed width (they are close to
+uniform). Large high parts escape to a raw side buffer.
+
+Values: the change of each element as an integer difference of its bit pattern
+(``new_bits - old_bits``, wrapping at the dtype's width; +-1 for a one-ulp move),
+zigzag-mapped and rANS coded under its empirical distribution; rare large differences
+escape to a raw side buffer. Exact for every bit pattern, NaN and infinities included,
+and valid only on top of exactly the base version.
+
+rANS is ``constriction``'s (Rust, vectorized over a whole buffer). Decoders treat
+every buffer as hostile: table sizes, escape counts and the decoded positions are all
+checked; anything off raises ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import constriction
+import numpy as np
+import torch
+
+from .dtypes import bits_dtype
+from .errors import ProtocolError
+
+ans_model = constriction.stream.model  # a native module: its submodules are attributes, not importable
+ans_stack = constriction.stream.stack
+
+HIGH_SYMBOLS = 64  # gap high parts 0..62, 63 = escape
+VALUE_SYMBOLS = 64  # zigzag ulp differences 0..62, 63 = escape
+MAX_K = 40
+
+
+# -- rANS with an empirical model ----------------------------------------------------------
+def ans_encode(symbols: np.ndarray, alphabet: int) -> tuple[np.ndarray, np.ndarray]:
+    """rANS words (uint32) and the counts table (uint32, trimmed) for ``symbols``."""
+    counts = np.bincount(symbols, minlength=1).astype(np.uint32)
+    if len(counts) > alphabet:
+        raise ValueError("symbol outside the alphabet")
+    coder = ans_stack.AnsCoder()
+    coder.encode_reverse(symbols.astype(np.int32, copy=False), _model(counts))
+    return np.array(coder.get_compressed(), dtype=np.uint32), counts  # an owned, contiguous copy
+
+
+def ans_decode(words: np.ndarray, counts: np.ndarray, n: int, alphabet: int) -> np.ndarray:
+    if counts.ndim != 1 or not 0 < len(counts) <= alphabet or int(counts.sum(dtype=np.uint64)) != n:
+        raise ProtocolError(f"entropy model of {len(counts)} symbols does not describe {n} values")
+    try:
+        symbols = ans_stack.AnsCoder(np.ascontiguousarray(words, dtype=np.uint32)).decode(_model(counts), n)
+    except Exception as e:  # constriction reports exhausted or inconsistent streams its own way
+        raise ProtocolError(f"entropy-coded stream does not decode: {e}") from None
+    if np.bincount(symbols, minlength=len(counts))[: len(counts)].tolist() != counts.tolist():
+        raise ProtocolError("entropy-coded stream does not match its model")
+    return symbols
+
+
+def _model(counts: np.ndarray) -> object:
+    # Both sides build the model from the same integer counts, so the quantized
+    # probabilities (and therefore the code) are identical. A one-symbol alphabet gets
+    # an unused second symbol: the coder needs two.
+    probabilities = np.zeros(max(2, len(counts)))
+    probabilities[: len(counts)] = counts
+    return ans_model.Categorical(probabilities, perfect=False)
+
+
+# -- fixed-width bit packing ------------------------------------------------------------------
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """The low ``width`` bits of each value (int64), most significant first, as bytes."""
+    if width == 0 or values.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    shifts = torch.arange(width - 1, -1, -1, dtype=torch.int64)
+    bits = ((values.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    if packed.dtype != torch.uint8 or packed.numel() != math.ceil(n * width / 8):
+        raise ProtocolError(f"{packed.numel()} bytes of {width}-bit fields for {n} values")
+    if width == 0 or n == 0:
+        return torch.zeros(n, dtype=torch.int64)
+    shifts = torch.arange(7, -1, -1, dtype=torch.int64)
+    bits = ((packed.to(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[: n * width].view(n, width)
+    weights = torch.tensor([1 << (width - 1 - i) for i in range(width)], dtype=torch.int64)
+    return (bits * weights).sum(1)
+
+
+# -- positions ----------------------------------------------------------------------------
+def rice_parameter(gaps: torch.Tensor) -> int:
+    """The split ``k`` that minimises ``k`` low bits plus the entropy of ``gap >> k``.
+
+    Starts from the median (robust to a few huge gaps) and tries its neighbours.
+    """
+    if gaps.numel() == 0:
+        return 0
+    median = float(gaps.double().median())
+    start = max(0, int(math.log2(median + 1)))
+    best, best_bits = 0, math.inf
+    for k in range(max(0, start - 2), min(MAX_K, start + 2) + 1):
+        high = gaps >> k
+        escaped = int((high >= HIGH_SYMBOLS - 1).sum())
+        counts = torch.bincount(high.clamp(max=HIGH_SYMBOLS - 1)).double()
+        p = counts[counts > 0] / gaps.numel()
+        bits = gaps.numel() * k + float(-(p * p.log2()).sum()) * gaps.numel() + 64 * escaped
+        if bits < best_bits:
+            best, best_bits = k, bits
+    return best
+
+
+def encode_gaps(gaps: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Entropy-coded gaps: ``words`` (uint32), ``low`` (uint8), ``model`` (int64: k, then
+    the counts of the high parts), ``escapes`` (int64 raw gaps whose high part escaped)."""
+    k = rice_parameter(gaps)
+    high = gaps >> k
+    escaped = high >= HIGH_SYMBOLS - 1
+    symbols = torch.where(escaped, HIGH_SYMBOLS - 1, high).numpy()
+    words, counts = ans_encode(symbols, HIGH_SYMBOLS)
+    return {
+        "words": torch.from_numpy(words),
+        "low": pack_bits(gaps & ((1 << k) - 1), k),
+        "model": torch.cat([torch.tensor([k]), torch.from_numpy(counts.astype(np.int64))]),
+        "escapes": gaps[escaped],
+    }
+
+
+def decode_gaps(words: torch.Tensor, low: torch.Tensor, model: torch.Tensor, escapes: torch.Tensor, n: int) -> torch.Tensor:
+    if model.dtype != torch.int64 or model.dim() != 1 or model.numel() < 2:
+        raise ProtocolError("gap model is malformed")
+    k = int(model[0])
+    if not 0 <= k <= MAX_K:
+        raise ProtocolError(f"gap parameter k={k} out of range")
+    counts = model[1:].numpy()
+    if (counts < 0).any():
+        raise ProtocolError("negative count in the gap model")
+    high = torch.from_numpy(ans_decode(_words(words), counts.astype(np.uint32), n, HIGH_SYMBOLS).astype(np.int64))
+    escaped = high == HIGH_SYMBOLS - 1
+    if escapes.dtype != torch.int64 or escapes.numel() != int(escaped.sum()):
+        raise ProtocolError("gap escapes do not match the escape symbols")
+    gaps = (high << k) | unpack_bits(low, k, n)
+    gaps[escaped] = escapes
+    if n and int(gaps.min()) < 0:
+        raise ProtocolError("negative gap")
+    return gaps
+
+
+# -- values -------------------------------------------------------------------------------
+def ulp_differences(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new_bits - old_bits`` wrapping at the dtype's width, as int64."""
+    bits = bits_dtype(new.dtype)
+    return (new.view(bits) - old.view(bits)).to(torch.int64)  # wraps in the narrow dtype
+
+
+def apply_differences(old: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
+    bits = bits_dtype(old.dtype)
+    return (old.view(bits) + diffs.to(bits)).view(old.dtype)
+
+
+def encode_values(diffs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Entropy-coded ulp differences: ``words``, ``model`` (counts), ``escapes`` (raw)."""
+    zigzag = (diffs << 1) ^ (diffs >> 63)  # 0, -1, 1, -2, ... -> 0, 1, 2, 3, ...
+    escaped = (zigzag < 0) | (zigzag >= VALUE_SYMBOLS - 1)
+    symbols = torch.where(escaped, VALUE_SYMBOLS - 1, zigzag).numpy()
+    words, counts = ans_encode(symbols, VALUE_SYMBOLS)
+    return {"words": torch.from_numpy(words), "model": torch.from_numpy(counts.astype(np.int64)), "escapes": diffs[escaped]}
+
+
+def decode_values(words: torch.Tensor, model: torch.Tensor, escapes: torch.Tensor, n: int) -> torch.Tensor:
+    if model.dtype != torch.int64 or model.dim() != 1 or (model < 0).any():
+        raise ProtocolError("value model is malformed")
+    zigzag = torch.from_numpy(ans_decode(_words(words), model.numpy().astype(np.uint32), n, VALUE_SYMBOLS).astype(np.int64))
+    escaped = zigzag == VALUE_SYMBOLS - 1
+    if escapes.dtype != torch.int64 or escapes.numel() != int(escaped.sum()):
+        raise ProtocolError("value escapes do not match the escape symbols")
+    diffs = (zigzag >> 1) ^ -(zigzag & 1)
+    diffs[escaped] = escapes
+    return diffs
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    if t.dtype != torch.uint32 or t.dim() != 1:
+        raise ProtocolError("entropy-coded stream must be a 1-D uint32 buffer")
+    return t.numpy()
