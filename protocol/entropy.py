@@ -7,8 +7,8 @@ uniform). Large high parts escape to a raw side buffer.
 
 Values: the change of each element as an integer difference of its bit pattern
 (``new_bits - old_bits``, wrapping at the dtype's width; +-1 for a one-ulp move),
-zigzag-mapped and rANS coded under its empirical distribution; rare large differences
-escape to a raw side buffer. Exact for every bit pattern, NaN and infinities included,
+zigzag-mapped and rANS coded under its empirical distribution; large differences are
+coded as their bit length plus the bits below the leading one. Exact for every bit pattern, NaN and infinities included,
 and valid only on top of exactly the base version.
 
 rANS is ``constriction``'s (Rust, vectorized over a whole buffer). Decoders treat
@@ -31,7 +31,6 @@ ans_model = constriction.stream.model  # a native module: its submodules are att
 ans_stack = constriction.stream.stack
 
 HIGH_SYMBOLS = 64  # gap high parts 0..62, 63 = escape
-VALUE_SYMBOLS = 64  # zigzag ulp differences 0..62, 63 = escape
 MAX_K = 40
 
 
@@ -163,24 +162,65 @@ def apply_differences(old: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
 
 
 def encode_values(diffs: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Entropy-coded ulp differences: ``words``, ``model`` (counts), ``escapes`` (raw)."""
-    zigzag = (diffs << 1) ^ (diffs >> 63)  # 0, -1, 1, -2, ... -> 0, 1, 2, 3, ...
-    escaped = (zigzag < 0) | (zigzag >= VALUE_SYMBOLS - 1)
-    symbols = torch.where(escaped, VALUE_SYMBOLS - 1, zigzag).numpy()
-    words, counts = ans_encode(symbols, VALUE_SYMBOLS)
-    return {"words": torch.from_numpy(words), "model": torch.from_numpy(counts.astype(np.int64)), "escapes": diffs[escaped]}
+    """Entropy-coded ulp differences: ``words``, ``model`` (counts) and ``extra`` bits.
+
+    Zigzag-mapped differences below ``DIRECT`` are symbols of their own; larger ones
+    are coded as their bit length (Exp-Golomb style), with the bits below the leading
+    one packed per length class into ``extra``. Heavy tails stay cheap.
+    """
+    zigzag = (diffs << 1) ^ (diffs >> 63)  # 0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (as uint64 bits)
+    symbols = zigzag.clone()
+    large = (zigzag >= DIRECT) | (zigzag < 0)
+    if bool(large.any()):
+        symbols[large] = DIRECT + _bit_length(zigzag[large]) - DIRECT_BITS - 1
+    words, counts = ans_encode(symbols.numpy(), VALUE_SYMBOLS)
+    extra = [pack_bits(zigzag[symbols == c] & ((1 << (w - 1)) - 1), w - 1) for c, w in _classes(counts)]
+    return {
+        "words": torch.from_numpy(words),
+        "model": torch.from_numpy(counts.astype(np.int64)),
+        "extra": torch.cat(extra) if extra else torch.zeros(0, dtype=torch.uint8),
+    }
 
 
-def decode_values(words: torch.Tensor, model: torch.Tensor, escapes: torch.Tensor, n: int) -> torch.Tensor:
+def decode_values(words: torch.Tensor, model: torch.Tensor, extra: torch.Tensor, n: int) -> torch.Tensor:
     if model.dtype != torch.int64 or model.dim() != 1 or (model < 0).any():
         raise ProtocolError("value model is malformed")
-    zigzag = torch.from_numpy(ans_decode(_words(words), model.numpy().astype(np.uint32), n, VALUE_SYMBOLS).astype(np.int64))
-    escaped = zigzag == VALUE_SYMBOLS - 1
-    if escapes.dtype != torch.int64 or escapes.numel() != int(escaped.sum()):
-        raise ProtocolError("value escapes do not match the escape symbols")
-    diffs = (zigzag >> 1) ^ -(zigzag & 1)
-    diffs[escaped] = escapes
-    return diffs
+    counts = model.numpy().astype(np.uint32)
+    symbols = torch.from_numpy(ans_decode(_words(words), counts, n, VALUE_SYMBOLS).astype(np.int64))
+    classes = list(_classes(counts))
+    sizes = [math.ceil(int(counts[c]) * (w - 1) / 8) for c, w in classes]
+    if extra.dtype != torch.uint8 or extra.numel() != sum(sizes):
+        raise ProtocolError(f"value extra bits: {extra.numel()} bytes, the model needs {sum(sizes)}")
+    zigzag = symbols.clone()
+    start = 0
+    for (c, w), size in zip(classes, sizes):
+        low = unpack_bits(extra[start : start + size], w - 1, int(counts[c]))
+        zigzag[symbols == c] = (1 << (w - 1)) | low  # for w == 64 the leading one is the sign bit
+        start += size
+    return ((zigzag >> 1) & _INT64_MAX) ^ -(zigzag & 1)
+
+
+DIRECT_BITS = 4  # zigzag values below 16 are their own symbols
+DIRECT = 1 << DIRECT_BITS
+VALUE_SYMBOLS = DIRECT + 64 - DIRECT_BITS  # then one symbol per bit length 5..64
+_INT64_MAX = (1 << 63) - 1
+
+
+def _bit_length(z: torch.Tensor) -> torch.Tensor:
+    """Exact bit length of int64 values read as uint64 (64 for the ones with the top bit set)."""
+    # frexp is exact below 2**53; the rare larger values are counted bit by bit.
+    length = torch.frexp(z.clamp(min=0).double())[1].to(torch.int64)
+    wide = (z >= 1 << 52) | (z < 0)
+    if bool(wide.any()):
+        big = z[wide]
+        exact = sum(((big >> k) != 0).to(torch.int64) for k in range(63))
+        length[wide] = torch.where(big < 0, 64, exact)
+    return length
+
+
+def _classes(counts: np.ndarray) -> list[tuple[int, int]]:
+    """(symbol, bit length) of each length class present in a counts table."""
+    return [(c, c - DIRECT + DIRECT_BITS + 1) for c in range(DIRECT, len(counts)) if counts[c]]
 
 
 def _words(t: torch.Tensor) -> np.ndarray:

@@ -83,7 +83,7 @@ class Role(IntEnum):
     POSITION_MODEL = 5  # entropy-coded gaps: the split and the counts table
     POSITION_ESCAPES = 6  # entropy-coded gaps: gaps too large for the table
     VALUE_MODEL = 7  # entropy-coded values: the counts table
-    VALUE_ESCAPES = 8  # entropy-coded values: differences too large for the table
+    VALUE_EXTRA = 8  # entropy-coded values: the low bits of large differences
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,11 @@ _POSITION_ROLES = {
 _VALUE_ROLES = {
     ValueEncoding.RAW: frozenset({Role.VALUES}),
     ValueEncoding.XOR: frozenset({Role.VALUES}),
-    ValueEncoding.ULP: frozenset({Role.VALUES, Role.VALUE_MODEL, Role.VALUE_ESCAPES}),
+    ValueEncoding.ULP: frozenset({Role.VALUES, Role.VALUE_MODEL, Role.VALUE_EXTRA}),
 }
 # Entropy-coded buffers are already dense: compressing them again only costs time.
-_ENTROPY_CODED = frozenset({Role.LOW_BITS, Role.POSITION_MODEL, Role.POSITION_ESCAPES, Role.VALUE_MODEL, Role.VALUE_ESCAPES})
-ANS_MIN_CHANGES = 128  # below this, a counts table costs more than it saves
-ULP_MAX_ESCAPES = 0.25  # above this share of large differences (fp32 receivers), XOR compresses better
+_ENTROPY_CODED = frozenset({Role.LOW_BITS, Role.VALUE_EXTRA})
+ANS_MIN_CHANGES = 128  # below this, counts tables cost more than they save
 
 
 @dataclass(frozen=True)
@@ -110,12 +109,11 @@ def sparse_buffers(
         encoding = Encoding.GAPS if gaps <= positions_nbytes(nnz, numel, Encoding.BITMAP, 0) else Encoding.BITMAP
     buffers = encode_positions(flat, shape, encoding)
     values = options.values
+    if values is ValueEncoding.ULP and nnz >= ANS_MIN_CHANGES:
+        coded = entropy.encode_values(entropy.ulp_differences(new, old).cpu())
+        buffers.update({Role.VALUES: coded["words"], Role.VALUE_MODEL: coded["model"], Role.VALUE_EXTRA: coded["extra"]})
+        return encoding, values, buffers
     if values is ValueEncoding.ULP:
-        diffs = entropy.ulp_differences(new, old).cpu()
-        coded = entropy.encode_values(diffs)
-        if coded["escapes"].numel() <= ULP_MAX_ESCAPES * nnz:
-            buffers.update({Role.VALUES: coded["words"], Role.VALUE_MODEL: coded["model"], Role.VALUE_ESCAPES: coded["escapes"]})
-            return encoding, values, buffers
         values = ValueEncoding.XOR
     if values is ValueEncoding.XOR:
         bits = bits_dtype(new.dtype)
@@ -243,7 +241,7 @@ def decode_entry(
     decoded = {b.role: unpack_buffer(b, frames[b.frame - 1], device) for b in entry.buffers}
     flat = decode_positions(decoded, tuple(shape), entry.encoding, nnz)
     if entry.values is ValueEncoding.ULP:
-        values = entropy.decode_values(decoded[Role.VALUES].cpu(), decoded[Role.VALUE_MODEL].cpu(), decoded[Role.VALUE_ESCAPES].cpu(), nnz)
+        values = entropy.decode_values(decoded[Role.VALUES].cpu(), decoded[Role.VALUE_MODEL].cpu(), decoded[Role.VALUE_EXTRA].cpu(), nnz)
     else:
         values = decoded[Role.VALUES]
     return DecodedTensor(entry.key, flat, values, entry.values)
@@ -266,6 +264,8 @@ def _buffer_rule(role: Role, entry: TensorEntry, dtype: torch.dtype, numel: int)
         return (torch.int64,), 1 + entropy.HIGH_SYMBOLS
     if role is Role.VALUE_MODEL:
         return (torch.int64,), entropy.VALUE_SYMBOLS
-    if role in (Role.POSITION_ESCAPES, Role.VALUE_ESCAPES):
+    if role is Role.POSITION_ESCAPES:
         return (torch.int64,), nnz
+    if role is Role.VALUE_EXTRA:
+        return (torch.uint8,), math.ceil(nnz * 63 / 8)
     return UNSIGNED_INDEX_DTYPES, nnz  # rows, cols and raw gaps: one per change
