@@ -16,6 +16,7 @@ from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding
 from protocol.state import ModelState, StateLike, materialize, resolve_state
 from protocol.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sparse_buffers
 
+from . import fastdiff
 from .base import Send, SenderBase
 from .plan import Source, SyncPlan
 from .snapshot import Snapshot
@@ -97,22 +98,27 @@ class PatchBuilder:
         dtype = self.plan.receiver_dtype(key)
         if tuple(cur.shape) != tuple(snap.shape):
             raise MetadataMismatchError(f"key {key!r} changed shape from {list(snap.shape)} to {list(cur.shape)}")
-        cast = cur.to(dtype).reshape(-1)
-        snap_flat = snap.view(-1)
-        bits = bits_dtype(dtype)
-        numel = cast.numel()
+        numel = cur.numel()
+        dense_nbytes = numel * dtype.itemsize
         stats.total_elements += numel
-        stats.dense_bytes += numel * cast.element_size()
-        flat = torch.nonzero(cast.view(bits) != snap_flat.view(bits)).squeeze(1)
+        stats.dense_bytes += dense_nbytes
+        if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
+            flat, new, old = fastdiff.diff_and_update(cur, snap)  # the snapshot is already moved
+        else:
+            cast = cur.to(dtype).reshape(-1)
+            snap_flat = snap.view(-1)
+            bits = bits_dtype(dtype)
+            flat = torch.nonzero(cast.view(bits) != snap_flat.view(bits)).squeeze(1)
+            new, old = cast[flat], snap_flat[flat]
+            if flat.numel():
+                self.snapshot.commit(key, snap, flat, new)
         nnz = flat.numel()
         if nnz == 0:
             return None
-        new = cast[flat]
-        encoding, values, buffers = sparse_buffers(flat, new, snap_flat[flat], tuple(cur.shape), self.options)
-        if raw_nbytes(buffers) >= numel * cast.element_size():
-            encoding, values, buffers = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: cast.view(cur.shape).clone()}
+        encoding, values, buffers = sparse_buffers(flat, new, old, tuple(cur.shape), self.options)
+        if raw_nbytes(buffers) >= dense_nbytes:  # the snapshot now holds exactly the new tensor
+            encoding, values, buffers = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: snap.clone()}
             stats.tensors_dense += 1
-        self.snapshot.commit(key, snap, flat, new)
         stats.changed_elements += nnz
         stats.tensors_changed += 1
         events = []

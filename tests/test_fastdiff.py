@@ -1,0 +1,71 @@
+"""The fused CPU diff agrees bit for bit with the torch path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sender import fastdiff
+
+SPECIALS = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 3.4e38, 1.0]
+BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def reference(cur: torch.Tensor, snapshot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cast = cur.to(snapshot.dtype).reshape(-1)
+    bits = BITS[snapshot.element_size()]
+    flat = torch.nonzero(cast.view(bits) != snapshot.reshape(-1).view(bits)).squeeze(1)
+    return flat, cast[flat], snapshot.reshape(-1)[flat]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = BITS[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 70_000),  # across the 65536-element chunk boundary
+    pair=st.sampled_from([(torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.float16, torch.float16), (torch.int64, torch.int64)]),
+    density=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+    specials=st.booleans(),
+)
+def test_fused_diff_matches_torch(n: int, pair: tuple[torch.dtype, torch.dtype], density: float, seed: int, specials: bool) -> None:
+    state_dtype, receiver_dtype = pair
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(n, generator=g) * 0.02) if state_dtype.is_floating_point else torch.randint(-9, 9, (n,), generator=g).double()
+    if specials and n:
+        picks = torch.randint(0, len(SPECIALS), (n,), generator=g)
+        chosen = torch.rand(n, generator=g) < 0.1
+        base[chosen] = torch.tensor(SPECIALS, dtype=base.dtype)[picks[chosen]]
+    cur = base.to(state_dtype)
+    snapshot = cur.to(receiver_dtype).clone()
+    moved = torch.rand(n, generator=g) < density
+    step = (torch.randn(n, generator=g) * 1e-3).to(base.dtype) if state_dtype.is_floating_point else torch.ones(n).double()
+    cur = torch.where(moved, (base + step).to(state_dtype), cur)
+    assert fastdiff.supported(cur, snapshot)
+    expect_flat, expect_new, expect_old = reference(cur, snapshot)
+    expected_snapshot = cur.to(receiver_dtype)
+    flat, new, old = fastdiff.diff_and_update(cur, snapshot)
+    assert torch.equal(flat, expect_flat)
+    assert same_bits(new, expect_new) and same_bits(old, expect_old)
+    assert same_bits(snapshot, expected_snapshot)  # moved to the new version in place
+
+
+def test_unsupported_pairs_take_the_torch_path() -> None:
+    assert not fastdiff.supported(torch.zeros(4), torch.zeros(4, dtype=torch.float16))  # fp32 -> fp16: not fused
+    assert not fastdiff.supported(torch.zeros(4, dtype=torch.bool), torch.zeros(4, dtype=torch.bool))
+    assert not fastdiff.supported(torch.zeros(4, 4).t(), torch.zeros(4, 4).t())  # a non-contiguous snapshot
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1,), ()])
+def test_any_shape(shape: tuple[int, ...]) -> None:
+    cur = torch.randn(shape)
+    snapshot = torch.zeros(shape, dtype=torch.bfloat16)
+    flat, new, _ = fastdiff.diff_and_update(cur, snapshot)
+    assert same_bits(snapshot, cur.to(torch.bfloat16))
+    assert same_bits(new, cur.to(torch.bfloat16).reshape(-1)[flat])
