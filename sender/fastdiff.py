@@ -19,7 +19,7 @@ import torch
 try:
     import numba
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps a broken install usable
-    numba = None
+    numba = None  # type: ignore[assignment]
 
 CHUNK_BITS = 16  # 65536 elements per parallel task
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -28,27 +28,27 @@ _SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 if numba is not None:
 
     @numba.njit(inline="always")
-    def _bf16(u):  # type: ignore[no-untyped-def]
+    def _bf16(u):
         rounded = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
         return np.uint16(0xFFFF) if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded
 
     # One kernel per case, so each inner loop is branch-free and vectorizes.
     @numba.njit(parallel=True, cache=True)
-    def _mark_bf16(cur, snap, marks):  # type: ignore[no-untyped-def]
+    def _mark_bf16(cur, snap, marks):
         n = cur.shape[0]
         for c in numba.prange((n + (1 << CHUNK_BITS) - 1) >> CHUNK_BITS):
             for i in range(c << CHUNK_BITS, min(n, (c + 1) << CHUNK_BITS)):
                 marks[i] = _bf16(cur[i]) != snap[i]
 
     @numba.njit(parallel=True, cache=True)
-    def _mark_same(cur, snap, marks):  # type: ignore[no-untyped-def]
+    def _mark_same(cur, snap, marks):
         n = cur.shape[0]
         for c in numba.prange((n + (1 << CHUNK_BITS) - 1) >> CHUNK_BITS):
             for i in range(c << CHUNK_BITS, min(n, (c + 1) << CHUNK_BITS)):
                 marks[i] = cur[i] != snap[i]
 
     @numba.njit(parallel=True, cache=True)
-    def _count(words, counts):  # type: ignore[no-untyped-def]
+    def _count(words, counts):
         per_chunk = 1 << (CHUNK_BITS - 3)  # marks are bytes: 8 to a word
         for c in numba.prange(counts.shape[0]):
             total = 0
@@ -57,7 +57,7 @@ if numba is not None:
             counts[c] = total
 
     @numba.njit(parallel=True, cache=True)
-    def _collect(cur, snap, rounding, words, offsets, flat, new, old):  # type: ignore[no-untyped-def]
+    def _collect(cur, snap, rounding, words, offsets, flat, new, old):
         per_chunk = 1 << (CHUNK_BITS - 3)
         for c in numba.prange(offsets.shape[0] - 1):
             o = offsets[c]
