@@ -38,7 +38,8 @@ async def main(args: argparse.Namespace) -> None:
         report("ready", digest=bf16_digest(model))
         for step in range(1, args.steps + 1):
             loss = train_step(model, optimizer, generator)
-            stats = await sender.sync(model, step)  # returns once built; sending goes on in the background
+            stats = await sender.sync(model, step)  # returns once the changes are collected
+            await sender.flush()  # only so this line can report wire bytes: encoding is background work
             report("synced", loss=loss, digest=bf16_digest(model), **stats.as_dict())
             await asyncio.sleep(args.step_interval)  # the rest of a real step (rollouts, logging, ...)
         await sender.wait_acked(args.steps, timeout=60)

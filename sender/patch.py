@@ -24,15 +24,24 @@ from .stats import SyncStats
 
 
 @dataclass
-class _Staged:
-    """One changed tensor's buffers on their way to the transport device."""
+class Changes:
+    """One tensor's changes, captured: host copies (or copies under way) of the changed
+    positions and their new and old values, so encoding can run after the trainer moved on."""
 
     key: int
-    encoding: Encoding
-    values: ValueEncoding
-    nnz: int
-    buffers: dict[Role, torch.Tensor]
+    shape: tuple[int, ...]
+    flat: torch.Tensor
+    new: torch.Tensor
+    old: torch.Tensor
+    dense: torch.Tensor | None  # the whole new tensor, kept when a dense send may be cheaper
     events: list[torch.cuda.Event]
+
+    def wait(self) -> None:
+        for event in self.events:
+            event.synchronize()
+
+
+DENSE_CANDIDATE = 1 / 3  # above this share of changed elements, keep the whole tensor too
 
 
 class PatchBuilder:
@@ -64,18 +73,30 @@ class PatchBuilder:
 
     async def build(self, tensors: dict[str, torch.Tensor], version: int, base: int | None) -> tuple[Message, SyncStats]:
         """The PATCH from ``base`` to ``version``; advances the snapshot to ``version``."""
+        changes, stats = await self.collect(tensors, version)
+        return await self.encode(changes, version, base, stats), stats
+
+    async def collect(self, tensors: dict[str, torch.Tensor], version: int) -> tuple[list[Changes], SyncStats]:
+        """Compare the model with the snapshot, collect the changes and advance the
+        snapshot to ``version``: the only part that reads the model."""
         stats = SyncStats(version, "patch")
         started = time.perf_counter()
         await self.snapshot.wait_writeback()
-        entries = await asyncio.to_thread(self._build, tensors, stats)
-        specs, frames = assemble(entries)
+        changes = await asyncio.to_thread(self._collect, tensors, stats)
         stats.build_seconds = time.perf_counter() - started
-        return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames), stats
+        return changes, stats
 
-    def _build(self, tensors: dict[str, torch.Tensor], stats: SyncStats) -> list[EncodedTensor]:
-        """Compare, gather and encode on each tensor's device; then pack on the host."""
+    async def encode(self, changes: list[Changes], version: int, base: int | None, stats: SyncStats) -> Message:
+        """Entropy code and pack captured changes (host CPU work, off the event loop)."""
+        started = time.perf_counter()
+        entries = await asyncio.to_thread(lambda: [self._encode(c, stats) for c in changes])
+        specs, frames = assemble(entries)
+        stats.encode_seconds = time.perf_counter() - started
+        return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames)
+
+    def _collect(self, tensors: dict[str, torch.Tensor], stats: SyncStats) -> list[Changes]:
         keys = self.plan.tracked
-        staged: list[_Staged] = []
+        captured: list[Changes] = []
         fetched = self._fetch(keys[0], tensors) if keys else None
         for i, key in enumerate(keys):
             assert fetched is not None
@@ -86,22 +107,21 @@ class PatchBuilder:
             snap = self.snapshot.stream(cur.device).use(working, event)
             item = self._diff(key, cur, snap, stats)
             if item is not None:
-                staged.append(item)
-        return [self._pack(item) for item in staged]
+                captured.append(item)
+        return captured
 
     def _fetch(self, key: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if key not in tensors:
             raise MetadataMismatchError(f"key {key!r} was tracked at init but is missing from the model now")
         return self.snapshot.fetch(key, tensors[key].device)
 
-    def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> _Staged | None:
+    def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
         dtype = self.plan.receiver_dtype(key)
         if tuple(cur.shape) != tuple(snap.shape):
             raise MetadataMismatchError(f"key {key!r} changed shape from {list(snap.shape)} to {list(cur.shape)}")
         numel = cur.numel()
-        dense_nbytes = numel * dtype.itemsize
         stats.total_elements += numel
-        stats.dense_bytes += dense_nbytes
+        stats.dense_bytes += numel * dtype.itemsize
         if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
             flat, new, old = fastdiff.diff_and_update(cur, snap)  # the snapshot is already moved
         else:
@@ -115,25 +135,33 @@ class PatchBuilder:
         nnz = flat.numel()
         if nnz == 0:
             return None
-        encoding, values, buffers = sparse_buffers(flat, new, old, tuple(cur.shape), self.options)
-        if raw_nbytes(buffers) >= dense_nbytes:  # the snapshot now holds exactly the new tensor
-            encoding, values, buffers = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: snap.clone()}
-            stats.tensors_dense += 1
         stats.changed_elements += nnz
         stats.tensors_changed += 1
-        events = []
-        if self.transport.type == "cpu":
-            for role, t in buffers.items():
-                buffers[role], event = self.snapshot.stream(t.device).to_host(t)
-                if event is not None:
-                    events.append(event)
-        ordinal = self.plan.ordinal(key)
-        return _Staged(ordinal, encoding, values, numel if encoding is Encoding.DENSE else nnz, buffers, events)
+        # The snapshot now holds exactly the new tensor: keep it when dense may win.
+        dense = snap.clone() if nnz >= DENSE_CANDIDATE * numel else None
+        events: list[torch.cuda.Event] = []
+        staged = []
+        for t in (flat, new, old, dense):  # to pinned host memory, behind events, on CUDA
+            if t is None or self.transport.type == "cuda":  # packed on the GPU (nvcomp_lz4)
+                staged.append(t)
+                continue
+            host, event = self.snapshot.stream(t.device).to_host(t)
+            staged.append(host)
+            if event is not None:
+                events.append(event)
+        flat_h, new_h, old_h, dense_h = staged
+        assert flat_h is not None and new_h is not None and old_h is not None
+        return Changes(self.plan.ordinal(key), tuple(cur.shape), flat_h, new_h, old_h, dense_h, events)
 
-    def _pack(self, item: _Staged) -> EncodedTensor:
-        for event in item.events:
-            event.synchronize()
-        return pack_entry(item.key, item.encoding, item.values, item.nnz, item.buffers, self.options.codec)
+    def _encode(self, changes: Changes, stats: SyncStats) -> EncodedTensor:
+        changes.wait()
+        encoding, values, buffers = sparse_buffers(changes.flat, changes.new, changes.old, changes.shape, self.options)
+        dense = changes.dense
+        if dense is not None and raw_nbytes(buffers) >= dense.numel() * dense.element_size():
+            stats.tensors_dense += 1
+            encoding, values, buffers = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: dense.view(changes.shape)}
+        nnz = dense.numel() if encoding is Encoding.DENSE and dense is not None else changes.flat.numel()
+        return pack_entry(changes.key, encoding, values, nnz, buffers, self.options.codec)
 
 
 class PatchSender(SenderBase):

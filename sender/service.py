@@ -31,7 +31,7 @@ from protocol.state import ModelState, StateLike, materialize, resolve_state
 from .base import Stamper, check_next_version, error_message, plan_for
 from .bucket import BucketBuilder
 from .buckets import bucket_messages, plan_buckets
-from .patch import PatchBuilder
+from .patch import Changes, PatchBuilder
 from .peers import Peer
 from .plan import Source, SyncPlan
 from .socket import PeerGone, RouterSocket
@@ -91,6 +91,8 @@ class Sender:
         self._resync: tuple[int | None, list[Message]] | None = None
         self._digest: tuple[int | None, str] | None = None
         self._peers: dict[bytes, Peer] = {}
+        self._encoding: asyncio.Task[None] | None = None  # the newest patch being encoded
+        self._encoding_bases: set[int | None] = set()  # base versions of the patches being encoded
         self._greeting: dict[bytes, asyncio.Task[None]] = {}  # HELLOs being answered
         self._lock = asyncio.Lock()  # the snapshot / retained version: builds vs bootstraps
         self._acked = asyncio.Condition()
@@ -131,9 +133,12 @@ class Sender:
         return self
 
     async def sync(self, model: StateLike, version: int) -> SyncStats:
-        """Build ``version`` from ``model`` once for every receiver and return its stats.
+        """Capture ``version`` from ``model`` once for every receiver and return its stats.
 
-        Returns when the update is built; sending goes on in the background.
+        Returns as soon as the changes are collected and the snapshot has moved (patch),
+        or the buckets are built (bucket): the model may change again. Encoding and
+        sending go on in the background; ``stats.wire_bytes`` and ``encode_seconds`` are
+        filled in once the patch is encoded (``await sender.flush()`` waits for that).
         """
         self._check_running()
         check_next_version(self.version, version)
@@ -197,10 +202,10 @@ class Sender:
             self._hold(tensors)
             return SyncStats(version, self.strategy)
         if isinstance(builder, PatchBuilder):
-            msg, stats = await builder.build(tensors, version, self.version)
-            frames = self.stamp(msg)
-            self._ring.append(_RingEntry(self.version, version, frames))
-            stats.messages, stats.wire_bytes = 1, sum(len(f) for f in frames)
+            changes, stats = await builder.collect(tensors, version)
+            base, previous = self.version, self._encoding
+            self._encoding_bases.add(base)
+            self._encoding = self._spawn(self._encode(previous, changes, version, base, stats), f"encode-v{version}")
             return stats
         started = time.perf_counter()
         self._retained = await asyncio.to_thread(builder.retain, tensors)
@@ -210,6 +215,26 @@ class Sender:
         stats.messages, stats.wire_bytes = len(frames_list), sum(len(f) for fr in frames_list for f in fr)
         stats.build_seconds = time.perf_counter() - started
         return stats
+
+    async def _encode(
+        self, previous: asyncio.Task[None] | None, changes: list[Changes], version: int, base: int | None, stats: SyncStats
+    ) -> None:
+        """Encode a collected version into the ring, after the versions before it."""
+        if previous is not None:
+            await previous
+        assert isinstance(self._builder, PatchBuilder)
+        msg = await self._builder.encode(changes, version, base, stats)
+        frames = self.stamp(msg)
+        self._ring.append(_RingEntry(base, version, frames))
+        self._encoding_bases.discard(base)
+        stats.messages, stats.wire_bytes = 1, sum(len(f) for f in frames)
+        for peer in self._peers.values():
+            peer.wake.set()
+
+    async def flush(self) -> None:
+        """Wait until every synced version is encoded and queued for the receivers."""
+        if self._encoding is not None:
+            await asyncio.shield(self._encoding)
 
     def _hold(self, tensors: dict[str, torch.Tensor]) -> None:
         """Keep a copy of the current version until the first receiver says which dtypes
@@ -323,6 +348,8 @@ class Sender:
                     previous.cancel()
                 self._greeting[identity] = self._spawn(self._on_hello(identity, msg), f"hello-{identity!r}")
             elif peer is None:
+                if identity in self._greeting:
+                    continue  # its HELLO is being answered: heartbeats meanwhile are expected
                 if msg.type is not MessageType.BYE:  # e.g. after a sender restart: ask it to say HELLO
                     self._try_send(Peer(identity), self.stamp(Message(MessageType.ERROR, body={"code": "unknown_peer", "message": "say HELLO"})))
             elif msg.type in (MessageType.ACK, MessageType.HEARTBEAT):
@@ -362,7 +389,7 @@ class Sender:
         await self._adopt(hello)
         assert self._plan is not None
         applied, digest, session = hello.body.get("applied"), hello.body.get("digest"), hello.body.get("session")
-        known = {self.version} | {e.base for e in self._ring}
+        known = {self.version} | {e.base for e in self._ring} | self._encoding_bases
         greeting: list[Message]
         if session == self.session and applied in known:
             greeting, version = [], applied  # it was with us: the ring catches it up
@@ -432,6 +459,8 @@ class Sender:
                 for entry in self._ring:
                     if entry.base == peer.sent:
                         return entry.version, [entry.frames]
+                if peer.sent in self._encoding_bases:
+                    return None  # its next patch is being encoded; the encoder wakes it
             elif self._bucket_frames is not None and (peer.sent is None or peer.sent < self._bucket_frames[0]):
                 return self._bucket_frames
         peer.needs_resync = False

@@ -17,7 +17,8 @@ class SyncStats:
     changed_elements: int = 0
     tensors_changed: int = 0
     tensors_dense: int = 0  # changed tensors sent whole because a patch would be larger
-    build_seconds: float = 0.0  # compare, gather, encode and compress
+    build_seconds: float = 0.0  # what blocks the trainer: compare and collect (patch), or build (bucket)
+    encode_seconds: float = 0.0  # entropy coding and packing (the daemon does it in the background)
     send_seconds: float = 0.0  # time spent in the injected send()
 
     @property
