@@ -25,7 +25,8 @@ lint: $(STAMP)
 	$(PYTHON) -m mypy protocol
 
 bench: $(STAMP)
-	$(PYTHON) benchmarks/encodings.py
+	$(PYTHON) -m pip install -q -e '.[bench]'
+	$(PYTHON) -m benchmarks --suite quick --json benchmarks/results/quick.json --plot benchmarks/results/quick.png
 
 clean:
 	rm -rf .make build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,129 @@
+"""python -m benchmarks --suite quick|full --json OUT.json [--plot OUT.png]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .bandwidth import copy_bandwidth, zmq_raw_throughput
+from .e2e import finish, run_workload
+from .memory import free_port
+from .peers import PeerGroup, maxrss_bytes
+from .report import evaluate_targets, missing_keys, plot, table
+from .workloads import SUITES, workloads
+
+
+async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool | None = None) -> dict[str, Any]:
+    suite = SUITES[name]
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    peers = PeerGroup(free_port())
+    try:
+        chosen = [w for w in workloads(suite) if not only or w.name in only]
+        if only and len(chosen) != len(only):
+            raise SystemExit(f"unknown workload in {only}; known: {[w.name for w in workloads(suite)]}")
+        # The ceilings are sampled at the start, before each workload and at the end; the
+        # best sample is used everywhere (the strictest floor, the highest raw throughput).
+        copy_samples = [copy_bandwidth(suite.copy_bytes)]
+        zmq_samples = [zmq_raw_throughput(suite.zmq_bytes, suite.zmq_frame)]
+        pending = []
+        for w in chosen:
+            copy_samples.append(copy_bandwidth(suite.copy_bytes, repeat=3))
+            t0 = time.perf_counter()
+            pending.append(await run_workload(w, peers, suite.memory_pass if memory_pass is None else memory_pass))
+            pending[-1]["wall_s"] = time.perf_counter() - t0
+            print(f"  {w.name}: {pending[-1]['wall_s']:.1f}s", file=sys.stderr, flush=True)
+            del w
+        copy_samples.append(copy_bandwidth(suite.copy_bytes))
+        zmq_samples.append(zmq_raw_throughput(suite.zmq_bytes, suite.zmq_frame))
+        copy_bps, zmq_bps = max(copy_samples), max(zmq_samples)
+        results = [finish(r, copy_bps, zmq_bps) for r in pending]
+        peer_rss = peers.close()
+    except BaseException:
+        peers.close()
+        raise
+    doc: dict[str, Any] = {
+        "benchmark": "weightsync",
+        "suite": name,
+        "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            # other work on the machine disturbs every timing: the 1-minute load average
+            "load_average_start_end": [load_before[0], os.getloadavg()[0]],
+        },
+        "library": library_info(),
+        "copy_Bps": copy_bps,
+        "zmq_raw_Bps": zmq_bps,
+        "copy_Bps_samples": copy_samples,
+        "zmq_raw_Bps_samples": zmq_samples,
+        "zmq_raw_method": f"DEALER->ROUTER tcp loopback, one {suite.zmq_bytes} B multipart message in "
+                          f"{suite.zmq_frame} B frames, copy=False; best sample of the run",
+        "copy_method": f"dst.copy_(src) of {suite.copy_bytes} B fp32 CPU tensors, bytes read per second; best sample of the run",
+        "peer_worker_peak_rss": peer_rss,
+        "results": results,
+    }
+    doc["harness_peak_rss"] = maxrss_bytes()  # this process: trainer, both Senders, 4 Receivers, references
+    doc["targets"] = evaluate_targets(results)
+    doc["wall_s"] = time.perf_counter() - started
+    return doc
+
+
+def library_info() -> dict[str, Any]:
+    """What was measured: the checkout's commit, uncommitted changes, the default patch config."""
+    import dataclasses
+    import subprocess
+
+    from protocol.config import load_config
+
+    root = Path(__file__).resolve().parent.parent
+    info: dict[str, Any] = {"patch_defaults": dataclasses.asdict(load_config({"type": "patch"}).patch)}
+    try:
+        git = ["git", "-C", str(root)]
+        info["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        status = subprocess.run([*git, "status", "--porcelain", "--", "protocol", "sender", "receiver"], capture_output=True, text=True, check=True)
+        info["uncommitted"] = [line[3:] for line in status.stdout.splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    p.add_argument("--suite", choices=sorted(SUITES), default="quick")
+    p.add_argument("--json", type=Path, required=True, help="write the results here")
+    p.add_argument("--plot", type=Path, help="also write a PNG: bytes and time per step, per workload")
+    p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads (by name)")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-workload memory processes")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    doc = asyncio.run(run_suite(args.suite, args.only, False if args.no_memory else None))
+    missing = missing_keys(doc)
+    if missing:
+        raise SystemExit(f"result is missing keys: {missing}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2, default=str))
+    print(table(doc))
+    print(f"\nwall time {doc['wall_s']:.1f}s; JSON: {args.json}")
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

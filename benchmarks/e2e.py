@@ -1,0 +1,266 @@
+"""One workload, every path, for real: weightsync patch and bucket, safetensors, gloo.
+
+A patch ``Sender`` and a bucket ``Sender`` (the library's public API and default patch
+config) each serve two in-process ``Receiver``s over tcp loopback; all four are
+bootstrapped at version 0. Each step the trainer moves, then:
+
+* patch: ``build_s`` is the awaited ``sync()``; ``e2e_patch_s`` runs from ``sync()``'s
+  start until ``wait_acked`` says both receivers applied the version;
+* bucket: the same, with ``{"type": "bucket", "bucket": {"bucket_dtype": <receiver dtype>}}``;
+* safetensors and gloo through ``PeerGroup`` (two worker processes);
+* reference sizes (entropy floor, the seed's format) from the bitwise difference.
+
+Every receiver is checked bit for bit against the trainer's state at the receivers'
+dtype after each measured step (not timed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protocol.state import StateLike, resolve_state
+from receiver import Receiver
+from sender import Sender
+
+from . import memory
+from .floor import bits_view, update_sizes
+from .peers import PeerGroup, digest, dtype_name
+from .workloads import Workload
+
+TIMEOUT = 600.0
+DAEMON_KW: dict[str, Any] = {"peer_timeout": 300.0}  # the harness blocks the loop while it measures peers
+
+
+def patch_config() -> dict[str, Any]:
+    return {"type": "patch"}  # every patch option at the library's default
+
+
+def bucket_config(dtype: torch.dtype) -> dict[str, Any]:
+    return {"type": "bucket", "bucket": {"bucket_dtype": dtype_name(dtype)}}
+
+
+class Rig:
+    """One Sender and its in-process Receivers on tcp loopback."""
+
+    def __init__(self, sender: Sender, receivers: list[Receiver]) -> None:
+        self.sender, self.receivers = sender, receivers
+
+    @classmethod
+    async def open(cls, workload: Workload, config: dict[str, Any], name: str, count: int = 2) -> Rig:
+        sender = Sender("tcp://127.0.0.1:0", config, **DAEMON_KW)
+        await sender.start(workload.trainer_state(), version=0)
+        receivers = [
+            Receiver(workload.receiver_state(seed=i + 1), sender.endpoint, config, identity=f"bench-{name}-{i}", **DAEMON_KW)
+            for i in range(count)
+        ]
+        for r in receivers:
+            await r.start(timeout=TIMEOUT)
+        await sender.wait_for_receivers(count, timeout=TIMEOUT)
+        await sender.wait_acked(0, timeout=TIMEOUT)
+        return cls(sender, receivers)
+
+    def incidents(self) -> int:
+        """Resyncs the sender counted plus reconnects of the receivers, so far."""
+        return sum(int(p["resyncs"]) for p in self.sender.receivers.values()) + sum(r.reconnects for r in self.receivers)  # type: ignore[call-overload]
+
+    async def sync(self, state: StateLike, version: int) -> dict[str, Any]:
+        before = self.incidents()
+        started = time.perf_counter()
+        stats = await self.sender.sync(state, version)
+        built = time.perf_counter()
+        await self.sender.wait_acked(version, timeout=TIMEOUT)
+        ended = time.perf_counter()
+        applied = [r.stats.get(version) for r in self.receivers]
+        return {
+            "stats": stats, "build_s": built - started, "e2e_s": ended - started,
+            "decode_s": max((a.decode_seconds for a in applied if a), default=None),
+            "apply_s": max((a.apply_seconds for a in applied if a), default=None),
+            # anything but one clean patch/bucket per receiver means the time includes a recovery
+            "applied_as": sorted({a.kind if a else "missing" for a in applied}),
+            "incidents": self.incidents() - before,
+        }
+
+    async def verify(self, expected: dict[str, torch.Tensor]) -> bool:
+        """Every receiver holds ``expected`` bit for bit."""
+        for r in self.receivers:
+            async with r.reading():
+                tensors = resolve_state(r.model).tensors
+                for key, want in expected.items():
+                    if not torch.equal(bits_view(tensors[key]), bits_view(want)):
+                        return False
+        return True
+
+    async def close(self) -> None:
+        for r in self.receivers:
+            await r.close()
+        await self.sender.close()
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _mean(xs: list[float]) -> float:
+    return float(statistics.fmean(xs))
+
+
+async def run_workload(workload: Workload, peers: PeerGroup, memory_pass: bool) -> dict[str, Any]:
+    """Every measured step of ``workload``; ``finish`` turns it into a result object."""
+    workload.setup()
+    described = workload.describe()
+    rdtype = workload.receiver_dtype
+    prev = workload.receiver_view()
+    patch = await Rig.open(workload, patch_config(), f"{workload.name}-patch")
+    bucket = await Rig.open(workload, bucket_config(rdtype), f"{workload.name}-bucket")
+    peers.setup(prev)
+    tracked = workload.tracked()
+    read_bytes = sum(t.numel() * (t.element_size() + rdtype.itemsize if t.is_floating_point() else 2 * t.element_size()) for t in tracked.values())
+    steps: list[dict[str, Any]] = []
+    warmup: list[dict[str, Any]] = []
+    verified = True
+    scratch = Path(tempfile.mkdtemp(prefix="weightsync-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    pre_path, post_path = scratch / "pre", scratch / "post"
+    total = workload.warmup_steps + workload.measured_steps
+    try:
+        for version in range(1, total + 1):
+            last = version == total
+            if last and memory_pass:
+                memory.dump_state(workload.tracked(), pre_path)
+            workload.step()
+            p = await patch.sync(workload.trainer_state(), version)
+            cast_started = time.perf_counter()
+            new = workload.receiver_view()  # the peers' input: the state dict at the receivers' dtype
+            cast_s = time.perf_counter() - cast_started
+            if version <= workload.warmup_steps:
+                warmup.append({"version": version, "build_s": p["build_s"], "e2e_patch_s": p["e2e_s"], "wire_bytes": p["stats"].wire_bytes})
+                prev = new
+                continue
+            verified &= await patch.verify(new)
+            b = await bucket.sync(workload.trainer_state(), version)
+            verified &= await bucket.verify(new)
+            st = peers.safetensors(new)
+            gl = peers.gloo(new)
+            sizes = update_sizes(prev, new)
+            if last:
+                verified &= set(peers.digests()) == {digest(new)}
+            prev = new
+            ps, bs = p["stats"], b["stats"]
+            steps.append({
+                "version": version,
+                "density": sizes.density,
+                "changed_elements": sizes.changed,
+                "library_changed_elements": ps.changed_elements,
+                "tensors_dense": ps.tensors_dense,
+                "dense_bytes": ps.dense_bytes,
+                "wire_bytes": ps.wire_bytes,
+                "entropy_floor_bytes": sizes.entropy_floor_bytes,
+                "seed_format_bytes": sizes.seed_format_bytes,
+                "ulp_histogram": {("gt3" if k < 0 else str(k)): v for k, v in sorted((sizes.ulp_histogram or {}).items())},
+                "build_s": p["build_s"],
+                "e2e_patch_s": p["e2e_s"],
+                "patch_receiver_decode_s": p["decode_s"],
+                "patch_receiver_apply_s": p["apply_s"],
+                "patch_applied_as": p["applied_as"],
+                "patch_incidents": p["incidents"],
+                "bucket_applied_as": b["applied_as"],
+                "bucket_incidents": b["incidents"],
+                "bucket_wire_bytes": bs.wire_bytes,
+                "bucket_dense_bytes": bs.dense_bytes,
+                "bucket_build_s": b["build_s"],
+                "e2e_bucket_s": b["e2e_s"],
+                "safetensors_bytes": st["bytes"],
+                "e2e_safetensors_s": st["e2e_s"],
+                "safetensors_write_s": st["write_s"],
+                "safetensors_load_s": st["load_s"],
+                "gloo_bytes": gl["bytes"],
+                "e2e_gloo_s": gl["e2e_s"],
+                "gloo_pack_s": gl["pack_s"],
+                "peer_cast_s": cast_s,
+                "loss": getattr(workload, "last_loss", None),
+            })
+        mem = None
+        if memory_pass:
+            memory.dump_state(workload.tracked(), post_path)
+            await patch.close()
+            await bucket.close()
+            mem = await asyncio.to_thread(memory.measure, pre_path, post_path, rdtype, patch_config())
+    finally:
+        await patch.close()
+        await bucket.close()
+        workload.teardown()
+        for f in scratch.iterdir():
+            f.unlink()
+        scratch.rmdir()
+    return {
+        "workload": workload.name, "kind": workload.kind, "config": described,
+        "steps": steps, "warmup": warmup, "read_bytes": read_bytes, "memory": mem, "verified": verified,
+    }
+
+
+def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, Any]:
+    """The workload's result object: byte figures averaged over the measured steps, times
+    their median; ``read_floor_s`` from the run's copy bandwidth."""
+    steps, mem = run["steps"], run["memory"]
+
+    def mean(k: str) -> float:
+        return _mean([s[k] for s in steps])
+
+    def median(k: str) -> float:
+        return _median([s[k] for s in steps])
+
+    e2e_bucket = median("e2e_bucket_s")
+    out: dict[str, Any] = {
+        "workload": run["workload"],
+        "kind": run["kind"],
+        "density": mean("density"),
+        "dense_bytes": int(mean("dense_bytes")),
+        "wire_bytes": mean("wire_bytes"),
+        "entropy_floor_bytes": mean("entropy_floor_bytes"),
+        "seed_format_bytes": mean("seed_format_bytes"),
+        "build_s": median("build_s"),
+        "read_floor_s": run["read_bytes"] / copy_bps,
+        "read_bytes": run["read_bytes"],
+        "e2e_patch_s": median("e2e_patch_s"),
+        "e2e_bucket_s": e2e_bucket,
+        "e2e_safetensors_s": median("e2e_safetensors_s"),
+        "e2e_gloo_s": median("e2e_gloo_s"),
+        "zmq_raw_Bps": zmq_bps,
+        "copy_Bps": copy_bps,
+        "bucket_Bps": mean("bucket_dense_bytes") / e2e_bucket,
+        "bucket_wire_bytes": mean("bucket_wire_bytes"),
+        "bucket_build_s": median("bucket_build_s"),
+        "safetensors_bytes": mean("safetensors_bytes"),
+        "gloo_bytes": mean("gloo_bytes"),
+        "sender_peak_rss": mem["sender"]["peak_rss"] if mem else None,
+        "receiver_peak_rss": max(r["peak_rss"] for r in mem["receivers"]) if mem else None,
+        "memory": mem,
+        "verified_bit_exact": run["verified"],
+        # resyncs/reconnects during measured syncs (their times then include a recovery)
+        "incidents": sum(s["patch_incidents"] + s["bucket_incidents"] for s in steps),
+        "measured_steps": len(steps),
+        "wall_s": run.get("wall_s"),
+        "config": run["config"],
+        "steps": steps,
+        "warmup": run.get("warmup", []),
+        "notes": [
+            "bytes: mean over the measured steps; times: median over them",
+            "e2e_patch_s / e2e_bucket_s: Sender and 2 Receivers in this process (one asyncio loop) over tcp loopback",
+            "e2e_safetensors_s: write to tmpfs (/dev/shm where present) then 2 worker processes load_file + load_state_dict in parallel",
+            "e2e_gloo_s: dist.broadcast of one packed buffer from rank 0 (this process) to 2 worker processes, "
+            "each copying it into its module, until a barrier",
+            "safetensors and gloo start from the state dict already at the receivers' dtype: the cast "
+            "(peer_cast_s in steps) is not in their times",
+            "sender_peak_rss / receiver_peak_rss: peak RSS (VmHWM) of separate processes replaying the last measured "
+            "step (1 sender process, 2 receiver processes, patch config); base_rss is before the daemon was created",
+            "bucket_Bps: dense bytes at the receivers' dtype / e2e_bucket_s; each receiver gets its own copy "
+            "(2 receivers), so the loopback carries twice the dense bytes",
+        ],
+    }
+    return out

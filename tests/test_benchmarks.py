@@ -1,0 +1,152 @@
+"""Smoke tests of the benchmark harness: its pure functions on hand-worked cases, and one
+tiny workload through the real Sender/Receivers (stub peers) for the result's keys."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.e2e import finish, run_workload  # noqa: E402
+from benchmarks.floor import (  # noqa: E402
+    binary_entropy,
+    entropy_floor_bits,
+    order0_entropy,
+    seed_format_bytes,
+    tensor_change,
+    unsigned_width,
+    update_sizes,
+)
+from benchmarks.peers import digest  # noqa: E402
+from benchmarks.report import RESULT_KEYS, TOP_KEYS, evaluate_targets, missing_keys, table  # noqa: E402
+from benchmarks.workloads import SyntheticWorkload, perturb_ulps  # noqa: E402
+
+
+def bf16(bits: list[int], shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    t = torch.tensor(bits, dtype=torch.int16).view(torch.bfloat16)
+    return t.reshape(shape) if shape else t
+
+
+# -- the entropy floor -------------------------------------------------------------------------
+def test_entropies_by_hand() -> None:
+    assert binary_entropy(0.25) == pytest.approx(0.25 * 2 + 0.75 * math.log2(4 / 3))  # 0.811278
+    assert binary_entropy(0.0) == binary_entropy(1.0) == 0.0
+    assert order0_entropy(torch.tensor([1, -1, 1, -1])) == pytest.approx(1.0)
+    assert order0_entropy(torch.tensor([3, 1, 7, 1])) == pytest.approx(1.5)  # 1/2, 1/4, 1/4
+
+
+def test_entropy_floor_of_two_one_ulp_moves() -> None:
+    # 8 elements, 2 change: positions 8*H(1/4) bits; ulp diffs +1/-1 -> 1 bit each
+    # (XOR 200^201 = 1 and 600^599 = 15: also 1 bit each).
+    old = bf16([100, 200, 300, 400, 500, 600, 700, 800])
+    new = bf16([100, 201, 300, 400, 500, 599, 700, 800])
+    change = tensor_change(old, new)
+    assert change.flat.tolist() == [1, 5] and change.ulp.tolist() == [1, -1]
+    assert entropy_floor_bits(change) == pytest.approx(8 * 0.8112781244591328 + 2 * 1.0)
+
+
+def test_entropy_floor_takes_the_lower_of_ulp_and_xor() -> None:
+    # 16 elements, 4 move by exactly +1 ulp: the ulp difference has entropy 0, while the
+    # XORs (1^2, 2^3, 3^4, 4^5 = 3, 1, 7, 1) have 1.5 bits; the floor is positions only.
+    old_bits = list(range(1, 17))
+    new_bits = [b + 1 if i < 4 else b for i, b in enumerate(old_bits)]
+    change = tensor_change(bf16(old_bits), bf16(new_bits))
+    assert order0_entropy(change.xor) == pytest.approx(1.5)
+    assert entropy_floor_bits(change) == pytest.approx(16 * 0.8112781244591328)
+    sizes = update_sizes({"a": bf16(old_bits)}, {"a": bf16(new_bits)})
+    assert sizes.entropy_floor_bytes == pytest.approx(16 * 0.8112781244591328 / 8)
+    assert sizes.density == 0.25 and sizes.dense_bytes == 32
+
+
+def test_no_change_costs_nothing() -> None:
+    t = bf16([1, 2, 3])
+    change = tensor_change(t, t.clone())
+    assert entropy_floor_bits(change) == 0.0 and seed_format_bytes(change) == 0
+
+
+# -- the seed's format -------------------------------------------------------------------------
+def test_unsigned_width() -> None:
+    assert [unsigned_width(x) for x in (0, 255, 256, 65535, 65536, 2**32 - 1, 2**32)] == [1, 1, 2, 2, 4, 4, 8]
+
+
+def test_seed_format_bytes_by_hand() -> None:
+    # (3, 4) matrix, changes at flat 1, 2, 9 -> rows 0, 0, 2 and cols 1, 2, 1.
+    # Delta: rows 0, 0, 2 (uint8); cols 1 (new row: absolute), 2-1 = 1, 1 (new row) (uint8);
+    # values bf16: 3 * (1 + 1 + 2) = 12 bytes.
+    old = torch.zeros(3, 4, dtype=torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[[1, 2, 9]] = 1.0
+    assert seed_format_bytes(tensor_change(old, new)) == 12
+    # (2, 300): flat 0, 299, 300 -> rows 0, 0, 1; cols 0, 299, 0 -> delta cols 0, 299, 0 needs
+    # uint16: 3 * (1 + 2 + 2) = 15 bytes in bf16, 3 * (1 + 2 + 4) = 21 in fp32.
+    for dtype, want in ((torch.bfloat16, 15), (torch.float32, 21)):
+        old = torch.zeros(2, 300, dtype=dtype)
+        new = old.clone()
+        new.view(-1)[[0, 299, 300]] = 1.0
+        assert seed_format_bytes(tensor_change(old, new)) == want
+    # (300, 2): flat 0, 599 -> rows 0, 299 (delta 0, 299: uint16); cols 0, 1 (uint8): 2 * (2 + 1 + 2).
+    old = torch.zeros(300, 2, dtype=torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[[0, 599]] = 1.0
+    assert seed_format_bytes(tensor_change(old, new)) == 10
+
+
+# -- the synthetic workload --------------------------------------------------------------------
+def test_perturb_ulps_moves_each_chosen_element_by_one_to_three_ulp() -> None:
+    t = (torch.randn(64, 64) * 0.02).to(torch.bfloat16)
+    before = t.clone()
+    moved = perturb_ulps(t, 0.5, torch.Generator().manual_seed(0))
+    change = tensor_change(before, t)
+    assert change.changed == moved and 0.4 < moved / t.numel() < 0.6
+    assert set(change.ulp.abs().tolist()) <= {1, 2, 3} and (change.ulp > 0).any() and (change.ulp < 0).any()
+
+
+# -- the result document -----------------------------------------------------------------------
+class StubPeers:
+    """Stands in for PeerGroup (no processes): sizes from the tensors, made-up times."""
+
+    def setup(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.last = tensors
+
+    def _nbytes(self, tensors: dict[str, torch.Tensor]) -> int:
+        self.last = tensors
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def safetensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"e2e_s": 0.01, "write_s": 0.005, "load_s": 0.005, "bytes": self._nbytes(tensors)}
+
+    def gloo(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"e2e_s": 0.01, "pack_s": 0.001, "bytes": self._nbytes(tensors)}
+
+    def digests(self) -> list[str]:
+        return [digest(self.last)] * 2
+
+
+@pytest.mark.timeout(60)
+async def test_result_objects_have_every_required_key() -> None:
+    w = SyntheticWorkload("synthetic-tiny", 0.05, [(64, 32), (16,)], measured_steps=1)
+    run = await run_workload(w, StubPeers(), memory_pass=False)  # type: ignore[arg-type]
+    result = finish(run, copy_bps=1e9, zmq_bps=1e9)
+    assert result["verified_bit_exact"] is True
+    assert result["wire_bytes"] > 0 and result["dense_bytes"] == (64 * 32 + 16) * 2
+    assert result["entropy_floor_bytes"] <= result["wire_bytes"]
+    doc: dict[str, Any] = {
+        "suite": "test", "command": "pytest", "machine": {"platform": "x", "cpus": 1, "torch": torch.__version__},
+        "copy_Bps": 1e9, "zmq_raw_Bps": 1e9, "results": [result], "targets": evaluate_targets([result]),
+    }
+    assert missing_keys(doc) == []
+    assert set(RESULT_KEYS) <= set(result) and set(TOP_KEYS) <= set(doc)
+    checks = doc["targets"]["workloads"]["synthetic-tiny"]
+    assert {"build_vs_read_floor", "bucket_vs_zmq_raw"} <= set(checks)
+    assert all(isinstance(c["pass"], bool) and c["ratio"] > 0 for c in checks.values())
+    json.loads(json.dumps(doc, default=str))
+    assert "synthetic-tiny" in table(doc)
