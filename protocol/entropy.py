@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import constriction
+import numba
 import numpy as np
 import torch
 
@@ -67,28 +68,70 @@ def _model(counts: np.ndarray) -> object:
 
 
 # -- fixed-width bit packing ------------------------------------------------------------------
+@numba.njit(cache=True)
+def _pack(values, width, out):
+    acc = np.uint64(0)  # bits not yet written, most significant first
+    held = 0
+    o = 0
+    mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1) if width < 64 else ~np.uint64(0)
+    for v in values:
+        bits = np.uint64(v) & mask
+        for shift in range(width - 8, -8, -8):  # at most 8 bits at a time keeps acc from overflowing
+            take = 8 if shift >= 0 else 8 + shift
+            chunk = (bits >> np.uint64(max(shift, 0))) & np.uint64((1 << take) - 1)
+            acc = (acc << np.uint64(take)) | chunk
+            held += take
+            if held >= 8:
+                held -= 8
+                out[o] = np.uint8((acc >> np.uint64(held)) & np.uint64(0xFF))
+                o += 1
+    if held:
+        out[o] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
+
+
+@numba.njit(cache=True)
+def _unpack(padded, width, out):
+    """Fields of up to 57 bits from a buffer with 8 bytes of zero padding at its end."""
+    for i in range(out.shape[0]):
+        bit = i * width
+        start = bit >> 3
+        window = np.uint64(0)
+        for j in range(8):  # big-endian 64-bit window starting at the field's first byte
+            window = (window << np.uint64(8)) | np.uint64(padded[start + j])
+        window = window << np.uint64(bit & 7)
+        out[i] = np.int64(window >> np.uint64(64 - width))
+
+
+@numba.njit(cache=True)
+def _unpack_wide(packed, width, out):
+    bit = 0
+    for i in range(out.shape[0]):
+        value = np.uint64(0)
+        for _ in range(width):
+            value = (value << np.uint64(1)) | np.uint64((packed[bit >> 3] >> (7 - (bit & 7))) & 1)
+            bit += 1
+        out[i] = np.int64(value)
+
+
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """The low ``width`` bits of each value (int64), most significant first, as bytes."""
-    if width == 0 or values.numel() == 0:
-        return torch.zeros(0, dtype=torch.uint8)
-    shifts = torch.arange(width - 1, -1, -1, dtype=torch.int64)
-    bits = ((values.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+    out = np.zeros(math.ceil(values.numel() * width / 8), dtype=np.uint8)
+    if width and values.numel():
+        _pack(values.contiguous().numpy(), width, out)
+    return torch.from_numpy(out)
 
 
 def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.numel() != math.ceil(n * width / 8):
         raise ProtocolError(f"{packed.numel()} bytes of {width}-bit fields for {n} values")
-    if width == 0 or n == 0:
-        return torch.zeros(n, dtype=torch.int64)
-    shifts = torch.arange(7, -1, -1, dtype=torch.int64)
-    bits = ((packed.to(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[: n * width].view(n, width)
-    weights = torch.tensor([1 << (width - 1 - i) for i in range(width)], dtype=torch.int64)
-    return (bits * weights).sum(1)
+    out = np.zeros(n, dtype=np.int64)
+    if width and n and width <= 57:
+        padded = np.zeros(packed.numel() + 8, dtype=np.uint8)
+        padded[: packed.numel()] = packed.numpy()
+        _unpack(padded, width, out)
+    elif width and n:
+        _unpack_wide(packed.contiguous().numpy(), width, out)
+    return torch.from_numpy(out)
 
 
 # -- positions ----------------------------------------------------------------------------
@@ -99,6 +142,7 @@ def rice_parameter(gaps: torch.Tensor) -> int:
     """
     if gaps.numel() == 0:
         return 0
+    gaps = gaps[:: max(1, gaps.numel() // 8192)]  # a strided sample decides as well, much cheaper
     median = float(gaps.double().median())
     start = max(0, int(math.log2(median + 1)))
     best, best_bits = 0, math.inf
@@ -170,11 +214,20 @@ def encode_values(diffs: torch.Tensor) -> dict[str, torch.Tensor]:
     """
     zigzag = (diffs << 1) ^ (diffs >> 63)  # 0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (as uint64 bits)
     symbols = zigzag.clone()
-    large = (zigzag >= DIRECT) | (zigzag < 0)
-    if bool(large.any()):
-        symbols[large] = DIRECT + _bit_length(zigzag[large]) - DIRECT_BITS - 1
+    where = torch.nonzero((zigzag >= DIRECT) | (zigzag < 0)).squeeze(1)
+    large = zigzag[where]
+    lengths = _bit_length(large)
+    symbols[where] = DIRECT + lengths - DIRECT_BITS - 1
     words, counts = ans_encode(symbols.numpy(), VALUE_SYMBOLS)
-    extra = [pack_bits(zigzag[symbols == c] & ((1 << (w - 1)) - 1), w - 1) for c, w in _classes(counts)]
+    # Group the large values by length (a stable sort keeps their order within a class),
+    # then pack each class at its own width: one pass over the large values in all.
+    order = torch.sort(lengths, stable=True).indices
+    grouped = large[order]
+    extra, start = [], 0
+    for c, w in _classes(counts):
+        members = grouped[start : start + int(counts[c])]
+        extra.append(pack_bits(members & ((1 << (w - 1)) - 1), w - 1))
+        start += members.numel()
     return {
         "words": torch.from_numpy(words),
         "model": torch.from_numpy(counts.astype(np.int64)),
@@ -192,11 +245,19 @@ def decode_values(words: torch.Tensor, model: torch.Tensor, extra: torch.Tensor,
     if extra.dtype != torch.uint8 or extra.numel() != sum(sizes):
         raise ProtocolError(f"value extra bits: {extra.numel()} bytes, the model needs {sum(sizes)}")
     zigzag = symbols.clone()
-    start = 0
+    where = torch.nonzero(symbols >= DIRECT).squeeze(1)
+    order = torch.sort(symbols[where], stable=True).indices  # the encoder's grouping by class
+    grouped = torch.empty(where.numel(), dtype=torch.int64)
+    start = byte = 0
     for (c, w), size in zip(classes, sizes):
-        low = unpack_bits(extra[start : start + size], w - 1, int(counts[c]))
-        zigzag[symbols == c] = (1 << (w - 1)) | low  # for w == 64 the leading one is the sign bit
-        start += size
+        n_c = int(counts[c])
+        low = unpack_bits(extra[byte : byte + size], w - 1, n_c)
+        grouped[start : start + n_c] = (1 << (w - 1)) | low  # for w == 64 the leading one is the sign bit
+        start += n_c
+        byte += size
+    large = torch.empty_like(grouped)
+    large[order] = grouped
+    zigzag[where] = large
     return ((zigzag >> 1) & _INT64_MAX) ^ -(zigzag & 1)
 
 
