@@ -68,7 +68,7 @@ def _model(counts: np.ndarray) -> object:
 
 
 # -- fixed-width bit packing ------------------------------------------------------------------
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _pack(values, width, out):
     acc = np.uint64(0)  # bits not yet written, most significant first
     held = 0
@@ -89,7 +89,7 @@ def _pack(values, width, out):
         out[o] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _unpack(padded, width, out):
     """Fields of up to 57 bits from a buffer with 8 bytes of zero padding at its end."""
     for i in range(out.shape[0]):
@@ -102,7 +102,7 @@ def _unpack(padded, width, out):
         out[i] = np.int64(window >> np.uint64(64 - width))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _unpack_wide(packed, width, out):
     bit = 0
     for i in range(out.shape[0]):

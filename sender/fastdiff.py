@@ -33,21 +33,21 @@ if numba is not None:
         return np.uint16(0xFFFF) if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded
 
     # One kernel per case, so each inner loop is branch-free and vectorizes.
-    @numba.njit(parallel=True, cache=True)
+    @numba.njit(parallel=True, cache=True, nogil=True)
     def _mark_bf16(cur, snap, marks):
         n = cur.shape[0]
         for c in numba.prange((n + (1 << CHUNK_BITS) - 1) >> CHUNK_BITS):
             for i in range(c << CHUNK_BITS, min(n, (c + 1) << CHUNK_BITS)):
                 marks[i] = _bf16(cur[i]) != snap[i]
 
-    @numba.njit(parallel=True, cache=True)
+    @numba.njit(parallel=True, cache=True, nogil=True)
     def _mark_same(cur, snap, marks):
         n = cur.shape[0]
         for c in numba.prange((n + (1 << CHUNK_BITS) - 1) >> CHUNK_BITS):
             for i in range(c << CHUNK_BITS, min(n, (c + 1) << CHUNK_BITS)):
                 marks[i] = cur[i] != snap[i]
 
-    @numba.njit(parallel=True, cache=True)
+    @numba.njit(parallel=True, cache=True, nogil=True)
     def _count(words, counts):
         per_chunk = 1 << (CHUNK_BITS - 3)  # marks are bytes: 8 to a word
         for c in numba.prange(counts.shape[0]):
@@ -56,7 +56,7 @@ if numba is not None:
                 total += (words[w] * np.uint64(0x0101010101010101)) >> np.uint64(56)  # bytes are 0 or 1
             counts[c] = total
 
-    @numba.njit(parallel=True, cache=True)
+    @numba.njit(parallel=True, cache=True, nogil=True)
     def _collect(cur, snap, rounding, words, offsets, flat, new, old):
         per_chunk = 1 << (CHUNK_BITS - 3)
         for c in numba.prange(offsets.shape[0] - 1):
