@@ -113,6 +113,13 @@ def _unpack_wide(packed, width, out):
         out[i] = np.int64(value)
 
 
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the bit-packing kernels before they are timed."""
+    values = torch.arange(4, dtype=torch.int64)
+    unpack_bits(pack_bits(values, 3), 3, 4)
+    unpack_bits(pack_bits(values, 60), 60, 4)
+
+
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """The low ``width`` bits of each value (int64), most significant first, as bytes."""
     out = np.zeros(math.ceil(values.numel() * width / 8), dtype=np.uint8)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import torch
 
+from protocol import entropy
 from protocol.compress import Codec
 from protocol.framing import MessageType
 
@@ -23,3 +25,7 @@ class PatchReceiver(ReceiverBase):
         patch = self.config.patch
         if patch.codec is Codec.NVCOMP_LZ4:  # decompressed where it was compressed: on the GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
+
+    async def init_receiver(self, *args: Any, **kwargs: Any) -> int | None:
+        await asyncio.to_thread(entropy.warm_up)  # JIT the decoders now, not in the first patch
+        return await super().init_receiver(*args, **kwargs)

@@ -107,6 +107,15 @@ def diff_and_update(cur: torch.Tensor, snapshot: torch.Tensor) -> tuple[torch.Te
     return torch.from_numpy(flat), _tensor(new, snapshot.dtype), _tensor(old, snapshot.dtype)
 
 
+def warm_up(pairs: set[tuple[torch.dtype, torch.dtype]]) -> None:
+    """Compile (or load from numba's cache) the kernels for these (state, snapshot) dtype
+    pairs now, rather than in the first sync: each new pair costs seconds of JIT."""
+    for state_dtype, snapshot_dtype in pairs:
+        cur, snapshot = torch.ones(9, dtype=state_dtype), torch.zeros(9, dtype=snapshot_dtype)
+        if supported(cur, snapshot):
+            diff_and_update(cur, snapshot)
+
+
 def _bits(t: torch.Tensor) -> np.ndarray:
     """The bits of a contiguous tensor as an unsigned numpy array (numpy has no bf16)."""
     return t.view(_SIGNED[t.element_size()]).numpy().view(_UINT[t.element_size()])

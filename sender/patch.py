@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from protocol import entropy
 from protocol.config import PatchConfig
 from protocol.dtypes import bits_dtype
 from protocol.errors import MetadataMismatchError
@@ -63,6 +64,9 @@ class PatchBuilder:
         """Take the snapshot: what the receivers hold after the bootstrap."""
         for key in self.plan.tracked:
             self.snapshot.capture(key, materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key)))
+        # JIT now, during the handshake, rather than in the first sync.
+        fastdiff.warm_up({(tensors[k].dtype, self.plan.receiver_dtype(k)) for k in self.plan.tracked})
+        entropy.warm_up()
 
     async def source(self, tensors: dict[str, torch.Tensor]) -> Source:
         """Tensors for a bootstrap at the snapshot's version: tracked keys from the
