@@ -39,7 +39,7 @@ _VALUE_ROLES = {
 }
 # Entropy-coded buffers are already dense: compressing them again only costs time.
 _ENTROPY_CODED = frozenset({Role.LOW_BITS, Role.VALUE_EXTRA})
-ANS_MIN_CHANGES = 128  # below this, counts tables cost more than they save
+ANS_MIN_CHANGES = 512  # below this, counts tables and per-call overhead cost more than they save
 
 
 @dataclass(frozen=True)
