@@ -95,7 +95,7 @@ def big_message() -> tuple[list[bytes], Targets]:
         sparse(0, (64, 50), torch.float32, list(range(0, 3200, 3)), PatchOptions(Encoding.COO_DELTA, ValueEncoding.XOR, Codec.LZ4)),
         encode_dense(1, torch.arange(200, dtype=torch.bfloat16), Codec.ZSTD),
         sparse(2, (100,), torch.float16, list(range(0, 100, 7)), PatchOptions(Encoding.BITMAP, ValueEncoding.RAW, Codec.ZSTD)),
-        ulp_sparse(3, (40, 50), list(range(0, 2000, 7))),  # entropy-coded positions and values
+        ulp_sparse(3, (40, 50), list(range(0, 2000, 3))),  # entropy-coded positions and values
     ]
     targets = {0: ((64, 50), torch.float32), 1: ((200,), torch.bfloat16), 2: ((100,), torch.float16), 3: ((40, 50), torch.bfloat16)}
     return message(entries), targets
