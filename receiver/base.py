@@ -101,6 +101,7 @@ class ReceiverBase:
         }
         await send(encode_message(Message(MessageType.HELLO, version=self.version, body=body)))
         self.session = None  # WELCOME may come from a new sender session
+        await self.prepare()  # while the sender builds the bootstrap
         welcome = await self._next(recv)
         if welcome.type is not MessageType.WELCOME:
             raise ProtocolError(f"expected WELCOME, got {welcome.describe()}")
@@ -116,6 +117,9 @@ class ReceiverBase:
             await self.commit(model, pending)
         self.version = welcome.version
         return self.version
+
+    async def prepare(self) -> None:
+        """Hook: one-time work that can overlap the handshake (compiling kernels)."""
 
     def _welcome(self, msg: Message) -> None:
         assert self.metadata is not None

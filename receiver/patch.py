@@ -26,6 +26,5 @@ class PatchReceiver(ReceiverBase):
         if patch.codec is Codec.NVCOMP_LZ4:  # decompressed where it was compressed: on the GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    async def init_receiver(self, *args: Any, **kwargs: Any) -> int | None:
+    async def prepare(self) -> None:
         await asyncio.to_thread(entropy.warm_up)  # JIT the decoders now, not in the first patch
-        return await super().init_receiver(*args, **kwargs)

@@ -36,6 +36,7 @@ from .stats import ApplyStats
 
 log = logging.getLogger(__name__)
 
+STALL_GRACE = 0.5  # seconds a heartbeat tick may be late before the loop counts as stalled
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
 _FATAL = (MetadataMismatchError, ConfigError)  # reconnecting would not help
 
@@ -181,6 +182,8 @@ class Receiver:
             delay = min(delay * 2, self.reconnect_backoff[1])
 
     async def _session(self) -> None:
+        # The digest first: HELLO must be the first message of a session, before any heartbeat.
+        digest = await self._digest() if self.version is not None else None
         sock = self._socket = DealerSocket(self._context, self.endpoint, self.identity.encode())
         inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
         last_seen = [time.monotonic()]
@@ -200,11 +203,16 @@ class Receiver:
                     inbox.put_nowait(frames)
 
         async def beat() -> None:
+            tick = time.monotonic()
             while True:
                 await asyncio.sleep(self.heartbeat_interval)
                 sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=self.version)))
-                silent = time.monotonic() - last_seen[0]
-                if silent > self.peer_timeout:
+                now = time.monotonic()
+                # Woken late, this loop was blocked and the sender's messages are still
+                # unread: a stalled loop is not a dead sender. Judge on the next tick.
+                stalled, tick = now - tick > 2 * self.heartbeat_interval + STALL_GRACE, now
+                silent = now - last_seen[0]
+                if silent > self.peer_timeout and not stalled:
                     inbox.put_nowait(_Reconnect(f"no message from the sender for {silent:.1f}s"))
 
         async def recv() -> Sequence[Buffer]:
@@ -221,7 +229,7 @@ class Receiver:
         for t in tasks:
             t.add_done_callback(ended)
         try:
-            await self._handshake(sock, recv)
+            await self._handshake(sock, recv, digest)
             await self._follow(sock, recv)
         finally:
             for t in tasks:
@@ -230,12 +238,12 @@ class Receiver:
             sock.close()
             self._socket = None
 
-    async def _handshake(self, sock: DealerSocket, recv: Callable[[], Any]) -> None:
-        digest = None
-        if self.version is not None:
-            tensors = resolve_state(self.model).tensors
-            async with self.lock.reading():
-                digest = await asyncio.to_thread(state_digest, tensors, list(tensors))
+    async def _digest(self) -> str:
+        tensors = resolve_state(self.model).tensors
+        async with self.lock.reading():
+            return await asyncio.to_thread(state_digest, tensors, list(tensors))
+
+    async def _handshake(self, sock: DealerSocket, recv: Callable[[], Any], digest: str | None) -> None:
         version = await asyncio.wait_for(
             self.strategy.init_receiver(self.model, recv, sock.send, receiver_id=self.identity, digest=digest),
             self.peer_timeout + 60.0,

@@ -39,6 +39,8 @@ from .stats import SyncStats
 
 log = logging.getLogger(__name__)
 
+STALL_GRACE = 0.5  # seconds a heartbeat tick may be late before the loop counts as stalled
+
 
 @dataclass
 class _RingEntry:
@@ -495,11 +497,15 @@ class Sender:
             await self._notify()
 
     async def _heartbeat(self) -> None:
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             now = time.monotonic()
+            # Woken late, this loop was blocked (a long GIL-holding call, say): the peers'
+            # messages are still queued, unread. Judge silence on the next tick instead.
+            stalled, tick = now - tick > 2 * self.heartbeat_interval + STALL_GRACE, now
             for peer in list(self._peers.values()):
-                if now - peer.last_seen > self.peer_timeout:
+                if now - peer.last_seen > self.peer_timeout and not stalled:
                     await self._drop(peer, f"silent for {now - peer.last_seen:.1f}s")
                     continue
                 try:
