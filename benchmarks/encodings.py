@@ -35,7 +35,8 @@ CONFIGS = {
     "gaps, xor, lz4": PatchOptions(Encoding.GAPS, ValueEncoding.XOR, Codec.LZ4),
     "gaps, xor, zstd": PatchOptions(Encoding.GAPS, ValueEncoding.XOR, Codec.ZSTD),
     "bitmap, xor, zstd": PatchOptions(Encoding.BITMAP, ValueEncoding.XOR, Codec.ZSTD),
-    "auto, xor, zstd (default)": PatchOptions(None, ValueEncoding.XOR, Codec.ZSTD),
+    "auto, xor, zstd": PatchOptions(None, ValueEncoding.XOR, Codec.ZSTD),
+    "ans, ulp (default)": PatchOptions(Encoding.ANS_GAPS, ValueEncoding.ULP, Codec.ZSTD),
 }
 
 
