@@ -25,11 +25,6 @@ class ModelState:
     tracked: list[str]  # keys that take part in patches and buckets
     aliases: dict[str, str] = field(default_factory=dict)  # alias key -> canonical key
 
-    @property
-    def frozen(self) -> list[str]:
-        tracked = set(self.tracked)
-        return [k for k in self.tensors if k not in tracked]
-
 
 def resolve_state(model: StateLike, trainable_keys: Iterable[str] | None = None) -> ModelState:
     """The named tensors of ``model``, its tracked keys and its tied-weight aliases."""

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -114,14 +114,6 @@ class Receiver:
         await self._wait(lambda: self.version is not None and self.version >= version, timeout)
         assert self.version is not None
         return self.version
-
-    async def updates(self) -> AsyncIterator[int | None]:
-        """Each newly applied version, as it is published."""
-        seen = self.version
-        while True:
-            await self._wait(lambda seen=seen: self.version != seen, None)  # type: ignore[misc]
-            seen = self.version
-            yield seen
 
     async def close(self) -> None:
         if self._closed:

@@ -59,10 +59,14 @@ class SyncPlan:
             matched |= hits
         return [k for k in canonical if k in matched]
 
-    def bootstrap(self, version: int | None, source: Source | None = None) -> tuple[int, Iterator[Message]]:
+    def bootstrap(
+        self, version: int | None, source: Source | None = None, keys: list[str] | None = None
+    ) -> tuple[int, Iterator[Message]]:
         """The bootstrap at the receiver's dtypes: how many buckets, and the buckets, built
-        one at a time as they are sent. ``source`` gives a key's tensor (default: the model's)."""
-        keys = self.bootstrap_keys() if self.init_sync.enabled else []
+        one at a time as they are sent. ``source`` gives a key's tensor (default: the
+        model's); ``keys`` defaults to the init-sync keys."""
+        if keys is None:
+            keys = self.bootstrap_keys() if self.init_sync.enabled else []
         buckets = plan_buckets(
             keys, lambda k: self.state.tensors[k].numel() * self.receiver_dtype(k).itemsize, self.init_sync.bucket_size
         )

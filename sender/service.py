@@ -30,7 +30,6 @@ from protocol.state import ModelState, StateLike, materialize, resolve_state
 
 from .base import Stamper, check_next_version, error_message, plan_for
 from .bucket import BucketBuilder
-from .buckets import bucket_messages, plan_buckets
 from .patch import Changes, PatchBuilder
 from .peers import Peer
 from .plan import Source, SyncPlan
@@ -272,13 +271,7 @@ class Sender:
             keys = plan.bootstrap_keys() if plan.init_sync.enabled else []
             if self.version is not None:
                 keys = [k for k in plan.state.tensors if k in set(keys) | set(plan.tracked)]
-            buckets = plan_buckets(
-                keys, lambda k: plan.state.tensors[k].numel() * plan.receiver_dtype(k).itemsize, plan.init_sync.bucket_size
-            )
-            messages = bucket_messages(
-                MessageType.BOOTSTRAP, buckets, self._source(), plan.ordinal,
-                lambda k, t: t.to(plan.receiver_dtype(k)), None, version=self.version,
-            )
+            _, messages = plan.bootstrap(self.version, self._source(), keys)
             built = await asyncio.to_thread(list, messages)
             self._resync = (self.version, built)
             return built

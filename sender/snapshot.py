@@ -28,10 +28,6 @@ class Snapshot:
         self._streams: dict[torch.device, CopyStream] = {}
         self._writebacks: list[tuple[torch.cuda.Event, torch.Tensor]] = []
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
     def stream(self, device: torch.device) -> CopyStream:
         if device not in self._streams:
             self._streams[device] = CopyStream(device)
