@@ -5,7 +5,8 @@
     weight_syncer:            # optional wrapper, as in a Hydra config group
       type: patch             # or bucket
       patch: {snapshot_device, transport_device, delta_encoding, compression,
-              position_encoding, value_encoding, init_sync: {enabled, prefixes, bucket_size}}
+              position_encoding, value_encoding, dense_above,
+              init_sync: {enabled, prefixes, bucket_size}}
       bucket: {bucket_size, bucket_dtype, bucket_device, is_agent, load_instant, init_sync}
 
 Unknown keys are errors, so a typo never silently falls back to a default.
@@ -50,6 +51,7 @@ class PatchConfig:
     compression: str = "zstd"  # none | lz4 | zstd | nvcomp_lz4
     position_encoding: str = "auto"  # auto | ans (entropy-coded gaps) | gaps | bitmap | coo (the seed's)
     value_encoding: str = "ulp"  # ulp (entropy-coded bit differences) | xor | raw (the seed's new values)
+    dense_above: float = 0.25  # a tensor with more than this share of elements changed is sent whole
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
 
     def options(self) -> PatchOptions:
@@ -57,7 +59,7 @@ class PatchConfig:
         positions = POSITION_ENCODINGS[self.position_encoding]
         if positions is Encoding.COO and self.delta_encoding:
             positions = Encoding.COO_DELTA
-        return PatchOptions(positions, VALUE_ENCODINGS[self.value_encoding], self.codec)
+        return PatchOptions(positions, VALUE_ENCODINGS[self.value_encoding], self.codec, self.dense_above)
 
     @property
     def codec(self) -> Codec:
@@ -110,6 +112,8 @@ class SyncConfig:
         ):
             if type(flag) is not bool:  # "false" is a true string: never guess
                 raise ConfigError(f"{name} must be true or false, got {flag!r}")
+        if type(p.dense_above) not in (int, float) or not 0 <= p.dense_above <= 1:
+            raise ConfigError(f"patch.dense_above must be a number in [0, 1], got {p.dense_above!r}")
         if self.type == "patch":
             parse_compression(p.compression, p.transport_device)
         else:

@@ -45,11 +45,15 @@ ANS_MIN_CHANGES = 512  # below this, counts tables and per-call overhead cost mo
 @dataclass(frozen=True)
 class PatchOptions:
     """How patches are encoded. ``positions`` None picks per tensor: entropy-coded gaps
-    when there are enough changes, else the smaller of raw gaps and a bitmap."""
+    when there are enough changes, else the smaller of raw gaps and a bitmap. A tensor
+    with more than ``dense_above`` of its elements changed travels whole, uncompressed:
+    past that share, coding the changes costs more CPU time than sending the tensor
+    costs wire time even on a 10 Gb/s link."""
 
     positions: Encoding | None = None
     values: ValueEncoding = ValueEncoding.ULP
     codec: Codec = Codec.NONE
+    dense_above: float = 0.25
 
 
 @dataclass

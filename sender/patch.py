@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from protocol import entropy
+from protocol.compress import Codec
 from protocol.config import PatchConfig
 from protocol.dtypes import bits_dtype
 from protocol.errors import MetadataMismatchError
@@ -42,7 +43,7 @@ class Changes:
             event.synchronize()
 
 
-DENSE_CANDIDATE = 1 / 3  # above this share of changed elements, keep the whole tensor too
+DENSE_CANDIDATE = 1 / 3  # above this share of changed elements, keep the whole tensor too: it may be smaller
 
 
 class PatchBuilder:
@@ -142,7 +143,7 @@ class PatchBuilder:
         stats.changed_elements += nnz
         stats.tensors_changed += 1
         # The snapshot now holds exactly the new tensor: keep it when dense may win.
-        dense = snap.clone() if nnz >= DENSE_CANDIDATE * numel else None
+        dense = snap.clone() if nnz > min(self.options.dense_above, DENSE_CANDIDATE) * numel else None
         events: list[torch.cuda.Event] = []
         staged = []
         for t in (flat, new, old, dense):  # to pinned host memory, behind events, on CUDA
@@ -159,12 +160,14 @@ class PatchBuilder:
 
     def _encode(self, changes: Changes, stats: SyncStats) -> EncodedTensor:
         changes.wait()
+        dense, nnz = changes.dense, changes.flat.numel()
+        if dense is not None and nnz > self.options.dense_above * dense.numel():  # whole and fast
+            stats.tensors_dense += 1
+            return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), {Role.VALUES: dense.view(changes.shape)}, Codec.NONE)
         encoding, values, buffers = sparse_buffers(changes.flat, changes.new, changes.old, changes.shape, self.options)
-        dense = changes.dense
         if dense is not None and raw_nbytes(buffers) >= dense.numel() * dense.element_size():
             stats.tensors_dense += 1
-            encoding, values, buffers = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: dense.view(changes.shape)}
-        nnz = dense.numel() if encoding is Encoding.DENSE and dense is not None else changes.flat.numel()
+            encoding, values, buffers, nnz = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: dense.view(changes.shape)}, dense.numel()
         return pack_entry(changes.key, encoding, values, nnz, buffers, self.options.codec)
 
 

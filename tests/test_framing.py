@@ -362,6 +362,10 @@ def test_config_unknown_key_is_named(data, name):
         {"patch": {"compression": "nvcomp_lz4"}},  # needs transport_device: cuda
         {"patch": {"position_encoding": "rle"}},
         {"patch": {"value_encoding": "delta"}},
+        {"patch": {"dense_above": 1.5}},
+        {"patch": {"dense_above": -0.1}},
+        {"patch": {"dense_above": "0.3"}},
+        {"patch": {"dense_above": True}},
         {"patch": {"init_sync": {"bucket_size": 0}}},
         {"patch": {"init_sync": {"bucket_size": -5}}},
         {"patch": {"init_sync": {"bucket_size": 1.5}}},

@@ -136,6 +136,32 @@ async def test_patch_training_bit_exact(name: str, lr: float) -> None:
         assert dense_seen > 0  # AdamW at 1e-3 moves nearly every bf16 element of small weights
 
 
+@pytest.mark.parametrize("dense_above", [0.25, 1.0])
+async def test_patch_dense_fallback_by_share_changed(dense_above: float) -> None:
+    """A tensor with more than ``dense_above`` of its elements changed travels whole and
+    uncompressed; the others stay sparse. Both apply bit for bit."""
+    state = {"busy": torch.zeros(4096, dtype=torch.bfloat16), "quiet": torch.zeros(4096, dtype=torch.bfloat16)}
+    target = {k: torch.ones_like(v) for k, v in state.items()}
+    s, r = make_pair(patch_cfg(dense_above=dense_above))
+    ch = Channel()
+    await handshake(s, r, state, target, ch)
+    state["busy"][::2] = 1.5  # half of it changes
+    state["quiet"][:40] = 2.0  # 1% of it
+    start = len(ch.to_receiver.sent)
+    stats = await s.sync(state, ch.to_receiver.send, 1)
+    assert await r.apply(target, ch.to_receiver.recv) == 1
+    assert all(torch.equal(bits(state[k]), bits(target[k])) for k in state)
+    (msg,) = messages(ch.to_receiver, start)
+    by_key = {r.metadata.keys[e.key]: e for e in msg.tensors}
+    assert by_key["quiet"].encoding is not Encoding.DENSE
+    busy = by_key["busy"]
+    if dense_above < 0.5:
+        assert busy.encoding is Encoding.DENSE and busy.nnz == 4096 and stats.tensors_dense == 1
+        assert all(b.codec.name == "NONE" for b in busy.buffers)
+    else:
+        assert busy.encoding is not Encoding.DENSE and busy.nnz == 2048 and stats.tensors_dense == 0
+
+
 # -- bucket: training loop, bit-exact every step ---------------------------------------------
 @pytest.mark.parametrize("load_instant", [True, False], ids=["instant", "deferred"])
 @pytest.mark.parametrize("bucket_dtype", [None, "bfloat16"], ids=["dtype-null", "dtype-bf16"])
