@@ -1,144 +1,128 @@
 """Entropy coding of patches, close to the information floor.
 
 Positions: the gaps between changed flat indices are split Rice-style into a high part
-``gap >> k``, entropy coded with rANS under its empirical distribution (a small counts
-table travels along), and ``k`` low bits packed at fixed width (they are close to
-uniform). Large high parts escape to a raw side buffer.
+``gap >> k``, entropy coded under its empirical distribution (the counts travel along),
+and ``k`` low bits packed at fixed width (they are close to uniform). Large high parts
+escape to a raw side buffer.
 
 Values: the change of each element as an integer difference of its bit pattern
 (``new_bits - old_bits``, wrapping at the dtype's width; +-1 for a one-ulp move),
-zigzag-mapped and rANS coded under its empirical distribution; large differences are
-coded as their bit length plus the bits below the leading one. Exact for every bit pattern, NaN and infinities included,
-and valid only on top of exactly the base version.
+zigzag-mapped and entropy coded under its empirical distribution; large differences
+are coded as their bit length, with the bits below the leading one in a side stream
+(in element order). Exact for every bit pattern, NaN and infinities included, and
+valid only on top of exactly the base version.
 
-rANS is ``constriction``'s (Rust, vectorized over a whole buffer). Decoders treat
-every buffer as hostile: table sizes, escape counts and the decoded positions are all
-checked; anything off raises ``ProtocolError``.
+The coder is ``rans`` (numba); symbol mapping, bit packing and decoding run fused in
+numba kernels that release the GIL. Decoders treat every buffer as hostile: table
+sizes, escape counts, bit budgets and the streams' final states are all checked;
+anything off raises ``ProtocolError``.
 """
 
 from __future__ import annotations
 
 import math
 
-import constriction
 import numba
 import numpy as np
 import torch
 
+from . import rans
 from .dtypes import bits_dtype
 from .errors import ProtocolError
 
-ans_model = constriction.stream.model  # a native module: its submodules are attributes, not importable
-ans_stack = constriction.stream.stack
-
 HIGH_SYMBOLS = 64  # gap high parts 0..62, 63 = escape
+ESCAPE = HIGH_SYMBOLS - 1
 MAX_K = 40
+DIRECT_BITS = 4  # zigzag values below 16 are their own symbols
+DIRECT = 1 << DIRECT_BITS
+VALUE_SYMBOLS = DIRECT + 64 - DIRECT_BITS  # then one symbol per bit length 5..64
 
 
-# -- rANS with an empirical model ----------------------------------------------------------
-def ans_encode(symbols: np.ndarray, alphabet: int) -> tuple[np.ndarray, np.ndarray]:
-    """rANS words (uint32) and the counts table (uint32, trimmed) for ``symbols``."""
-    counts = np.bincount(symbols, minlength=1).astype(np.uint32)
-    if len(counts) > alphabet:
-        raise ValueError("symbol outside the alphabet")
-    coder = ans_stack.AnsCoder()
-    coder.encode_reverse(symbols.astype(np.int32, copy=False), _model(counts))
-    return np.array(coder.get_compressed(), dtype=np.uint32), counts  # an owned, contiguous copy
+# -- bit streams (most significant bit first) ---------------------------------------------
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put(out, state, value, width):  # pragma: no cover - numba
+    """Append ``width`` <= 32 bits; ``state`` is [accumulator, bits held, next byte]."""
+    acc = (state[0] << np.uint64(width)) | (value & ((np.uint64(1) << np.uint64(width)) - np.uint64(1)))
+    held = state[1] + np.uint64(width)
+    o = state[2]
+    while held >= np.uint64(8):
+        held -= np.uint64(8)
+        out[o] = np.uint8((acc >> held) & np.uint64(0xFF))
+        o += np.uint64(1)
+    state[0] = acc & ((np.uint64(1) << held) - np.uint64(1))
+    state[1] = held
+    state[2] = o
 
 
-def ans_decode(words: np.ndarray, counts: np.ndarray, n: int, alphabet: int) -> np.ndarray:
-    if counts.ndim != 1 or not 0 < len(counts) <= alphabet or int(counts.sum(dtype=np.uint64)) != n:
-        raise ProtocolError(f"entropy model of {len(counts)} symbols does not describe {n} values")
-    try:
-        symbols = ans_stack.AnsCoder(np.ascontiguousarray(words, dtype=np.uint32)).decode(_model(counts), n)
-    except Exception as e:  # constriction reports exhausted or inconsistent streams its own way
-        raise ProtocolError(f"entropy-coded stream does not decode: {e}") from None
-    if np.bincount(symbols, minlength=len(counts))[: len(counts)].tolist() != counts.tolist():
-        raise ProtocolError("entropy-coded stream does not match its model")
-    return symbols
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_wide(out, state, value, width):  # pragma: no cover - numba
+    if width > 32:
+        _put(out, state, value >> np.uint64(32), width - 32)
+        _put(out, state, value, 32)
+    elif width > 0:
+        _put(out, state, value, width)
 
 
-def _model(counts: np.ndarray) -> object:
-    # Both sides build the model from the same integer counts, so the quantized
-    # probabilities (and therefore the code) are identical. A one-symbol alphabet gets
-    # an unused second symbol: the coder needs two.
-    probabilities = np.zeros(max(2, len(counts)))
-    probabilities[: len(counts)] = counts
-    return ans_model.Categorical(probabilities, perfect=False)
+@numba.njit(cache=True, nogil=True, inline="always")
+def _flush(out, state):  # pragma: no cover - numba
+    if state[1]:
+        out[state[2]] = np.uint8((state[0] << (np.uint64(8) - state[1])) & np.uint64(0xFF))
 
 
-# -- fixed-width bit packing ------------------------------------------------------------------
-@numba.njit(cache=True, nogil=True)
-def _pack(values, width, out):
-    acc = np.uint64(0)  # bits not yet written, most significant first
-    held = 0
-    o = 0
-    mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1) if width < 64 else ~np.uint64(0)
-    for v in values:
-        bits = np.uint64(v) & mask
-        for shift in range(width - 8, -8, -8):  # at most 8 bits at a time keeps acc from overflowing
-            take = 8 if shift >= 0 else 8 + shift
-            chunk = (bits >> np.uint64(max(shift, 0))) & np.uint64((1 << take) - 1)
-            acc = (acc << np.uint64(take)) | chunk
-            held += take
-            if held >= 8:
-                held -= 8
-                out[o] = np.uint8((acc >> np.uint64(held)) & np.uint64(0xFF))
-                o += 1
-    if held:
-        out[o] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
+@numba.njit(cache=True, nogil=True, inline="always")
+def _get(buf, bit, width):  # pragma: no cover - numba
+    """``width`` <= 32 bits at bit offset ``bit`` of ``buf`` (zero past its end)."""
+    start = bit >> 3
+    window = np.uint64(0)
+    for j in range(5):  # 40 bits cover any 32-bit field and its offset within a byte
+        b = np.uint64(buf[start + j]) if start + j < buf.shape[0] else np.uint64(0)
+        window = (window << np.uint64(8)) | b
+    return (window >> np.uint64(40 - (bit & 7) - width)) & ((np.uint64(1) << np.uint64(width)) - np.uint64(1))
 
 
-@numba.njit(cache=True, nogil=True)
-def _unpack(padded, width, out):
-    """Fields of up to 57 bits from a buffer with 8 bytes of zero padding at its end."""
-    for i in range(out.shape[0]):
-        bit = i * width
-        start = bit >> 3
-        window = np.uint64(0)
-        for j in range(8):  # big-endian 64-bit window starting at the field's first byte
-            window = (window << np.uint64(8)) | np.uint64(padded[start + j])
-        window = window << np.uint64(bit & 7)
-        out[i] = np.int64(window >> np.uint64(64 - width))
-
-
-@numba.njit(cache=True, nogil=True)
-def _unpack_wide(packed, width, out):
-    bit = 0
-    for i in range(out.shape[0]):
-        value = np.uint64(0)
-        for _ in range(width):
-            value = (value << np.uint64(1)) | np.uint64((packed[bit >> 3] >> (7 - (bit & 7))) & 1)
-            bit += 1
-        out[i] = np.int64(value)
+@numba.njit(cache=True, nogil=True, inline="always")
+def _get_wide(buf, bit, width):  # pragma: no cover - numba
+    if width > 32:
+        return (_get(buf, bit, width - 32) << np.uint64(32)) | _get(buf, bit + width - 32, 32)
+    if width > 0:
+        return _get(buf, bit, width)
+    return np.uint64(0)
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the bit-packing kernels before they are timed."""
-    values = torch.arange(4, dtype=torch.int64)
-    unpack_bits(pack_bits(values, 3), 3, 4)
-    unpack_bits(pack_bits(values, 60), 60, 4)
+    """Compile (or load from numba's cache) the kernels before they are timed."""
+    gaps = torch.tensor([0, 3, 1 << 20, 7] * 200, dtype=torch.int64)
+    coded = encode_gaps(gaps)
+    decode_gaps(coded["words"], coded["low"], coded["model"], coded["escapes"], gaps.numel())
+    diffs = torch.tensor([0, 1, -1, 40, -(1 << 40), 1 << 62] * 200, dtype=torch.int64)
+    coded = encode_values(diffs)
+    decode_values(coded["words"], coded["model"], coded["extra"], diffs.numel())
 
 
-def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
-    """The low ``width`` bits of each value (int64), most significant first, as bytes."""
-    out = np.zeros(math.ceil(values.numel() * width / 8), dtype=np.uint8)
-    if width and values.numel():
-        _pack(values.contiguous().numpy(), width, out)
-    return torch.from_numpy(out)
+def _symbols(words: torch.Tensor, freq: np.ndarray, cum: np.ndarray, lut: np.ndarray, n: int, what: str) -> np.ndarray:
+    symbols = np.empty(n, dtype=np.uint8)
+    code = rans.decode_into(_words(words), freq, cum, lut, symbols)
+    if code:
+        raise ProtocolError(f"{what}: {rans.ERRORS[code]}")
+    return symbols
 
 
-def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
-    if packed.dtype != torch.uint8 or packed.numel() != math.ceil(n * width / 8):
-        raise ProtocolError(f"{packed.numel()} bytes of {width}-bit fields for {n} values")
-    out = np.zeros(n, dtype=np.int64)
-    if width and n and width <= 57:
-        padded = np.zeros(packed.numel() + 8, dtype=np.uint8)
-        padded[: packed.numel()] = packed.numpy()
-        _unpack(padded, width, out)
-    elif width and n:
-        _unpack_wide(packed.contiguous().numpy(), width, out)
-    return torch.from_numpy(out)
+def _words(t: torch.Tensor) -> np.ndarray:
+    if t.dtype != torch.uint16 or t.dim() != 1:
+        raise ProtocolError("entropy-coded stream must be a 1-D uint16 buffer")
+    return t.contiguous().numpy()
+
+
+def _counts(model: torch.Tensor, n: int, alphabet: int, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Validated counts of an untrusted model, and the coder's tables derived from them."""
+    if model.dtype != torch.int64 or model.dim() != 1 or not 0 < model.numel() <= alphabet:
+        raise ProtocolError(f"{what} model is malformed")
+    counts = model.numpy()
+    if (counts < 0).any() or int(counts.sum()) != n:
+        raise ProtocolError(f"{what} model of {len(counts)} symbols does not describe {n} values")
+    freq = rans.quantize(counts)
+    cum, lut = rans.tables(freq)
+    return counts, freq, cum, lut
 
 
 # -- positions ----------------------------------------------------------------------------
@@ -155,8 +139,8 @@ def rice_parameter(gaps: torch.Tensor) -> int:
     best, best_bits = 0, math.inf
     for k in range(max(0, start - 2), min(MAX_K, start + 2) + 1):
         high = gaps >> k
-        escaped = int((high >= HIGH_SYMBOLS - 1).sum())
-        counts = torch.bincount(high.clamp(max=HIGH_SYMBOLS - 1)).double()
+        escaped = int((high >= ESCAPE).sum())
+        counts = torch.bincount(high.clamp(max=ESCAPE)).double()
         p = counts[counts > 0] / gaps.numel()
         bits = gaps.numel() * k + float(-(p * p.log2()).sum()) * gaps.numel() + 64 * escaped
         if bits < best_bits:
@@ -164,20 +148,57 @@ def rice_parameter(gaps: torch.Tensor) -> int:
     return best
 
 
+@numba.njit(cache=True, nogil=True)
+def _split_gaps(gaps, k, symbols, low, counts):  # pragma: no cover - numba
+    """High parts as symbols (escaped when large), low bits packed; returns the escape count."""
+    state = np.zeros(3, dtype=np.uint64)
+    escapes = 0
+    for i in range(gaps.shape[0]):
+        g = np.uint64(gaps[i])
+        high = g >> np.uint64(k)
+        s = ESCAPE if high >= np.uint64(ESCAPE) else np.int64(high)
+        escapes += s == ESCAPE
+        symbols[i] = s
+        counts[s] += 1
+        _put_wide(low, state, g, k)
+    _flush(low, state)
+    return escapes
+
+
 def encode_gaps(gaps: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Entropy-coded gaps: ``words`` (uint32), ``low`` (uint8), ``model`` (int64: k, then
+    """Entropy-coded gaps: ``words`` (uint16), ``low`` (uint8), ``model`` (int64: k, then
     the counts of the high parts), ``escapes`` (int64 raw gaps whose high part escaped)."""
+    gaps = gaps.contiguous()
     k = rice_parameter(gaps)
-    high = gaps >> k
-    escaped = high >= HIGH_SYMBOLS - 1
-    symbols = torch.where(escaped, HIGH_SYMBOLS - 1, high).numpy()
-    words, counts = ans_encode(symbols, HIGH_SYMBOLS)
+    n = gaps.numel()
+    symbols = np.empty(n, dtype=np.uint8)
+    low = np.zeros(math.ceil(n * k / 8), dtype=np.uint8)
+    counts = np.zeros(HIGH_SYMBOLS, dtype=np.int64)
+    escaped = _split_gaps(gaps.numpy(), k, symbols, low, counts)
+    counts = np.trim_zeros(counts, "b")
+    escapes = gaps[gaps >> k >= ESCAPE] if escaped else torch.zeros(0, dtype=torch.int64)
     return {
-        "words": torch.from_numpy(words),
-        "low": pack_bits(gaps & ((1 << k) - 1), k),
-        "model": torch.cat([torch.tensor([k]), torch.from_numpy(counts.astype(np.int64))]),
-        "escapes": gaps[escaped],
+        "words": torch.from_numpy(rans.encode(symbols, counts).view(np.int16)).view(torch.uint16),
+        "low": torch.from_numpy(low),
+        "model": torch.from_numpy(np.concatenate([[k], counts]).astype(np.int64)),
+        "escapes": escapes,
     }
+
+
+@numba.njit(cache=True, nogil=True)
+def _join_gaps(symbols, k, low, escapes, out):  # pragma: no cover - numba
+    """Gaps from decoded high parts, low bits and escapes; False if the escapes don't match."""
+    e = 0
+    for i in range(symbols.shape[0]):
+        s = symbols[i]
+        if s == ESCAPE:
+            if e >= escapes.shape[0]:
+                return False
+            out[i] = escapes[e]
+            e += 1
+        else:
+            out[i] = np.int64((np.uint64(s) << np.uint64(k)) | _get_wide(low, i * k, k))
+    return e == escapes.shape[0]
 
 
 def decode_gaps(words: torch.Tensor, low: torch.Tensor, model: torch.Tensor, escapes: torch.Tensor, n: int) -> torch.Tensor:
@@ -186,18 +207,19 @@ def decode_gaps(words: torch.Tensor, low: torch.Tensor, model: torch.Tensor, esc
     k = int(model[0])
     if not 0 <= k <= MAX_K:
         raise ProtocolError(f"gap parameter k={k} out of range")
-    counts = model[1:].numpy()
-    if (counts < 0).any():
-        raise ProtocolError("negative count in the gap model")
-    high = torch.from_numpy(ans_decode(_words(words), counts.astype(np.uint32), n, HIGH_SYMBOLS).astype(np.int64))
-    escaped = high == HIGH_SYMBOLS - 1
-    if escapes.dtype != torch.int64 or escapes.numel() != int(escaped.sum()):
+    _, freq, cum, lut = _counts(model[1:], n, HIGH_SYMBOLS, "gap")
+    if low.dtype != torch.uint8 or low.numel() != math.ceil(n * k / 8):
+        raise ProtocolError(f"{low.numel()} bytes of {k}-bit fields for {n} values")
+    if escapes.dtype != torch.int64 or escapes.dim() != 1:
+        raise ProtocolError("gap escapes must be a 1-D int64 buffer")
+    symbols = _symbols(words, freq, cum, lut, n, "gap stream")
+    gaps = np.empty(n, dtype=np.int64)
+    if not _join_gaps(symbols, k, low.contiguous().numpy(), escapes.contiguous().numpy(), gaps):
         raise ProtocolError("gap escapes do not match the escape symbols")
-    gaps = (high << k) | unpack_bits(low, k, n)
-    gaps[escaped] = escapes
-    if n and int(gaps.min()) < 0:
+    out = torch.from_numpy(gaps)
+    if n and int(out.min()) < 0:
         raise ProtocolError("negative gap")
-    return gaps
+    return out
 
 
 # -- values -------------------------------------------------------------------------------
@@ -212,86 +234,81 @@ def apply_differences(old: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
     return (old.view(bits) + diffs.to(bits)).view(old.dtype)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _zigzag(d):  # pragma: no cover - numba
+    return (np.uint64(d) << np.uint64(1)) ^ np.uint64(d >> 63)  # 0, -1, 1, -2 -> 0, 1, 2, 3
+
+
+@numba.njit(cache=True, nogil=True)
+def _value_symbols(diffs, symbols, counts):  # pragma: no cover - numba
+    """Symbols of the zigzagged differences; returns the bits the side stream needs."""
+    extra = 0
+    for i in range(diffs.shape[0]):
+        z = _zigzag(diffs[i])
+        if z < np.uint64(DIRECT):
+            s = np.int64(z)
+        else:
+            width = 0
+            while width < 64 and (z >> np.uint64(width)) != np.uint64(0):
+                width += 1
+            s = DIRECT + width - DIRECT_BITS - 1
+            extra += width - 1
+        symbols[i] = s
+        counts[s] += 1
+    return extra
+
+
+@numba.njit(cache=True, nogil=True)
+def _value_extra(diffs, symbols, out):  # pragma: no cover - numba
+    state = np.zeros(3, dtype=np.uint64)
+    for i in range(diffs.shape[0]):
+        s = symbols[i]
+        if s >= DIRECT:
+            _put_wide(out, state, _zigzag(diffs[i]), s - DIRECT + DIRECT_BITS)  # the bits below the leading one
+    _flush(out, state)
+
+
 def encode_values(diffs: torch.Tensor) -> dict[str, torch.Tensor]:
     """Entropy-coded ulp differences: ``words``, ``model`` (counts) and ``extra`` bits.
 
-    Zigzag-mapped differences below ``DIRECT`` are symbols of their own; larger ones
-    are coded as their bit length (Exp-Golomb style), with the bits below the leading
-    one packed per length class into ``extra``. Heavy tails stay cheap.
+    Zigzag-mapped differences below ``DIRECT`` are symbols of their own; larger ones are
+    coded as their bit length (Exp-Golomb style), the bits below the leading one going
+    to ``extra`` in element order. Heavy tails stay cheap.
     """
-    zigzag = (diffs << 1) ^ (diffs >> 63)  # 0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (as uint64 bits)
-    symbols = zigzag.clone()
-    where = torch.nonzero((zigzag >= DIRECT) | (zigzag < 0)).squeeze(1)
-    large = zigzag[where]
-    lengths = _bit_length(large)
-    symbols[where] = DIRECT + lengths - DIRECT_BITS - 1
-    words, counts = ans_encode(symbols.numpy(), VALUE_SYMBOLS)
-    # Group the large values by length (a stable sort keeps their order within a class),
-    # then pack each class at its own width: one pass over the large values in all.
-    order = torch.sort(lengths, stable=True).indices
-    grouped = large[order]
-    extra, start = [], 0
-    for c, w in _classes(counts):
-        members = grouped[start : start + int(counts[c])]
-        extra.append(pack_bits(members & ((1 << (w - 1)) - 1), w - 1))
-        start += members.numel()
+    d = diffs.contiguous().numpy()
+    symbols = np.empty(len(d), dtype=np.uint8)
+    counts = np.zeros(VALUE_SYMBOLS, dtype=np.int64)
+    extra = np.zeros(math.ceil(_value_symbols(d, symbols, counts) / 8), dtype=np.uint8)
+    _value_extra(d, symbols, extra)
+    counts = np.trim_zeros(counts, "b")
     return {
-        "words": torch.from_numpy(words),
-        "model": torch.from_numpy(counts.astype(np.int64)),
-        "extra": torch.cat(extra) if extra else torch.zeros(0, dtype=torch.uint8),
+        "words": torch.from_numpy(rans.encode(symbols, counts).view(np.int16)).view(torch.uint16),
+        "model": torch.from_numpy(counts),
+        "extra": torch.from_numpy(extra),
     }
 
 
+@numba.njit(cache=True, nogil=True)
+def _unzigzag(symbols, extra, out):  # pragma: no cover - numba
+    bit = 0
+    for i in range(symbols.shape[0]):
+        s = symbols[i]
+        if s < DIRECT:
+            z = np.uint64(s)
+        else:
+            below = s - DIRECT + DIRECT_BITS  # width - 1
+            z = (np.uint64(1) << np.uint64(below)) | _get_wide(extra, bit, below)
+            bit += below
+        out[i] = np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
+
+
 def decode_values(words: torch.Tensor, model: torch.Tensor, extra: torch.Tensor, n: int) -> torch.Tensor:
-    if model.dtype != torch.int64 or model.dim() != 1 or (model < 0).any():
-        raise ProtocolError("value model is malformed")
-    counts = model.numpy().astype(np.uint32)
-    symbols = torch.from_numpy(ans_decode(_words(words), counts, n, VALUE_SYMBOLS).astype(np.int64))
-    classes = list(_classes(counts))
-    sizes = [math.ceil(int(counts[c]) * (w - 1) / 8) for c, w in classes]
-    if extra.dtype != torch.uint8 or extra.numel() != sum(sizes):
-        raise ProtocolError(f"value extra bits: {extra.numel()} bytes, the model needs {sum(sizes)}")
-    zigzag = symbols.clone()
-    where = torch.nonzero(symbols >= DIRECT).squeeze(1)
-    order = torch.sort(symbols[where], stable=True).indices  # the encoder's grouping by class
-    grouped = torch.empty(where.numel(), dtype=torch.int64)
-    start = byte = 0
-    for (c, w), size in zip(classes, sizes):
-        n_c = int(counts[c])
-        low = unpack_bits(extra[byte : byte + size], w - 1, n_c)
-        grouped[start : start + n_c] = (1 << (w - 1)) | low  # for w == 64 the leading one is the sign bit
-        start += n_c
-        byte += size
-    large = torch.empty_like(grouped)
-    large[order] = grouped
-    zigzag[where] = large
-    return ((zigzag >> 1) & _INT64_MAX) ^ -(zigzag & 1)
-
-
-DIRECT_BITS = 4  # zigzag values below 16 are their own symbols
-DIRECT = 1 << DIRECT_BITS
-VALUE_SYMBOLS = DIRECT + 64 - DIRECT_BITS  # then one symbol per bit length 5..64
-_INT64_MAX = (1 << 63) - 1
-
-
-def _bit_length(z: torch.Tensor) -> torch.Tensor:
-    """Exact bit length of int64 values read as uint64 (64 for the ones with the top bit set)."""
-    # frexp is exact below 2**53; the rare larger values are counted bit by bit.
-    length = torch.frexp(z.clamp(min=0).double())[1].to(torch.int64)
-    wide = (z >= 1 << 52) | (z < 0)
-    if bool(wide.any()):
-        big = z[wide]
-        exact = sum(((big >> k) != 0).to(torch.int64) for k in range(63))
-        length[wide] = torch.where(big < 0, 64, exact)
-    return length
-
-
-def _classes(counts: np.ndarray) -> list[tuple[int, int]]:
-    """(symbol, bit length) of each length class present in a counts table."""
-    return [(c, c - DIRECT + DIRECT_BITS + 1) for c in range(DIRECT, len(counts)) if counts[c]]
-
-
-def _words(t: torch.Tensor) -> np.ndarray:
-    if t.dtype != torch.uint32 or t.dim() != 1:
-        raise ProtocolError("entropy-coded stream must be a 1-D uint32 buffer")
-    return t.numpy()
+    counts, freq, cum, lut = _counts(model, n, VALUE_SYMBOLS, "value")
+    below = np.arange(DIRECT, len(counts)) - DIRECT + DIRECT_BITS  # bits each large symbol carries in extra
+    need = int((counts[DIRECT:] * below).sum())
+    if extra.dtype != torch.uint8 or extra.numel() != math.ceil(need / 8):
+        raise ProtocolError(f"value extra bits: {extra.numel()} bytes, the model needs {math.ceil(need / 8)}")
+    symbols = _symbols(words, freq, cum, lut, n, "value stream")
+    out = np.empty(n, dtype=np.int64)
+    _unzigzag(symbols, extra.contiguous().numpy(), out)
+    return torch.from_numpy(out)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import entropy
+from . import entropy, rans
 from .buffers import Buffer, buffer_tensor, tensor_view
 from .checksum import checksum
 from .compress import Codec, compress, decompress, shuffle, unshuffle
@@ -256,10 +256,10 @@ def _buffer_rule(role: Role, entry: TensorEntry, dtype: torch.dtype, numel: int)
     nnz = entry.nnz
     if role is Role.VALUES:
         if entry.values is ValueEncoding.ULP:
-            return (torch.uint32,), nnz + 2  # rANS: at most 24 bits a symbol, plus its state
+            return (torch.uint16,), nnz + rans.FLUSH_WORDS  # rANS: at most one word a symbol, plus the states
         return ((bits_dtype(dtype) if entry.values is ValueEncoding.XOR else dtype),), nnz
     if role is Role.POSITIONS and entry.encoding is Encoding.ANS_GAPS:
-        return (torch.uint32,), nnz + 2
+        return (torch.uint16,), nnz + rans.FLUSH_WORDS
     if role is Role.POSITIONS and entry.encoding is Encoding.BITMAP:
         return (torch.uint8,), math.ceil(numel / 8)
     if role is Role.LOW_BITS:

@@ -1,0 +1,137 @@
+"""Static-model rANS over small alphabets, in numba: the entropy coder of patches.
+
+Four interleaved 32-bit states emitting 16-bit words (the decoder's four chains are
+independent, so a core overlaps them). Probabilities are quantized to ``PROB_BITS``
+from the symbol counts that travel with each stream, by the same integer arithmetic on
+both sides. Every kernel releases the GIL, so streams of different tensors code in
+parallel threads.
+
+A stream decodes only if it is consumed exactly: every word read, and each state back
+at its initial value. Truncated, padded or bit-flipped streams fail that check (or an
+explicit bound) rather than reading out of range.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+PROB_BITS = 15
+PROB_SCALE = 1 << PROB_BITS
+LANES = 4  # interleaved states
+STATE_LOW = 1 << 16  # states live in [STATE_LOW, 2**32); words are 16 bits
+FLUSH_WORDS = 2 * LANES  # each final state is flushed as two words
+
+# Decoder error codes (0 is success); ``decode`` turns them into messages.
+ERRORS = {
+    -1: "stream shorter than its final states",
+    -2: "a final state is out of range",
+    -3: "stream ends before its symbols do",
+    -4: "words left over after the last symbol",
+    -5: "stream does not return to its initial state (corrupted)",
+}
+
+
+def quantize(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to ``PROB_SCALE``, at least 1 for every counted symbol.
+
+    Integer-only and deterministic: encoder and decoder derive the same table from the
+    counts. The largest symbol absorbs the rounding (it keeps at least
+    ``PROB_SCALE / len(counts) - len(counts)``, positive for alphabets below 181)."""
+    counts = counts.astype(np.int64)
+    total = int(counts.sum())
+    freq = counts * PROB_SCALE // max(total, 1)
+    freq[(counts > 0) & (freq == 0)] = 1
+    freq[int(np.argmax(counts))] += PROB_SCALE - int(freq.sum())
+    return freq.astype(np.uint32)
+
+
+def tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cumulative frequencies and the slot -> symbol lookup of a quantized table."""
+    cum = np.zeros(len(freq), dtype=np.uint32)
+    np.cumsum(freq[:-1], out=cum[1:])
+    lut = np.repeat(np.arange(len(freq), dtype=np.uint8), freq)
+    return cum, lut
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_into(symbols, freq, cum, out):  # pragma: no cover - numba
+    """rANS-code ``symbols`` backwards into the end of ``out`` (uint16, at least
+    ``len(symbols) + FLUSH_WORDS`` long); returns where the stream starts."""
+    states = np.full(LANES, STATE_LOW, dtype=np.uint64)
+    pos = out.shape[0]
+    for i in range(symbols.shape[0] - 1, -1, -1):
+        j = i & (LANES - 1)
+        s = symbols[i]
+        f = np.uint64(freq[s])
+        x = states[j]
+        if x >= f << np.uint64(32 - PROB_BITS):  # one 16-bit word always suffices
+            pos -= 1
+            out[pos] = np.uint16(x & np.uint64(0xFFFF))
+            x >>= np.uint64(16)
+        states[j] = ((x // f) << np.uint64(PROB_BITS)) + (x % f) + np.uint64(cum[s])
+    for j in range(LANES - 1, -1, -1):
+        pos -= 1
+        out[pos] = np.uint16(states[j] & np.uint64(0xFFFF))
+        pos -= 1
+        out[pos] = np.uint16(states[j] >> np.uint64(16))
+    return pos
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _step(words, pos, x, freq, cum, lut):  # pragma: no cover - numba
+    """One symbol from state ``x``: (symbol, new state, next word; -1 once exhausted)."""
+    slot = x & np.uint64(PROB_SCALE - 1)
+    s = lut[slot]
+    x = np.uint64(freq[s]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(cum[s])
+    if x < STATE_LOW:
+        if pos >= words.shape[0] or pos < 0:
+            return s, x, -1
+        x = (x << np.uint64(16)) | np.uint64(words[pos])
+        pos += 1
+    return s, x, pos
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_into(words, freq, cum, lut, out):  # pragma: no cover - numba
+    """Symbols into ``out`` (its length is the count); returns an error code.
+
+    The four lanes are scalars unrolled in one loop, so their chains overlap."""
+    if words.shape[0] < FLUSH_WORDS:
+        return -1
+    x0 = (np.uint64(words[0]) << np.uint64(16)) | np.uint64(words[1])
+    x1 = (np.uint64(words[2]) << np.uint64(16)) | np.uint64(words[3])
+    x2 = (np.uint64(words[4]) << np.uint64(16)) | np.uint64(words[5])
+    x3 = (np.uint64(words[6]) << np.uint64(16)) | np.uint64(words[7])
+    if x0 < STATE_LOW or x1 < STATE_LOW or x2 < STATE_LOW or x3 < STATE_LOW:
+        return -2
+    pos = FLUSH_WORDS
+    n = out.shape[0]
+    whole = n - (n & (LANES - 1))
+    for i in range(0, whole, LANES):
+        out[i], x0, pos = _step(words, pos, x0, freq, cum, lut)
+        out[i + 1], x1, pos = _step(words, pos, x1, freq, cum, lut)
+        out[i + 2], x2, pos = _step(words, pos, x2, freq, cum, lut)
+        out[i + 3], x3, pos = _step(words, pos, x3, freq, cum, lut)
+    if whole < n:
+        out[whole], x0, pos = _step(words, pos, x0, freq, cum, lut)
+    if whole + 1 < n:
+        out[whole + 1], x1, pos = _step(words, pos, x1, freq, cum, lut)
+    if whole + 2 < n:
+        out[whole + 2], x2, pos = _step(words, pos, x2, freq, cum, lut)
+    if pos < 0:  # sticky: once exhausted, every later step reports -1 too
+        return -3
+    if pos != words.shape[0]:
+        return -4
+    if x0 != STATE_LOW or x1 != STATE_LOW or x2 != STATE_LOW or x3 != STATE_LOW:
+        return -5
+    return 0
+
+
+def encode(symbols: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The rANS words (uint16) of ``symbols`` (uint8) whose histogram is ``counts``."""
+    freq = quantize(counts)
+    cum, _ = tables(freq)
+    out = np.empty(len(symbols) + FLUSH_WORDS, dtype=np.uint16)
+    start = encode_into(symbols, freq, cum, out)
+    return out[start:].copy()

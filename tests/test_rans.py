@@ -1,0 +1,84 @@
+"""The rANS coder on its own: exact round trips, and corrupted streams always caught."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import rans
+
+
+def roundtrip(symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    counts = np.bincount(symbols).astype(np.int64)
+    words = rans.encode(symbols, counts)
+    return words, counts, decode(words, counts, len(symbols))[1]
+
+
+def decode(words: np.ndarray, counts: np.ndarray, n: int) -> tuple[int, np.ndarray]:
+    freq = rans.quantize(counts)
+    cum, lut = rans.tables(freq)
+    out = np.zeros(n, dtype=np.uint8)
+    return rans.decode_into(words, freq, cum, lut, out), out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    alphabet=st.integers(1, 76),
+    skew=st.floats(0.0, 8.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_roundtrip_is_exact(n: int, alphabet: int, skew: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    weights = np.exp(-skew * np.arange(alphabet))
+    symbols = rng.choice(alphabet, size=n, p=weights / weights.sum()).astype(np.uint8)
+    words, counts, _ = roundtrip(symbols)
+    code, out = decode(words, counts, n)
+    assert code == 0 and np.array_equal(out, symbols)
+    assert len(words) <= n + rans.FLUSH_WORDS
+
+
+def test_size_is_close_to_the_entropy() -> None:
+    rng = np.random.default_rng(0)
+    p = np.array([0.6, 0.25, 0.1, 0.04, 0.01])
+    symbols = rng.choice(len(p), size=200_000, p=p).astype(np.uint8)
+    words, counts, _ = roundtrip(symbols)
+    q = counts / counts.sum()
+    floor_bits = -(counts * np.log2(q)).sum()
+    assert floor_bits <= len(words) * 16 <= 1.01 * floor_bits + 16 * rans.FLUSH_WORDS
+
+
+def test_one_symbol_stream_costs_only_the_states() -> None:
+    words, counts, _ = roundtrip(np.full(10_000, 3, dtype=np.uint8))
+    assert len(words) == rans.FLUSH_WORDS
+
+
+def test_quantize_is_a_valid_table() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        counts = rng.integers(0, 10**rng.integers(1, 9), size=rng.integers(1, 77)) * (rng.random(1) < 0.9)
+        if counts.sum() == 0:
+            counts[0] = 1
+        freq = rans.quantize(counts)
+        assert int(freq.sum()) == rans.PROB_SCALE
+        assert ((freq > 0) == (counts > 0)).all()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "append", "flip", "head"])
+def test_damaged_streams_are_rejected(damage: str) -> None:
+    rng = np.random.default_rng(2)
+    symbols = rng.choice(8, size=20_000, p=[0.4, 0.2, 0.1, 0.1, 0.1, 0.05, 0.03, 0.02]).astype(np.uint8)
+    words, counts, _ = roundtrip(symbols)
+    bad = words.copy()
+    if damage == "truncate":
+        bad = bad[:-3]
+    elif damage == "append":
+        bad = np.concatenate([bad, np.array([7], dtype=np.uint16)])
+    elif damage == "flip":
+        bad[len(bad) // 2] ^= 0x0100
+    else:
+        bad = bad[:5]
+    code, _ = decode(bad, counts, len(symbols))
+    assert code in rans.ERRORS
