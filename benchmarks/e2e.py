@@ -1,8 +1,9 @@
 """One workload, every path, for real: weightsync patch and bucket, safetensors, gloo.
 
 A patch ``Sender`` and a bucket ``Sender`` (the library's public API and default patch
-config) each serve two in-process ``Receiver``s over tcp loopback; all four are
-bootstrapped at version 0. Each step the trainer moves, then:
+config) run in this process, beside the trainer; each serves two ``Receiver``s in their
+own processes (``benchmarks.rollout``) over tcp loopback; all four are bootstrapped at
+version 0. Each step the trainer moves, then:
 
 * patch: ``build_s`` is the awaited ``sync()``; ``e2e_patch_s`` runs from ``sync()``'s
   start until ``wait_acked`` says both receivers applied the version;
@@ -25,13 +26,13 @@ from typing import Any
 
 import torch
 
-from protocol.state import StateLike, resolve_state
-from receiver import Receiver
+from protocol.state import StateLike
 from sender import Sender
 
 from . import memory
-from .floor import bits_view, update_sizes
+from .floor import update_sizes
 from .peers import PeerGroup, digest, dtype_name
+from .rollout import RemoteReceivers
 from .workloads import Workload
 
 TIMEOUT = 600.0
@@ -47,28 +48,25 @@ def bucket_config(dtype: torch.dtype) -> dict[str, Any]:
 
 
 class Rig:
-    """One Sender and its in-process Receivers on tcp loopback."""
+    """One Sender in this process (beside the trainer) and its Receivers, each in its own
+    process (as rollouts run), on tcp loopback."""
 
-    def __init__(self, sender: Sender, receivers: list[Receiver]) -> None:
+    def __init__(self, sender: Sender, receivers: RemoteReceivers) -> None:
         self.sender, self.receivers = sender, receivers
+        self.closed = False
 
     @classmethod
     async def open(cls, workload: Workload, config: dict[str, Any], name: str, count: int = 2) -> Rig:
         sender = Sender("tcp://127.0.0.1:0", config, **DAEMON_KW)
         await sender.start(workload.trainer_state(), version=0)
-        receivers = [
-            Receiver(workload.receiver_state(seed=i + 1), sender.endpoint, config, identity=f"bench-{name}-{i}", **DAEMON_KW)
-            for i in range(count)
-        ]
-        for r in receivers:
-            await r.start(timeout=TIMEOUT)
+        receivers = await RemoteReceivers.start(workload.receiver_spec(), sender.endpoint, config, name, count)
         await sender.wait_for_receivers(count, timeout=TIMEOUT)
         await sender.wait_acked(0, timeout=TIMEOUT)
         return cls(sender, receivers)
 
     def incidents(self) -> int:
         """Resyncs the sender counted plus reconnects of the receivers, so far."""
-        return sum(int(p["resyncs"]) for p in self.sender.receivers.values()) + sum(r.reconnects for r in self.receivers)  # type: ignore[call-overload]
+        return sum(int(p["resyncs"]) for p in self.sender.receivers.values()) + sum(self.receivers.reconnects)  # type: ignore[call-overload]
 
     async def sync(self, state: StateLike, version: int) -> dict[str, Any]:
         before = self.incidents()
@@ -77,30 +75,28 @@ class Rig:
         built = time.perf_counter()
         await self.sender.wait_acked(version, timeout=TIMEOUT)
         ended = time.perf_counter()
-        applied = [r.stats.get(version) for r in self.receivers]
+        applied = await self.receivers.reports(version)  # they trail the acknowledgements (untimed)
         return {
             "stats": stats, "build_s": built - started, "e2e_s": ended - started,
-            "decode_s": max((a.decode_seconds for a in applied if a), default=None),
-            "apply_s": max((a.apply_seconds for a in applied if a), default=None),
+            "decode_s": max((a["decode_s"] for a in applied if a and a["decode_s"] is not None), default=None),
+            "apply_s": max((a["apply_s"] for a in applied if a and a["apply_s"] is not None), default=None),
             # anything but one clean patch/bucket per receiver means the time includes a recovery
-            "applied_as": sorted({a.kind if a else "missing" for a in applied}),
+            "applied_as": sorted({(a["kind"] or "missing") if a else "missing" for a in applied}),
             "incidents": self.incidents() - before,
         }
 
     async def verify(self, expected: dict[str, torch.Tensor]) -> bool:
         """Every receiver holds ``expected`` bit for bit."""
-        for r in self.receivers:
-            async with r.reading():
-                tensors = resolve_state(r.model).tensors
-                for key, want in expected.items():
-                    if not torch.equal(bits_view(tensors[key]), bits_view(want)):
-                        return False
-        return True
+        return set(await self.receivers.digests()) == {digest(expected)}
 
     async def close(self) -> None:
-        for r in self.receivers:
-            await r.close()
-        await self.sender.close()
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self.receivers.stop()
+        finally:
+            await self.sender.close()
 
 
 def _median(xs: list[float]) -> float:
@@ -251,7 +247,8 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "warmup": run.get("warmup", []),
         "notes": [
             "bytes: mean over the measured steps; times: median over them",
-            "e2e_patch_s / e2e_bucket_s: Sender and 2 Receivers in this process (one asyncio loop) over tcp loopback",
+            "e2e_patch_s / e2e_bucket_s: the Sender in the trainer's process, 2 Receivers in 2 processes, tcp loopback; "
+            "from sync() until both acknowledged the version",
             "e2e_safetensors_s: write to tmpfs (/dev/shm where present) then 2 worker processes load_file + load_state_dict in parallel",
             "e2e_gloo_s: dist.broadcast of one packed buffer from rank 0 (this process) to 2 worker processes, "
             "each copying it into its module, until a barrier",

@@ -64,6 +64,10 @@ class Workload:
     def step(self) -> None:
         raise NotImplementedError
 
+    def receiver_spec(self) -> dict[str, Any]:
+        """JSON that ``build_receiver_state`` turns into a fresh receiver state in another process."""
+        raise NotImplementedError
+
     # -- shared -----------------------------------------------------------------------
     def tracked(self) -> dict[str, torch.Tensor]:
         """The tensors the library tracks (trainable + persistent buffers), each storage once."""
@@ -109,6 +113,9 @@ class RealWorkload(Workload):
     def step(self) -> None:
         self.last_loss = train_step(self.model, self.optimizer, self.generator, batch=self.batch)
 
+    def receiver_spec(self) -> dict[str, Any]:
+        return {"kind": "real", "model": self.model_kw, "dtype": str(self.receiver_dtype).removeprefix("torch.")}
+
 
 class SyntheticWorkload(Workload):
     def __init__(self, name: str, density: float, shapes: list[tuple[int, ...]], measured_steps: int, seed: int = 0):
@@ -134,6 +141,18 @@ class SyntheticWorkload(Workload):
     def step(self) -> None:
         for t in self.state.values():
             perturb_ulps(t, self.density, self.generator)
+
+    def receiver_spec(self) -> dict[str, Any]:
+        return {"kind": "synthetic", "shapes": {k: list(t.shape) for k, t in self.state.items()}, "dtype": "bfloat16"}
+
+
+def build_receiver_state(spec: dict[str, Any]) -> StateLike:
+    """A receiver's starting state from ``Workload.receiver_spec`` (its values are
+    irrelevant: the bootstrap overwrites them)."""
+    dtype = getattr(torch, spec["dtype"])
+    if spec["kind"] == "real":
+        return TinyLM(**spec["model"]).to(dtype)
+    return {k: torch.zeros(shape, dtype=dtype) for k, shape in spec["shapes"].items()}
 
 
 def ulp_steps(n: int, generator: torch.Generator) -> torch.Tensor:

@@ -23,8 +23,9 @@ from protocol.errors import (
     StaleVersionError,
     WeightSyncError,
 )
-from protocol.framing import Message, MessageType, ValueEncoding, decode_message, encode_message
+from protocol.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
 from protocol.metadata import ModelMetadata
+from protocol.parallel import map_ordered
 from protocol.state import StateLike, resolve_state
 from protocol.tensorcodec import decode_entry
 
@@ -261,12 +262,14 @@ class ReceiverBase:
 
     def _decode(self, msg: Message, targets: list[torch.Tensor]) -> list[StagedUpdate]:
         assert self.metadata is not None
+        metadata = self.metadata
         exact = msg.type is MessageType.PATCH  # buckets and bootstraps may carry a float dtype to convert
-        updates = []
-        for entry in msg.tensors:
+
+        def one(entry: TensorEntry) -> StagedUpdate:
             if entry.values is not ValueEncoding.RAW and msg.type is not MessageType.PATCH:
                 raise ProtocolError(f"{msg.describe()}: {entry.values.name} values outside a patch")
-            shape, dtype = self.metadata.shapes[entry.key], self.metadata.dtypes[entry.key]
+            shape, dtype = metadata.shapes[entry.key], metadata.dtypes[entry.key]
             decoded = decode_entry(entry, msg.frames, shape, dtype, self.device, exact_dtype=exact)
-            updates.append(StagedUpdate.stage(decoded, targets[entry.key]))
-        return updates
+            return StagedUpdate.stage(decoded, targets[entry.key])
+
+        return map_ordered(one, msg.tensors)

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.framing import ValueEncoding
 from protocol.tensorcodec import DecodedTensor
+
+from . import kernels
 
 
 @dataclass
@@ -24,6 +27,8 @@ class StagedUpdate:
         if decoded.flat is None:
             return cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
         flat = decoded.flat.to(target.device)
+        if decoded.encoding is ValueEncoding.ULP and kernels.supported(target):
+            return cls(decoded.key, flat, kernels.gather_add(target, flat, decoded.values.cpu()))
         old = read_flat(target, flat)
         return cls(decoded.key, flat, decoded.new_values(old).to(target.device))
 
@@ -38,6 +43,8 @@ def read_flat(target: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 def write(target: torch.Tensor, update: StagedUpdate) -> None:
     if update.flat is None:
         target.copy_(update.values)
+    elif kernels.supported(target) and update.values.dtype == target.dtype:
+        kernels.scatter(target, update.flat, update.values)
     elif target.is_contiguous():
         target.view(-1)[update.flat] = update.values
     else:

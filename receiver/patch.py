@@ -11,6 +11,7 @@ from protocol import entropy
 from protocol.compress import Codec
 from protocol.framing import MessageType
 
+from . import kernels
 from .base import ReceiverBase
 
 
@@ -28,3 +29,4 @@ class PatchReceiver(ReceiverBase):
 
     async def prepare(self) -> None:
         await asyncio.to_thread(entropy.warm_up)  # JIT the decoders now, not in the first patch
+        await asyncio.to_thread(kernels.warm_up)

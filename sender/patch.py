@@ -15,6 +15,7 @@ from protocol.config import PatchConfig
 from protocol.dtypes import bits_dtype
 from protocol.errors import MetadataMismatchError
 from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding
+from protocol.parallel import map_ordered
 from protocol.state import ModelState, StateLike, materialize, resolve_state
 from protocol.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sparse_buffers
 
@@ -28,13 +29,15 @@ from .stats import SyncStats
 @dataclass
 class Changes:
     """One tensor's changes, captured: host copies (or copies under way) of the changed
-    positions and their new and old values, so encoding can run after the trainer moved on."""
+    positions and their new and old values, so encoding can run after the trainer moved on.
+    Past ``dense_above`` only the whole new tensor is kept."""
 
     key: int
     shape: tuple[int, ...]
-    flat: torch.Tensor
-    new: torch.Tensor
-    old: torch.Tensor
+    nnz: int
+    flat: torch.Tensor | None
+    new: torch.Tensor | None
+    old: torch.Tensor | None
     dense: torch.Tensor | None  # the whole new tensor, kept when a dense send may be cheaper
     events: list[torch.cuda.Event]
 
@@ -94,8 +97,9 @@ class PatchBuilder:
     async def encode(self, changes: list[Changes], version: int, base: int | None, stats: SyncStats) -> Message:
         """Entropy code and pack captured changes (host CPU work, off the event loop)."""
         started = time.perf_counter()
-        entries = await asyncio.to_thread(lambda: [self._encode(c, stats) for c in changes])
-        specs, frames = assemble(entries)
+        encoded = await asyncio.to_thread(map_ordered, self._encode, changes)
+        stats.tensors_dense += sum(e.encoding is Encoding.DENSE for e in encoded)
+        specs, frames = assemble(encoded)
         stats.encode_seconds = time.perf_counter() - started
         return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames)
 
@@ -128,16 +132,16 @@ class PatchBuilder:
         stats.total_elements += numel
         stats.dense_bytes += numel * dtype.itemsize
         if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
-            flat, new, old = fastdiff.diff_and_update(cur, snap)  # the snapshot is already moved
+            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, self.options.dense_above)  # the snapshot is moved
         else:
             cast = cur.to(dtype).reshape(-1)
             snap_flat = snap.view(-1)
             bits = bits_dtype(dtype)
             flat = torch.nonzero(cast.view(bits) != snap_flat.view(bits)).squeeze(1)
             new, old = cast[flat], snap_flat[flat]
-            if flat.numel():
+            nnz = flat.numel()
+            if nnz:
                 self.snapshot.commit(key, snap, flat, new)
-        nnz = flat.numel()
         if nnz == 0:
             return None
         stats.changed_elements += nnz
@@ -154,19 +158,16 @@ class PatchBuilder:
             staged.append(host)
             if event is not None:
                 events.append(event)
-        flat_h, new_h, old_h, dense_h = staged
-        assert flat_h is not None and new_h is not None and old_h is not None
-        return Changes(self.plan.ordinal(key), tuple(cur.shape), flat_h, new_h, old_h, dense_h, events)
+        return Changes(self.plan.ordinal(key), tuple(cur.shape), nnz, *staged, events)
 
-    def _encode(self, changes: Changes, stats: SyncStats) -> EncodedTensor:
+    def _encode(self, changes: Changes) -> EncodedTensor:
         changes.wait()
-        dense, nnz = changes.dense, changes.flat.numel()
+        dense, nnz = changes.dense, changes.nnz
         if dense is not None and nnz > self.options.dense_above * dense.numel():  # whole and fast
-            stats.tensors_dense += 1
             return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), {Role.VALUES: dense.view(changes.shape)}, Codec.NONE)
+        assert changes.flat is not None and changes.new is not None and changes.old is not None
         encoding, values, buffers = sparse_buffers(changes.flat, changes.new, changes.old, changes.shape, self.options)
         if dense is not None and raw_nbytes(buffers) >= dense.numel() * dense.element_size():
-            stats.tensors_dense += 1
             encoding, values, buffers, nnz = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: dense.view(changes.shape)}, dense.numel()
         return pack_entry(changes.key, encoding, values, nnz, buffers, self.options.codec)
 

@@ -50,7 +50,9 @@ def test_fused_diff_matches_torch(n: int, pair: tuple[torch.dtype, torch.dtype],
     assert fastdiff.supported(cur, snapshot)
     expect_flat, expect_new, expect_old = reference(cur, snapshot)
     expected_snapshot = cur.to(receiver_dtype)
-    flat, new, old = fastdiff.diff_and_update(cur, snapshot)
+    changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot)
+    assert changed == expect_flat.numel()
+    assert flat is not None and new is not None and old is not None
     assert torch.equal(flat, expect_flat)
     assert same_bits(new, expect_new) and same_bits(old, expect_old)
     assert same_bits(snapshot, expected_snapshot)  # moved to the new version in place
@@ -66,6 +68,20 @@ def test_unsupported_pairs_take_the_torch_path() -> None:
 def test_any_shape(shape: tuple[int, ...]) -> None:
     cur = torch.randn(shape)
     snapshot = torch.zeros(shape, dtype=torch.bfloat16)
-    flat, new, _ = fastdiff.diff_and_update(cur, snapshot)
+    _, flat, new, _ = fastdiff.diff_and_update(cur, snapshot)
+    assert flat is not None and new is not None
     assert same_bits(snapshot, cur.to(torch.bfloat16))
     assert same_bits(new, cur.to(torch.bfloat16).reshape(-1)[flat])
+
+
+@pytest.mark.parametrize("pair", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_past_dense_above_only_counts_and_moves_the_snapshot(pair: tuple[torch.dtype, torch.dtype]) -> None:
+    g = torch.Generator().manual_seed(3)
+    cur = torch.randn(70_001, generator=g).to(pair[0])
+    snapshot = cur.to(pair[1]).clone()
+    cur[::3] += 1.0  # a third of the elements
+    expect = reference(cur, snapshot)[0].numel()
+    assert fastdiff.diff_and_update(cur, snapshot.clone(), dense_above=0.5).flat is not None
+    changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot, dense_above=0.25)
+    assert changed == expect and flat is None and new is None and old is None
+    assert same_bits(snapshot, cur.to(pair[1]))

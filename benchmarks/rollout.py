@@ -1,0 +1,154 @@
+"""Receivers in their own processes, as rollouts run them: ``python -m benchmarks.rollout``.
+
+Each worker builds its state from a JSON spec (``Workload.receiver_spec``), runs a
+``Receiver`` against the harness's sender and talks to the harness in JSON lines:
+it reports ``ready`` after the handshake and ``applied`` (with the version's stats)
+after each commit; on ``digest`` it replies with the digest of its state (``peers.digest``,
+taken under the reading lock), on ``stop`` it closes and reports its peak RSS.
+The harness times syncs by the sender's acknowledgements, so nothing on this pipe is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+from protocol.state import resolve_state
+
+from .peers import ROOT, digest, maxrss_bytes
+from .workloads import build_receiver_state
+
+TIMEOUT = 600.0
+
+
+class RemoteReceivers:
+    """``count`` worker processes following ``endpoint``; the harness's handle on them."""
+
+    def __init__(self, procs: list[asyncio.subprocess.Process]) -> None:
+        self.procs = procs
+        self.applied: list[dict[int, dict[str, Any]]] = [{} for _ in procs]
+        self.reconnects = [0] * len(procs)
+        self._replies: list[asyncio.Queue[dict[str, Any]]] = [asyncio.Queue() for _ in procs]
+        self._readers = [asyncio.ensure_future(self._read(i)) for i in range(len(procs))]
+
+    @classmethod
+    async def start(cls, spec: dict[str, Any], endpoint: str, config: dict[str, Any], name: str, count: int = 2) -> RemoteReceivers:
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+        procs = [
+            await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "benchmarks.rollout", "--endpoint", endpoint, "--config", json.dumps(config),
+                "--spec", json.dumps(spec), "--identity", f"bench-{name}-{i}",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env,
+            )
+            for i in range(count)
+        ]
+        self = cls(procs)
+        for i in range(count):
+            await self._reply(i, "ready")
+        return self
+
+    async def _read(self, i: int) -> None:
+        stdout = self.procs[i].stdout
+        assert stdout is not None
+        while line := await stdout.readline():
+            event = json.loads(line)
+            if event["event"] == "applied":
+                self.applied[i][event["version"]] = event
+                self.reconnects[i] = event["reconnects"]
+            else:
+                self._replies[i].put_nowait(event)
+        self._replies[i].put_nowait({"event": "exited", "code": await self.procs[i].wait()})
+
+    async def _reply(self, i: int, want: str) -> dict[str, Any]:
+        event = await asyncio.wait_for(self._replies[i].get(), TIMEOUT)
+        if event["event"] != want:
+            raise RuntimeError(f"rollout worker {i}: expected {want!r}, got {event}")
+        return event
+
+    async def _ask(self, op: str) -> list[dict[str, Any]]:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(f"{op}\n".encode())
+            await p.stdin.drain()
+        return [await self._reply(i, op) for i in range(len(self.procs))]
+
+    async def reports(self, version: int, timeout: float = 30.0) -> list[dict[str, Any] | None]:
+        """Each worker's ``applied`` report of ``version`` (None for one that sent none in time)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline and not all(version in a for a in self.applied):
+            await asyncio.sleep(0.005)
+        return [a.get(version) for a in self.applied]
+
+    async def digests(self) -> list[str]:
+        return [r["digest"] for r in await self._ask("digest")]
+
+    async def stop(self) -> list[int]:
+        """Close the workers; their peak RSS."""
+        try:
+            return [r["peak_rss"] for r in await self._ask("stop")]
+        finally:
+            for p in self.procs:
+                if p.returncode is None:
+                    try:
+                        await asyncio.wait_for(p.wait(), 30)
+                    except asyncio.TimeoutError:
+                        p.kill()
+            for r in self._readers:
+                r.cancel()
+
+
+# -- the worker -----------------------------------------------------------------------------
+def emit(**fields: Any) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from receiver import Receiver
+
+    state = build_receiver_state(json.loads(args.spec))
+    receiver = Receiver(state, args.endpoint, json.loads(args.config), identity=args.identity, peer_timeout=TIMEOUT)
+
+    def on_update(version: int | None) -> None:
+        stats = receiver.stats.get(version) if version is not None else None
+        emit(event="applied", version=version, kind=stats.kind if stats else None,
+             decode_s=stats.decode_seconds if stats else None, apply_s=stats.apply_seconds if stats else None,
+             reconnects=receiver.reconnects)
+
+    receiver.on_update(on_update)
+    await receiver.start(timeout=TIMEOUT)
+    emit(event="ready")
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        while op := (await reader.readline()).decode().strip():
+            if op == "digest":
+                async with receiver.reading():
+                    tensors = resolve_state(receiver.model)
+                    unique = {k: tensors.tensors[k] for k in tensors.tracked if k not in tensors.aliases}
+                    emit(event="digest", version=receiver.version, digest=await asyncio.to_thread(digest, unique))
+            elif op == "stop":
+                break
+    finally:
+        await receiver.close()
+    emit(event="stop", peak_rss=maxrss_bytes())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--config", required=True, help="the sync config as JSON")
+    p.add_argument("--spec", required=True, help="the receiver state as JSON (Workload.receiver_spec)")
+    p.add_argument("--identity", required=True)
+    args = p.parse_args()
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
