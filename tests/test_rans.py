@@ -51,7 +51,7 @@ def test_size_is_close_to_the_entropy() -> None:
 
 
 def test_one_symbol_stream_costs_only_the_states() -> None:
-    words, counts, _ = roundtrip(np.full(10_000, 3, dtype=np.uint8))
+    words, _, _ = roundtrip(np.full(10_000, 3, dtype=np.uint8))
     assert len(words) == rans.FLUSH_WORDS
 
 
