@@ -71,8 +71,8 @@ async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool 
         "zmq_raw_Bps": zmq_bps,
         "copy_Bps_samples": copy_samples,
         "zmq_raw_Bps_samples": zmq_samples,
-        "zmq_raw_method": f"DEALER->ROUTER tcp loopback, one {suite.zmq_bytes} B multipart message in "
-                          f"{suite.zmq_frame} B frames, copy=False; best sample of the run",
+        "zmq_raw_method": f"ROUTER->2 DEALERs (threads) over tcp loopback, one {suite.zmq_bytes} B multipart message to each in "
+                          f"{suite.zmq_frame} B frames, copy=False; bytes delivered per second, best sample of the run",
         "copy_method": f"dst.copy_(src) of {suite.copy_bytes} B fp32 CPU tensors, bytes read per second; best sample of the run",
         "peer_worker_peak_rss": peer_rss,
         "results": results,

@@ -36,6 +36,7 @@ from .rollout import RemoteReceivers
 from .workloads import Workload
 
 TIMEOUT = 600.0
+RECEIVERS = 2
 DAEMON_KW: dict[str, Any] = {"peer_timeout": 300.0}  # the harness blocks the loop while it measures peers
 
 
@@ -56,7 +57,7 @@ class Rig:
         self.closed = False
 
     @classmethod
-    async def open(cls, workload: Workload, config: dict[str, Any], name: str, count: int = 2) -> Rig:
+    async def open(cls, workload: Workload, config: dict[str, Any], name: str, count: int = RECEIVERS) -> Rig:
         sender = Sender("tcp://127.0.0.1:0", config, **DAEMON_KW)
         await sender.start(workload.trainer_state(), version=0)
         receivers = await RemoteReceivers.start(workload.receiver_spec(), sender.endpoint, config, name, count)
@@ -197,6 +198,7 @@ async def run_workload(workload: Workload, peers: PeerGroup, memory_pass: bool) 
     return {
         "workload": workload.name, "kind": workload.kind, "config": described,
         "steps": steps, "warmup": warmup, "read_bytes": read_bytes, "memory": mem, "verified": verified,
+        "receivers": RECEIVERS,
     }
 
 
@@ -229,7 +231,7 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "e2e_gloo_s": median("e2e_gloo_s"),
         "zmq_raw_Bps": zmq_bps,
         "copy_Bps": copy_bps,
-        "bucket_Bps": mean("bucket_dense_bytes") / e2e_bucket,
+        "bucket_Bps": run["receivers"] * mean("bucket_dense_bytes") / e2e_bucket,
         "bucket_wire_bytes": mean("bucket_wire_bytes"),
         "bucket_build_s": median("bucket_build_s"),
         "safetensors_bytes": mean("safetensors_bytes"),
@@ -256,8 +258,8 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
             "(peer_cast_s in steps) is not in their times",
             "sender_peak_rss / receiver_peak_rss: peak RSS (VmHWM) of separate processes replaying the last measured "
             "step (1 sender process, 2 receiver processes, patch config); base_rss is before the daemon was created",
-            "bucket_Bps: dense bytes at the receivers' dtype / e2e_bucket_s; each receiver gets its own copy "
-            "(2 receivers), so the loopback carries twice the dense bytes",
+            "bucket_Bps: bytes delivered (2 receivers x the dense bytes at the receivers' dtype) / e2e_bucket_s, "
+            "as zmq_raw_Bps counts one ROUTER's fan-out to 2 DEALERs",
         ],
     }
     return out
