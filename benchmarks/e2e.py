@@ -156,6 +156,7 @@ async def run_workload(workload: Workload, peers: PeerGroup, memory_pass: bool) 
                 "library_changed_elements": ps.changed_elements,
                 "tensors_dense": ps.tensors_dense,
                 "dense_bytes": ps.dense_bytes,
+                "dense_elements": ps.total_elements,
                 "wire_bytes": ps.wire_bytes,
                 "entropy_floor_bytes": sizes.entropy_floor_bytes,
                 "seed_format_bytes": sizes.seed_format_bytes,
@@ -198,8 +199,27 @@ async def run_workload(workload: Workload, peers: PeerGroup, memory_pass: bool) 
     return {
         "workload": workload.name, "kind": workload.kind, "config": described,
         "steps": steps, "warmup": warmup, "read_bytes": read_bytes, "memory": mem, "verified": verified,
-        "receivers": RECEIVERS,
+        "receivers": RECEIVERS, "model_bytes": sum(t.numel() * t.element_size() for t in tracked.values()),
     }
+
+
+def memory_excess(mem: dict[str, Any] | None, last: dict[str, Any], model_bytes: int) -> dict[str, float | None]:
+    """How far the sync's memory growth exceeds what it must hold, as a share of the total.
+
+    The sender must hold the model and one snapshot at the receivers' dtype; a receiver,
+    its model and one update (the message, plus each change staged as an int64 index and
+    a value). ``base_rss`` already holds the model, so the growth during the sync
+    (``sync_peak_rss - base_rss``) is compared with the snapshot (sender) or the update
+    (receiver): excess = (growth - needed) / (model + needed)."""
+    if not mem or mem["sender"].get("sync_peak_rss") is None:
+        return {"sender_memory_excess": None, "receiver_memory_excess": None}
+    snapshot = last["dense_bytes"]  # every tracked element at the receivers' dtype
+    itemsize = snapshot / max(1, last["dense_elements"])
+    update = last["wire_bytes"] + last["changed_elements"] * (8 + itemsize)
+    s = mem["sender"]
+    sender = (s["sync_peak_rss"] - s["base_rss"] - snapshot) / (model_bytes + snapshot)
+    receiver = max((r["sync_peak_rss"] - r["base_rss"] - update) / (snapshot + update) for r in mem["receivers"])
+    return {"sender_memory_excess": sender, "receiver_memory_excess": receiver}
 
 
 def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, Any]:
@@ -238,6 +258,7 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "gloo_bytes": mean("gloo_bytes"),
         "sender_peak_rss": mem["sender"]["peak_rss"] if mem else None,
         "receiver_peak_rss": max(r["peak_rss"] for r in mem["receivers"]) if mem else None,
+        **memory_excess(mem, steps[-1], run["model_bytes"]),
         "memory": mem,
         "verified_bit_exact": run["verified"],
         # resyncs/reconnects during measured syncs (their times then include a recovery)
@@ -257,7 +278,10 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
             "safetensors and gloo start from the state dict already at the receivers' dtype: the cast "
             "(peer_cast_s in steps) is not in their times",
             "sender_peak_rss / receiver_peak_rss: peak RSS (VmHWM) of separate processes replaying the last measured "
-            "step (1 sender process, 2 receiver processes, patch config); base_rss is before the daemon was created",
+            "step (1 sender process, 2 receiver processes, patch config); base_rss is before the daemon was created; "
+            "sync_peak_rss is the peak of the sync alone (VmHWM restarted after the bootstrap)",
+            "sender_memory_excess / receiver_memory_excess: (sync growth - what must be held) / (model + what must be held); "
+            "the sender must hold one snapshot at the receivers' dtype, a receiver one update",
             "bucket_Bps: bytes delivered (2 receivers x the dense bytes at the receivers' dtype) / e2e_bucket_s, "
             "as zmq_raw_Bps counts one ROUTER's fan-out to 2 DEALERs",
         ],

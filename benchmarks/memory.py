@@ -6,8 +6,10 @@ cannot be told apart; so for each workload the last measured step is replayed he
 serves it as version 0 (bootstrap), reads the state after the step into the same
 tensors in place and syncs it as version 1 until every receiver acknowledged it;
 ``python -m benchmarks.memory receiver`` (two of them) starts from zeros at the
-receivers' dtype. Each reports its RSS before the daemon was created (``base``) and its
-lifetime peak (VmHWM, i.e. ``ru_maxrss`` of this process alone), in bytes. States travel as raw files (read with
+receivers' dtype. Each reports its RSS before the daemon was created, with the runtime
+every daemon loads already in (compiled kernels, threads: ``base``), its
+lifetime peak (VmHWM, i.e. ``ru_maxrss`` of this process alone) and the peak of the sync
+alone (``sync_peak``: VmHWM restarted once the bootstrap is applied), in bytes. States travel as raw files (read with
 ``readinto`` straight into the tensors, so loading adds no second copy).
 """
 
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .peers import DTYPES, ROOT, dtype_name, maxrss_bytes
+from .peers import DTYPES, ROOT, dtype_name, maxrss_bytes, reset_peak_rss
 
 
 def free_port() -> int:
@@ -71,18 +73,38 @@ def rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def warm_runtime() -> None:
+    """Load what every daemon loads whatever the model's size (compiled kernels, the codec
+    threads, ZeroMQ's I/O thread), so ``base`` holds the runtime and growth is the model's."""
+    import zmq.asyncio
+
+    from protocol import entropy
+    from protocol.parallel import map_ordered
+    from receiver import kernels
+    from sender import fastdiff
+
+    entropy.warm_up()
+    kernels.warm_up()
+    fastdiff.warm_up({(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)})
+    map_ordered(abs, [1, 2, 3, 4])
+    zmq.asyncio.Context.instance()
+
+
 async def run_sender(args: argparse.Namespace) -> dict[str, Any]:
     from sender import Sender
 
     pre = Path(args.pre)
     state = empty_state(pre)
     read_into(pre, state)
+    warm_runtime()
     base = rss()
     sender = Sender(f"tcp://127.0.0.1:{args.port}", json.loads(args.config), peer_timeout=300.0)
     try:
         await sender.start(state, version=0)
         await sender.wait_for_receivers(args.receivers, timeout=300)
         await sender.wait_acked(0, timeout=300)
+        boot_peak = maxrss_bytes()
+        reset = reset_peak_rss()  # from here: the steady state, one sync
         read_into(Path(args.post), state)
         started = time.perf_counter()
         stats = await sender.sync(state, 1)
@@ -91,22 +113,35 @@ async def run_sender(args: argparse.Namespace) -> dict[str, Any]:
         resyncs = sum(int(p["resyncs"]) for p in sender.receivers.values())  # type: ignore[call-overload]
     finally:
         await sender.close()
-    return {"base_rss": base, "peak_rss": maxrss_bytes(), "wire_bytes": stats.wire_bytes, "e2e_s": e2e, "resyncs": resyncs}
+    sync_peak = maxrss_bytes() if reset else None
+    return {"base_rss": base, "peak_rss": max(boot_peak, maxrss_bytes()), "sync_peak_rss": sync_peak,
+            "wire_bytes": stats.wire_bytes, "e2e_s": e2e, "resyncs": resyncs}
 
 
 async def run_receiver(args: argparse.Namespace) -> dict[str, Any]:
     from receiver import Receiver
 
     state = empty_state(Path(args.pre), DTYPES[args.dtype])
+    warm_runtime()
     base = rss()
     receiver = Receiver(state, f"tcp://127.0.0.1:{args.port}", json.loads(args.config), identity=args.identity, peer_timeout=300.0)
+    marks: dict[str, Any] = {}
+
+    def on_update(version: int | None) -> None:
+        if version == 0:  # bootstrapped; the sender reads the next state from disk before it syncs
+            marks["boot_peak"] = maxrss_bytes()
+            marks["reset"] = reset_peak_rss()
+
+    receiver.on_update(on_update)
     try:
         await receiver.start(timeout=300)
         await receiver.wait_for_version(1, timeout=300)
         applied = receiver.stats.get(1)
     finally:
         await receiver.close()
-    return {"base_rss": base, "peak_rss": maxrss_bytes(), "reconnects": receiver.reconnects, "applied_as": applied.kind if applied else None}
+    peak = maxrss_bytes()
+    return {"base_rss": base, "peak_rss": max(peak, marks.get("boot_peak", 0)), "sync_peak_rss": peak if marks.get("reset") else None,
+            "reconnects": receiver.reconnects, "applied_as": applied.kind if applied else None}
 
 
 def measure(pre: Path, post: Path, receiver_dtype: torch.dtype, config: dict[str, Any], receivers: int = 2, timeout: float = 600) -> dict[str, Any]:

@@ -59,6 +59,16 @@ def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def reset_peak_rss() -> bool:
+    """Restart VmHWM from the current RSS (Linux >= 4.0: ``5`` into clear_refs), so a
+    later ``maxrss_bytes`` is the peak of what follows; False where unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def module_with(specs: list[tuple[str, list[int], str]]) -> nn.Module:
     """A module whose state dict has exactly ``specs``' keys (dotted names become submodules)."""
     root = nn.Module()

@@ -62,6 +62,10 @@ TARGETS = (
            lambda r: near(r["density"], 0.01), _ratio("e2e_patch_s", "e2e_gloo_s"), 1.0, strict=True),
     Target("e2e_patch_vs_bucket_at_30pct", "density >= 20% (30% and denser): e2e_patch_s <= 1.1 * e2e_bucket_s",
            lambda r: r["density"] >= 0.2, _ratio("e2e_patch_s", "e2e_bucket_s"), 1.1),
+    Target("sender_memory", "sender: sync peak <= model + one snapshot at the receivers' dtype, +5%",
+           lambda r: r.get("sender_memory_excess") is not None, lambda r: r["sender_memory_excess"], 0.05),
+    Target("receiver_memory", "receiver: sync peak <= model + one update, +5%",
+           lambda r: r.get("receiver_memory_excess") is not None, lambda r: r["receiver_memory_excess"], 0.05),
     Target("bucket_vs_zmq_raw", "every workload: bucket_Bps >= 0.8 * zmq_raw_Bps",
            lambda r: True, _ratio("bucket_Bps", "zmq_raw_Bps"), 0.8, at_least=True),
 )
