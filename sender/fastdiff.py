@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps a br
     numba = None  # type: ignore[assignment]
 
 CHUNK_WORDS = 1024  # 65536 elements per parallel task
+PARALLEL_MIN = 1 << 22  # elements from which the kernels run on all cores
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -54,7 +55,6 @@ if numba is not None:
         x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
         return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
 
-    @numba.njit(parallel=True, cache=True, nogil=True)
     def _mark(cur, snap, rounding, marks, counts):  # pragma: no cover - numba
         """Bit ``i`` of ``marks`` is set where element ``i`` changed; ``counts`` per chunk."""
         n = cur.shape[0]
@@ -78,7 +78,6 @@ if numba is not None:
                 total += _popcount(m)
             counts[c] = total
 
-    @numba.njit(parallel=True, cache=True, nogil=True)
     def _collect(cur, snap, rounding, marks, offsets, flat, new, old):  # pragma: no cover - numba
         for c in numba.prange(offsets.shape[0] - 1):
             o = offsets[c]
@@ -95,6 +94,15 @@ if numba is not None:
                     old[o] = snap[i]
                     snap[i] = value  # the snapshot moves to the new version in the same pass
                     o += 1
+
+    # Each kernel twice: threads pay off on large tensors only. Waking a thread team costs
+    # microseconds on an idle host and milliseconds on a busy one (a trainer's), which
+    # would dominate a model's many small tensors.
+    _KERNELS = {
+        parallel: (numba.njit(parallel=parallel, cache=True, nogil=True)(_mark),
+                   numba.njit(parallel=parallel, cache=True, nogil=True)(_collect))
+        for parallel in (False, True)
+    }
 
 
 def supported(cur: torch.Tensor, snapshot: torch.Tensor) -> bool:
@@ -114,7 +122,8 @@ def diff_and_update(cur: torch.Tensor, snapshot: torch.Tensor, dense_above: floa
     cur_u, snap_u = _bits(cur), _bits(snapshot.view(-1))
     marks = np.empty(-(-n // 64), dtype=np.uint64)
     counts = np.empty(-(-marks.size // CHUNK_WORDS), dtype=np.int64)
-    _mark(cur_u, snap_u, rounding, marks, counts)
+    mark, collect = _KERNELS[n >= PARALLEL_MIN]
+    mark(cur_u, snap_u, rounding, marks, counts)
     offsets = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     total = int(offsets[-1])
@@ -125,7 +134,7 @@ def diff_and_update(cur: torch.Tensor, snapshot: torch.Tensor, dense_above: floa
     new = np.empty(total, dtype=snap_u.dtype)
     old = np.empty(total, dtype=snap_u.dtype)
     if total:
-        _collect(cur_u, snap_u, rounding, marks, offsets, flat, new, old)
+        collect(cur_u, snap_u, rounding, marks, offsets, flat, new, old)
     return Diff(total, torch.from_numpy(flat), _tensor(new, snapshot.dtype), _tensor(old, snapshot.dtype))
 
 
@@ -133,9 +142,10 @@ def warm_up(pairs: set[tuple[torch.dtype, torch.dtype]]) -> None:
     """Compile (or load from numba's cache) the kernels for these (state, snapshot) dtype
     pairs now, rather than in the first sync: each new pair costs seconds of JIT."""
     for state_dtype, snapshot_dtype in pairs:
-        cur, snapshot = torch.ones(9, dtype=state_dtype), torch.zeros(9, dtype=snapshot_dtype)
-        if supported(cur, snapshot):
-            diff_and_update(cur, snapshot)
+        for n in (9, PARALLEL_MIN):
+            cur, snapshot = torch.ones(n, dtype=state_dtype), torch.zeros(n, dtype=snapshot_dtype)
+            if supported(cur, snapshot):
+                diff_and_update(cur, snapshot)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

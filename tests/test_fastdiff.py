@@ -85,3 +85,17 @@ def test_past_dense_above_only_counts_and_moves_the_snapshot(pair: tuple[torch.d
     changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot, dense_above=0.25)
     assert changed == expect and flat is None and new is None and old is None
     assert same_bits(snapshot, cur.to(pair[1]))
+
+
+@pytest.mark.parametrize("pair", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_large_tensors_take_the_threaded_kernels(pair: tuple[torch.dtype, torch.dtype]) -> None:
+    n = fastdiff.PARALLEL_MIN + 77  # and a partial last word
+    g = torch.Generator().manual_seed(4)
+    cur = torch.randn(n, generator=g).to(pair[0])
+    snapshot = cur.to(pair[1]).clone()
+    cur[torch.rand(n, generator=g) < 0.01] += 0.5
+    expect_flat, expect_new, expect_old = reference(cur, snapshot)
+    changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot)
+    assert changed == expect_flat.numel() and flat is not None and new is not None and old is not None
+    assert torch.equal(flat, expect_flat) and same_bits(new, expect_new) and same_bits(old, expect_old)
+    assert same_bits(snapshot, cur.to(pair[1]))
