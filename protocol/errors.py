@@ -41,3 +41,12 @@ class ConfigError(WeightSyncError, ValueError):
 
 class LayoutError(WeightSyncError, ValueError):
     """A tensor cannot be viewed in the 2-D COO layout the patch format needs."""
+
+
+class SharedMemoryError(WeightSyncError):
+    """A shared-memory region is missing or malformed, or a writer that crashed left it torn."""
+
+
+class StateError(WeightSyncError):
+    """A control call does not fit the receiver's state (``update_weights`` while not
+    paused, waking the weights while the KV cache sleeps): change the state, then retry."""

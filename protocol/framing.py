@@ -53,6 +53,8 @@ class MessageType(IntEnum):
     HEARTBEAT = 8  # either way: liveness
     ERROR = 9  # either way: a fatal error the peer should surface
     BYE = 10  # either way: orderly goodbye
+    DIGEST_REQUEST = 11  # receiver -> sender: your current version (and its state digest, if body.digest)
+    DIGEST = 12  # sender -> receiver: the reply: version, body {nonce, digest}
 
 
 class Encoding(IntEnum):

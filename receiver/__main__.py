@@ -3,14 +3,26 @@
 Builds the rollout's model locally (``--model module:factory``, cast to ``--dtype``),
 follows a sender, and reports each applied version as a JSON line on stdout (with the
 state digest, so a script can check it against the trainer's).
+
+``--shm NAME`` puts the model in a shared-memory region this process creates and owns
+(unlinked on exit): a rollout engine maps its model onto it with
+``receiver.attach.attach(model, NAME)`` and reads under the region's seqlock.
+``--load-strategy rsync`` (the default) follows a sender over the network;
+``ipc_snapshot`` reloads the trainer's ``step_<version>.safetensors`` files from ``--watch``.
+
+``--control HOST:PORT`` serves the control API (pause, resume, sleep, wakeup,
+update_weights; see the README); ``python -m receiver ctl --help`` calls it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +30,9 @@ from protocol.checksum import state_digest
 from protocol.cli import load_object, report, run, setup_logging
 from protocol.dtypes import parse_float_dtype
 
+from .attach import engine_region, seqlock_writes
 from .service import Receiver
+from .snapshots import serve_snapshots
 
 log = logging.getLogger("receiver")
 
@@ -34,17 +48,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--digest", action="store_true", help="include the state digest in each report")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     p.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence before reconnecting")
+    p.add_argument("--shm", help="create shared-memory region NAME holding the model, for an engine to attach to")
+    p.add_argument("--load-strategy", choices=["rsync", "ipc_snapshot"], default="rsync",
+                   help="rsync: follow --endpoint; ipc_snapshot: reload files from --watch")
+    p.add_argument("--watch", type=Path, help="ipc_snapshot: directory the trainer writes step_<version>.safetensors to")
+    p.add_argument("--control", metavar="HOST:PORT", help="serve the control API here (port 0: any free port; reported as a 'control' line)")
+    p.add_argument(
+        "--name-mapping", metavar="SPEC",
+        help="rename this model's names to the trainer's: 'is_agent', a JSON file {rollout: trainer}, or module:callable",
+    )
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.load_strategy == "ipc_snapshot" and args.watch is None:
+        p.error("--load-strategy ipc_snapshot needs --watch DIR")
+    return args
+
+
+def load_name_mapping(spec: str | None) -> Any:
+    if spec is None or spec == "is_agent":
+        return spec
+    if spec.endswith(".json"):
+        return json.loads(Path(spec).read_text())
+    return load_object(spec)
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     model = load_object(args.model)()
     if args.dtype != "keep":
         model = model.to(parse_float_dtype(args.dtype))
+    region = engine_region(model, args.shm) if args.shm else None  # owned here: unlinked on close or at exit
+    if args.load_strategy == "ipc_snapshot":
+        await serve_snapshots(args, model, region, stop)
+        return
     receiver = Receiver(
         model, args.endpoint, args.config, identity=args.identity,
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
+        control_address=args.control, name_mapping=load_name_mapping(args.name_mapping),
+        wrap_write=None if region is None else seqlock_writes(region, lambda: receiver.strategy.version),
     )
 
     async def on_update(version: int | None) -> None:
@@ -60,6 +100,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     receiver.on_update(on_update)
     async with receiver:
         started = asyncio.ensure_future(receiver.start(timeout=None))
+        if args.control is not None:
+            while receiver.control_url is None and not started.done():
+                await asyncio.sleep(0.01)
+            if receiver.control_url is not None:
+                report("control", url=receiver.control_url, identity=receiver.identity)
         await asyncio.wait([started, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if started.done():
             started.result()  # surface a failed handshake (metadata mismatch, ...)
@@ -69,10 +114,17 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         if args.save is not None:
             async with receiver.reading():
                 torch.save(model.state_dict(), args.save)
+    if region is not None:
+        region.close()
     report("stopped", version=receiver.version, identity=receiver.identity)
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ctl"]:  # the control client: no model, no sockets
+        from .ctl import main as ctl_main
+
+        sys.exit(ctl_main(argv[1:]))
     args = parse_args(argv)
     setup_logging(args.log_level)
     run(lambda stop: serve(args, stop))

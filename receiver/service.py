@@ -4,12 +4,18 @@ Receiving, decoding and validating run off the event loop; a version is committe
 under the write side of ``lock`` and only then published as ``version``. Lost
 connections (no message within ``peer_timeout``) are re-established with backoff,
 resuming from the applied version.
+
+The control calls (``pause``, ``resume``, ``sleep``, ``wakeup``, ``update_weights``) are
+methods here; ``receiver/control.py`` only serves them over HTTP. While paused, versions
+keep arriving and the connection and heartbeats stay up, but the next version waits,
+received and staged, in front of the commit until ``resume`` or ``update_weights``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import socket
@@ -17,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -25,14 +31,29 @@ import zmq.asyncio
 from protocol.buffers import Buffer
 from protocol.checksum import state_digest
 from protocol.config import SyncConfig, load_config
-from protocol.errors import ConfigError, IntegrityError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
+from protocol.errors import (
+    ConfigError,
+    IntegrityError,
+    MetadataMismatchError,
+    ProtocolError,
+    StaleVersionError,
+    StateError,
+    WeightSyncError,
+)
 from protocol.framing import Message, MessageType, decode_message, encode_message, peek_type
 from protocol.state import StateLike, resolve_state
 
+from . import memory
+from .engine import KV_CACHE, WEIGHT, EngineHooks, Hook, call_hook, parse_tags, parse_version
 from .factory import make_receiver
+from .metrics import ReceiverMetrics, ReceiverState
+from .naming import NameMapping, NameMappingSpec
 from .rwlock import ReadWriteLock
 from .socket import DealerSocket
 from .stats import ApplyStats
+
+if TYPE_CHECKING:
+    from .control import ControlServer
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +64,10 @@ _FATAL = (MetadataMismatchError, ConfigError)  # reconnecting would not help
 
 class _Reconnect(Exception):
     """The connection to the sender is lost or was reset: start a new session."""
+
+
+class _Leave(Exception):
+    """End the session on purpose (sleep): start no new one until allowed."""
 
 
 class Receiver:
@@ -64,7 +89,13 @@ class Receiver:
         reconnect_backoff: tuple[float, float] = (0.05, 2.0),
         context: zmq.asyncio.Context | None = None,
         stats_history: int = 1000,
+        control_address: str | None = None,
+        name_mapping: NameMappingSpec | None = None,
+        wrap_write: Callable[[Callable[[], AbstractAsyncContextManager[Any]]], Callable[[], AbstractAsyncContextManager[Any]]] | None = None,
     ) -> None:
+        """``control_address`` (``HOST:PORT``, port 0 for any) serves the control API over
+        HTTP from ``start()``; ``name_mapping`` renames this model's names to the trainer's
+        (see ``receiver/naming.py``), checked here and again by the sender at handshake."""
         self.model = model
         self.endpoint = endpoint
         self.config = load_config(config)
@@ -74,7 +105,8 @@ class Receiver:
         self._context = context or zmq.asyncio.Context.instance()
         self.lock = ReadWriteLock()
         self.strategy = make_receiver(self.config)
-        self.strategy.write_guard = self.lock.writing
+        # wrap_write: a sidecar wraps each version's write (receiver.attach.seqlock_writes: a shared-memory seqlock)
+        self.strategy.write_guard = self.lock.writing if wrap_write is None else wrap_write(self.lock.writing)
         self.stats: collections.OrderedDict[int, ApplyStats] = collections.OrderedDict()
         self._stats_history = stats_history
         self.version: int | None = None
@@ -89,6 +121,24 @@ class Receiver:
         self._failure: BaseException | None = None
         self._socket: DealerSocket | None = None
         self._closed = False
+        self._names = None if name_mapping is None else NameMapping(name_mapping, resolve_state(model).tensors)
+        # -- control state (see pause / sleep / update_weights)
+        self._control = asyncio.Lock()  # one control call at a time
+        self._engine = EngineHooks()
+        self._paused = False
+        self._asleep: set[str] = set()
+        self._released: memory.ReleasedWeights | None = None
+        self._apply_until: int | None = None  # while paused: update_weights lets versions through up to here
+        self._rejoin = False  # while paused: a control call needs a session (wakeup, update_weights)
+        self._leaving = False  # sleep asked the session to end
+        self._in_session = False
+        self._handshaking = False
+        self._inbox: asyncio.Queue[Any] | None = None
+        self._queries: dict[str, asyncio.Future[tuple[int | None, str | None]]] = {}
+        self._last_bootstrap: ApplyStats | None = None
+        self.metrics = ReceiverMetrics(self._metric_state)
+        self._control_address = control_address
+        self._control_server: ControlServer | None = None
 
     # -- public API -----------------------------------------------------------------
     async def start(self, timeout: float | None = 30.0) -> Receiver:
@@ -96,6 +146,11 @@ class Receiver:
         is needed. Returns once the first handshake is done; raises if it fails."""
         if self._task is not None:
             raise WeightSyncError("receiver already started")
+        if self._control_address is not None:
+            from .control import ControlServer  # aiohttp only when the control API is wanted
+
+            self._control_server = ControlServer(self, self._control_address)
+            await self._control_server.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"weightsync-receiver-{self.identity}")
         self._task.add_done_callback(self._run_done)
         await self._wait(lambda: self._ready.is_set(), timeout)
@@ -119,12 +174,323 @@ class Receiver:
         if self._closed:
             return
         self._closed = True
+        await self._notify()  # control calls waiting on the receiver fail now
+        if self._control_server is not None:
+            await self._control_server.close()
         if self._socket is not None:
             self._socket.try_send(encode_message(Message(MessageType.BYE, version=self.version)))
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         log.info("receiver %s closed at v%s", self.identity, self.version)
+
+    # -- control: pause, resume, sleep, wakeup, update_weights ----------------------------
+    @property
+    def is_paused(self) -> bool:
+        """True while no new version is applied (except through ``update_weights``)."""
+        return self._paused
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The memory tags released by ``sleep`` and not yet woken (``weight``, ``kv_cache``)."""
+        return frozenset(self._asleep)
+
+    @property
+    def control_url(self) -> str | None:
+        """``http://host:port`` of the control API once started, else None."""
+        return None if self._control_server is None else self._control_server.url
+
+    @property
+    def healthy(self) -> bool:
+        """Started, not closed, and not stopped by an error."""
+        return self._task is not None and not self._task.done() and self._failure is None and not self._closed
+
+    def register_engine(
+        self,
+        *,
+        on_pause: Hook | None = None,
+        on_resume: Hook | None = None,
+        on_sleep_kv_cache: Hook | None = None,
+        on_wakeup_kv_cache: Hook | None = None,
+    ) -> None:
+        """Connect the rollout engine: these hooks (sync or async, no arguments) are called
+        by the control calls. Replaces hooks registered before."""
+        self._engine = EngineHooks(on_pause, on_resume, on_sleep_kv_cache, on_wakeup_kv_cache)
+
+    async def pause(self) -> None:
+        """Stop generating (the engine's ``on_pause``) and stop applying new versions.
+
+        Idempotent. Versions keep arriving: the next one is staged and waits, the rest
+        stay queued. Returns once no version can be committed until ``resume`` or
+        ``update_weights``; a handshake under way is abandoned (its bootstrap may commit
+        first) and a new session starts only when one of those needs it.
+        """
+        async with self._control:
+            await self._pause()
+
+    async def resume(self) -> None:
+        """Generate again (``on_resume``) and apply versions as they come. Idempotent; an
+        error while something is asleep (wake it up first)."""
+        async with self._control:
+            await self._resume()
+
+    async def sleep(self, tags: str | Sequence[str] | None = None) -> dict[str, Any]:
+        """Pause, then release memory: ``kv_cache`` through the engine's hook, ``weight``
+        by leaving the sender and resizing every synced tensor's storage to zero bytes
+        (tensor objects, shapes and dtypes stay; non-persistent buffers are not touched).
+        ``tags`` default to both. Returns the tags asleep and the weight bytes freed."""
+        wanted = parse_tags(tags)
+        if WEIGHT in wanted and self.strategy.write_guard != self.lock.writing:  # wrap_write: shared with an engine
+            raise ConfigError("sleep cannot release weights whose writes are wrapped (shared memory an engine maps); use tags=kv_cache")
+        async with self._control:
+            await self._pause()
+            freed = 0
+            if KV_CACHE in wanted and KV_CACHE not in self._asleep:
+                await call_hook(self._engine.on_sleep_kv_cache)
+                self._asleep.add(KV_CACHE)
+            if WEIGHT in wanted and WEIGHT not in self._asleep:
+                freed = await self._release_weights()
+            await self._notify()
+            return {"asleep": sorted(self._asleep), "freed_bytes": freed}
+
+    async def wakeup(self, tags: str | Sequence[str] | None = None, timeout: float | None = 60.0) -> dict[str, Any]:
+        """Undo ``sleep`` for ``tags`` (default both), the KV cache first, then resume once
+        nothing is asleep. Weights come back as the sender's *current* version: storages
+        are reallocated and the receiver rejoins as a new one, so the sender bootstraps it.
+        Waking the weights while the KV cache sleeps and stays asleep is a ``StateError``."""
+        wanted = parse_tags(tags)
+        async with self._control:
+            if WEIGHT in wanted and KV_CACHE not in wanted and KV_CACHE in self._asleep:
+                raise StateError("the KV cache is asleep: wake it before or with the weights (tags=kv_cache,weight)")
+            if KV_CACHE in wanted and KV_CACHE in self._asleep:
+                await call_hook(self._engine.on_wakeup_kv_cache)
+                self._asleep.discard(KV_CACHE)
+            if WEIGHT in wanted and WEIGHT in self._asleep:
+                await self._restore_weights(timeout)
+            if not self._asleep:
+                await self._resume()
+            await self._notify()
+            return {"asleep": sorted(self._asleep), "version": self.version, "is_paused": self._paused}
+
+    async def update_weights(
+        self, version: int | str | None = None, verify_checksum: bool = False, timeout: float | None = 60.0
+    ) -> int | None:
+        """While paused, apply the received versions up to ``version`` and stay paused.
+
+        ``version`` None means the sender's current version, asked of the sender now; a
+        string's trailing digits are the version (``"global_step_12"``). Versions apply
+        in order until the applied one is at least ``version`` (a resync may land past
+        it). ``verify_checksum`` then compares the whole-state digest with the sender's,
+        which it has for its current version only; a mismatch requests a resync and
+        raises ``IntegrityError``. Not paused, or asleep: ``StateError``. Returns the
+        applied version.
+        """
+        target = parse_version(version)
+        if type(verify_checksum) is not bool:
+            raise ConfigError(f"verify_checksum must be true or false, got {verify_checksum!r}")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - loop.time())
+
+        async with self._control:
+            if not self._paused:
+                raise StateError("update_weights needs a paused receiver: pause first (it never resumes by itself)")
+            if self._asleep:
+                raise StateError(f"{sorted(self._asleep)} asleep: wakeup first")
+            self._rejoin = True  # if the connection is down, reconnect even though paused
+            await self._notify()
+            try:
+                latest, digest = await self._ask_sender(verify_checksum, left())
+                target = latest if target is None else target
+                if target is not None:
+                    if self.version is not None and target < self.version:
+                        raise StaleVersionError(f"the receiver is at v{self.version}, already past v{target}", current=self.version, got=target)
+                    self._apply_until = target
+                    await self._notify()
+                    await self._wait(lambda: self.version is not None and self.version >= target, left(), what=f"v{target}")
+            finally:
+                self._apply_until = None
+                self._rejoin = False
+            if verify_checksum:  # under the control lock: no new version commits meanwhile
+                await self._verify(latest, digest, left())
+            return self.version
+
+    def status(self) -> dict[str, Any]:
+        """Versions and state, as ``GET /v1/version`` reports them."""
+        return {
+            "identity": self.identity,
+            "endpoint": self.endpoint,
+            "version": self.version,
+            "pending_version": self.pending_version,
+            "is_paused": self._paused,
+            "asleep": sorted(self._asleep),
+            "connected": self.connected,
+            "reconnects": self.reconnects,
+            "healthy": self.healthy,
+            "error": None if self._failure is None else f"{type(self._failure).__name__}: {self._failure}",
+        }
+
+    async def _pause(self) -> None:
+        if self._paused:
+            return
+        await call_hook(self._engine.on_pause)
+        self._paused = True
+        await self._notify()
+        if self._handshaking:  # a handshake commits its bootstrap ungated: abandon it, rejoin when needed
+            await self._leave_session()
+        log.info("receiver %s paused at v%s", self.identity, self.version)
+
+    async def _resume(self) -> None:
+        if self._asleep:
+            raise StateError(f"{sorted(self._asleep)} asleep: wakeup first")
+        if not self._paused:
+            return
+        await call_hook(self._engine.on_resume)
+        self._paused = False
+        await self._notify()
+        log.info("receiver %s resumed at v%s", self.identity, self.version)
+
+    async def _release_weights(self) -> int:
+        self._asleep.add(WEIGHT)  # no new session from here on
+        try:
+            await self._leave_session()
+            async with self.lock.writing():
+                self._released = memory.release(self.model, resolve_state(self._state()).tensors)
+        except BaseException:
+            self._asleep.discard(WEIGHT)
+            await self._notify()
+            raise
+        # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
+        self.version = self.strategy.version = self.strategy.session = None
+        self.pending_version = None
+        log.info("receiver %s released %d bytes of weights", self.identity, self._released.nbytes)
+        return self._released.nbytes
+
+    async def _restore_weights(self, timeout: float | None) -> None:
+        released = self._released
+        assert released is not None
+        if not self.healthy:
+            raise WeightSyncError("the receiver is not running (not started, failed or closed): it cannot fetch the weights")
+        async with self.lock.writing():
+            released.restore()
+        self._asleep.discard(WEIGHT)
+        self._rejoin = True
+        handshakes = self._handshakes
+        await self._notify()
+        try:
+            await self._wait(lambda: self._handshakes > handshakes, timeout, what="the sender's bootstrap")
+            self._check_bootstrap_complete()
+        except BaseException:  # the storages hold garbage: release them again, stay asleep
+            self._rejoin = False
+            self._asleep.add(WEIGHT)
+            await self._leave_session()
+            async with self.lock.writing():
+                self._released = memory.release(self.model, resolve_state(self._state()).tensors)
+            self.version = self.strategy.version = self.strategy.session = None
+            raise
+        finally:
+            self._rejoin = False
+        self._released = None
+        log.info("receiver %s woke up at v%s", self.identity, self.version)
+
+    def _check_bootstrap_complete(self) -> None:
+        meta, boot = self.strategy.metadata, self._last_bootstrap
+        assert meta is not None
+        needed = len(meta.keys) - sum(len(a) for a in self.strategy.aliases.values())
+        got = 0 if boot is None else boot.tensors
+        if got < needed:
+            raise ConfigError(
+                f"the sender's bootstrap restored {got} of {needed} tensors; the rest would be garbage. "
+                "Sleeping the weights needs init_sync enabled for every key on the sender"
+            )
+
+    async def _leave_session(self) -> None:
+        """End the current session at a point where no thread touches the model."""
+        if not self._in_session:
+            return
+        self._leaving = True
+        if self._inbox is not None:
+            self._inbox.put_nowait(_Leave("asked to leave"))
+        await self._notify()
+        try:
+            await self._wait(lambda: not self._in_session, None)
+        finally:
+            self._leaving = False
+
+    async def _ask_sender(self, digest: bool, timeout: float | None) -> tuple[int | None, str | None]:
+        """The sender's current version and, if asked, its state digest (one round trip)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        await self._wait(lambda: self.connected, timeout, what="a connection to the sender")
+        sock = self._socket
+        if sock is None:
+            raise WeightSyncError("not connected to the sender")
+        nonce = uuid.uuid4().hex
+        reply: asyncio.Future[tuple[int | None, str | None]] = loop.create_future()
+        self._queries[nonce] = reply
+        try:
+            sock.try_send(encode_message(Message(MessageType.DIGEST_REQUEST, version=self.version, body={"nonce": nonce, "digest": digest})))
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                return await asyncio.wait_for(reply, left)
+            except asyncio.TimeoutError:
+                raise asyncio.TimeoutError(f"the sender at {self.endpoint} did not answer within {timeout}s") from None
+        finally:
+            self._queries.pop(nonce, None)
+
+    def _answer(self, frames: Sequence[Buffer]) -> None:
+        try:
+            msg = decode_message(frames)
+        except WeightSyncError as e:
+            log.warning("receiver %s: dropping a bad DIGEST reply: %s", self.identity, e)
+            return
+        reply = self._queries.get(str(msg.body.get("nonce")))
+        digest = msg.body.get("digest")
+        if reply is not None and not reply.done():
+            reply.set_result((msg.version, digest if isinstance(digest, str) else None))
+
+    async def _verify(self, latest: int | None, digest: str | None, timeout: float | None) -> None:
+        if digest is None or latest != self.version:
+            latest, digest = await self._ask_sender(True, timeout)
+        if latest != self.version or digest is None:
+            raise StateError(f"cannot verify v{self.version}: the sender is at v{latest} and has only its current version's digest")
+        ours = await self._digest()
+        if ours != digest:
+            message = f"state digest of v{self.version} differs from the sender's (receiver {ours[:16]}, sender {digest[:16]}); resync requested"
+            log.error("receiver %s: %s", self.identity, message)
+            self._nack(IntegrityError.__name__, message)
+            raise IntegrityError(message)
+
+    def _nack(self, reason: str, message: str) -> None:
+        """Ask the sender for a resync of its current version."""
+        self.metrics.nack(reason)
+        if self._socket is not None:
+            nack = Message(MessageType.NACK, version=self.version, body={"reason": reason, "message": message})
+            self._socket.try_send(encode_message(nack))
+
+    def _may_connect(self) -> bool:
+        if self._leaving or WEIGHT in self._asleep:
+            return False
+        return not self._paused or self._rejoin
+
+    def _may_commit(self, version: int | None) -> bool:
+        if self._leaving:
+            return True  # to raise _Leave at once
+        if not self._paused or version == self.version:  # the same version again is a repair (resync)
+            return True
+        until = self._apply_until
+        return until is not None and (self.version is None or self.version < until)
+
+    def _state(self) -> StateLike:
+        """What is synced: the model, or its tensors under the trainer's names."""
+        if self._names is None:
+            return self.model
+        return self._names.rename(resolve_state(self.model).tensors)
+
+    def _metric_state(self) -> ReceiverState:
+        return ReceiverState(self.version, self.pending_version, self._paused, self.connected, frozenset(self._asleep), self.reconnects)
 
     async def __aenter__(self) -> Receiver:
         return self
@@ -133,14 +499,23 @@ class Receiver:
         await self.close()
 
     # -- internals ----------------------------------------------------------------------
-    async def _wait(self, predicate: Callable[[], bool], timeout: float | None) -> None:
+    async def _wait(self, predicate: Callable[[], bool], timeout: float | None, *, fail: bool = True, what: str = "") -> None:
+        """Wait until ``predicate()`` holds; ``fail``: raise once the receiver failed or closed."""
+
         def check() -> bool:
-            if self._failure is not None:
+            if self._failure is not None and fail:
                 raise WeightSyncError(f"receiver {self.identity} failed: {self._failure}") from self._failure
+            if self._closed and fail:
+                raise WeightSyncError(f"receiver {self.identity} is closed")
             return predicate()
 
         async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(check), timeout)
+            try:
+                await asyncio.wait_for(self._changed.wait_for(check), timeout)
+            except asyncio.TimeoutError:
+                if not what:
+                    raise
+                raise asyncio.TimeoutError(f"timed out after {timeout:.3g}s waiting for {what} (at v{self.version})") from None
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -156,9 +531,15 @@ class Receiver:
     async def _run(self) -> None:
         delay = self.reconnect_backoff[0]
         while True:
+            await self._wait(self._may_connect, None, fail=False)  # paused or asleep: no new session
             handshakes = self._handshakes
             try:
                 await self._session()
+            except _Leave:
+                self.connected = False
+                log.info("receiver %s left the sender", self.identity)
+                await self._notify()
+                continue
             except _Reconnect as e:
                 log.warning("receiver %s: %s; reconnecting in %.2fs", self.identity, e, delay)
             except _FATAL as e:
@@ -167,6 +548,7 @@ class Receiver:
                 raise
             finally:
                 self.connected = False
+            await self._notify()
             self.reconnects += 1
             if self._handshakes != handshakes:  # that session worked: start backing off afresh
                 delay = self.reconnect_backoff[0]
@@ -175,9 +557,21 @@ class Receiver:
 
     async def _session(self) -> None:
         # The digest first: HELLO must be the first message of a session, before any heartbeat.
+        self._in_session = self._handshaking = True
+        try:
+            await self._session_body()
+        finally:
+            self._in_session = self._handshaking = False
+            self._inbox = None
+            for reply in self._queries.values():
+                if not reply.done():
+                    reply.set_exception(WeightSyncError("the session with the sender ended before it answered"))
+
+    async def _session_body(self) -> None:
+        inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
+        self._inbox = inbox  # from here on, _leave_session can end this session
         digest = await self._digest() if self.version is not None else None
         sock = self._socket = DealerSocket(self._context, self.endpoint, self.identity.encode())
-        inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
         last_seen = [time.monotonic()]
 
         async def read() -> None:
@@ -186,6 +580,9 @@ class Receiver:
                 last_seen[0] = time.monotonic()
                 kind = peek_type(frames)
                 if kind is MessageType.HEARTBEAT:
+                    continue
+                if kind is MessageType.DIGEST:
+                    self._answer(frames)
                     continue
                 if kind is MessageType.BYE:
                     inbox.put_nowait(_Reconnect("the sender said goodbye"))
@@ -222,7 +619,12 @@ class Receiver:
             t.add_done_callback(ended)
         try:
             await self._handshake(sock, recv, digest)
+            self._handshaking = False
+            await self._notify()
             await self._follow(sock, recv)
+        except _Leave:
+            sock.try_send(encode_message(Message(MessageType.BYE, version=self.version)))
+            raise
         finally:
             for t in tasks:
                 t.cancel()
@@ -231,19 +633,25 @@ class Receiver:
             self._socket = None
 
     async def _digest(self) -> str:
-        tensors = resolve_state(self.model).tensors
+        tensors = resolve_state(self._state()).tensors
         async with self.lock.reading():
             return await asyncio.to_thread(state_digest, tensors, list(tensors))
 
     async def _handshake(self, sock: DealerSocket, recv: Callable[[], Any], digest: str | None) -> None:
-        version = await asyncio.wait_for(
-            self.strategy.init_receiver(self.model, recv, sock.send, receiver_id=self.identity, digest=digest),
-            self.peer_timeout + 60.0,
-        )
+        try:
+            version = await asyncio.wait_for(
+                self.strategy.init_receiver(self._state(), recv, sock.send, receiver_id=self.identity, digest=digest),
+                self.peer_timeout + 60.0,
+            )
+        except MetadataMismatchError as e:
+            if self._names is None:
+                raise
+            raise MetadataMismatchError(self._names.explain(str(e))) from e
         self.connected = True
         self._handshakes += 1
         boot = self.strategy.last_stats
         self.strategy.last_stats = None
+        self._last_bootstrap = boot if boot is not None and boot.kind == "bootstrap" else None
         if boot is not None and boot.kind == "bootstrap":
             self._record(boot)
         if (boot is not None and boot.kind == "bootstrap") or version != self.version:
@@ -257,14 +665,17 @@ class Receiver:
         awaiting_resync = False
         while True:
             try:
-                pending = await self.strategy.receive(self.model, recv)
+                pending = await self.strategy.receive(self._state(), recv)
                 self.pending_version = pending.version
-                await self.strategy.commit(self.model, pending)
+                await self._notify()
+                await self._wait(functools.partial(self._may_commit, pending.version), None, fail=False)  # paused: wait here, staged
+                if self._leaving:
+                    raise _Leave("asked to leave")
+                await self.strategy.commit(self._state(), pending)
             except _REJECTED as e:
                 if not awaiting_resync:  # one NACK per incident: the sender resyncs once
                     log.warning("receiver %s rejected an update at v%s: %s", self.identity, self.version, e)
-                    nack = Message(MessageType.NACK, version=self.version, body={"reason": type(e).__name__, "message": str(e)})
-                    sock.try_send(encode_message(nack))
+                    self._nack(type(e).__name__, str(e))
                     awaiting_resync = True
                 continue
             finally:
@@ -274,6 +685,7 @@ class Receiver:
             await self._publish(pending.version, sock)
 
     def _record(self, stats: ApplyStats) -> None:
+        self.metrics.applied(stats)
         if stats.version is not None:
             self.stats[stats.version] = stats
             while len(self.stats) > self._stats_history:

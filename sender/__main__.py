@@ -1,8 +1,14 @@
 """``python -m sender``: the sender daemon as a sidecar process.
 
-It serves the newest checkpoint of a trainer: the trainer saves each version as
-``<watch>/step_<version>.pt`` (a state dict, written to a temporary name and renamed),
-and the daemon syncs every new one to its receivers.
+Two ways to get the trainer's weights (``--load-strategy``):
+
+* ``ipc_snapshot`` (``--watch DIR``): the daemon serves the newest checkpoint of a trainer:
+  the trainer saves each version as ``<watch>/step_<version>.pt`` (a state dict) or
+  ``step_<version>.safetensors`` (``sender.client.write_snapshot``), written to a
+  temporary name and renamed, and the daemon syncs every new one to its receivers.
+* ``ipc`` (``--shm NAME --handoff ENDPOINT``): the trainer calls
+  ``sender.client.SidecarClient(ENDPOINT, NAME).publish(model, version)``, which copies
+  its weights into shared memory the trainer owns; the daemon syncs them from there.
 """
 
 from __future__ import annotations
@@ -16,18 +22,24 @@ from pathlib import Path
 import torch
 
 from protocol.cli import load_object, report, run, setup_logging
+from protocol.snapfile import read_snapshot
 
 from .service import Sender
+from .sidecar import serve_shm
 
 log = logging.getLogger("sender")
-STEP = re.compile(r"step_(\d+)\.pt$")
+STEP = re.compile(r"^step_(\d+)\.(pt|safetensors)$")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sender", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="address to bind: tcp://host:port, ipc://path, tcp://host:0 for any port")
     p.add_argument("--config", help="weight_syncer YAML (examples/config/weight_syncer/patch_syncer.yaml); default: patch defaults")
-    p.add_argument("--watch", required=True, type=Path, help="directory the trainer writes step_<version>.pt state dicts to")
+    p.add_argument("--load-strategy", choices=["ipc_snapshot", "ipc"],
+                   help="ipc_snapshot: watch --watch for files; ipc: shared memory --shm (default: ipc if --shm is given)")
+    p.add_argument("--watch", type=Path, help="ipc_snapshot: directory the trainer writes step_<version>.pt / .safetensors state dicts to")
+    p.add_argument("--shm", help="ipc: name of the shared-memory region the trainer's SidecarClient publishes into")
+    p.add_argument("--handoff", help="ipc: endpoint to bind for the trainer's SidecarClient (default: ipc:///tmp/weightsync-<shm>.handoff)")
     p.add_argument("--model", help="module:factory building the trainer's model (marks frozen parameters); default: all keys tracked")
     p.add_argument("--poll", type=float, default=0.05, help="seconds between scans of --watch")
     p.add_argument("--ring-size", type=int, default=8, help="recent patches kept to catch up late receivers")
@@ -35,7 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     p.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence before a receiver is dropped")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.load_strategy = args.load_strategy or ("ipc" if args.shm else "ipc_snapshot")
+    if args.load_strategy == "ipc" and not args.shm:
+        p.error("--load-strategy ipc needs --shm NAME")
+    if args.load_strategy == "ipc_snapshot" and args.watch is None:
+        p.error("--load-strategy ipc_snapshot needs --watch DIR")
+    if args.load_strategy == "ipc" and args.handoff is None:
+        args.handoff = f"ipc:///tmp/weightsync-{args.shm}.handoff"
+    return args
 
 
 def newest(watch: Path, after: int | None) -> tuple[int, Path] | None:
@@ -45,6 +65,8 @@ def newest(watch: Path, after: int | None) -> tuple[int, Path] | None:
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return read_snapshot(path)[1]
     state: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
     return state
 
@@ -92,7 +114,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level)
-    run(lambda stop: serve(args, stop))
+    run(lambda stop: serve_shm(args, stop) if args.load_strategy == "ipc" else serve(args, stop))
 
 
 if __name__ == "__main__":

@@ -359,10 +359,30 @@ class Sender:
                 peer.ack(msg.version)
                 peer.inflight.clear()  # it drops whatever else is queued until the resync
                 peer.needs_resync = True
+            elif msg.type is MessageType.DIGEST_REQUEST:
+                self._spawn(self._answer_digest(peer, msg), f"digest-{peer.name}")
             elif msg.type is MessageType.BYE:
                 await self._drop(peer, "said goodbye")
             elif msg.type is MessageType.ERROR:
                 log.error("receiver %s reported: %s", peer.name, msg.body.get("message"))
+
+    async def _answer_digest(self, peer: Peer, request: Message) -> None:
+        """Tell a receiver the current version and, when asked, its state digest: what a
+        paused receiver updates to, and what ``verify_checksum`` compares against."""
+        version, digest = self.version, None
+        if request.body.get("digest") is True:
+            for _ in range(3):  # the trainer may sync meanwhile: the pair must be consistent
+                version = self.version
+                digest = await self._state_digest()
+                if self.version == version:
+                    break
+            else:
+                digest = None
+        reply = Message(MessageType.DIGEST, version=version, body={"nonce": request.body.get("nonce"), "digest": digest})
+        try:
+            self._try_send(peer, self.stamp(reply))
+        except PeerGone:
+            await self._drop(peer, "disconnected")
 
     async def _on_hello(self, identity: bytes, hello: Message) -> None:
         assert self._state is not None
@@ -381,7 +401,8 @@ class Sender:
 
     async def _greet(self, peer: Peer, hello: Message) -> None:
         identity = peer.identity
-        await self._adopt(hello)
+        async with self._lock:  # a sync() (or another first HELLO) must not move the held version mid-capture
+            await self._adopt(hello)
         assert self._plan is not None
         applied, digest, session = hello.body.get("applied"), hello.body.get("digest"), hello.body.get("session")
         known = {self.version} | {e.base for e in self._ring} | self._encoding_bases
