@@ -37,6 +37,7 @@ from .checksum import checksum
 from .compress import Codec
 from .dtypes import dtype_from_code, itemsize
 from .errors import IntegrityError, ProtocolError
+from .limits import DEFAULT_LIMITS, LimitError, Limits
 
 PROTOCOL_VERSION = 1
 MAX_DIMS = 8
@@ -163,10 +164,22 @@ def encode_message(msg: Message) -> list[Buffer]:
     return [msgpack.packb(header, use_bin_type=True), *msg.frames]
 
 
-def decode_message(frames: Sequence[Buffer]) -> Message:
-    """Parse and validate ``frames``; raises ``ProtocolError`` or ``IntegrityError``."""
+def decode_message(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate ``frames``; raises ``ProtocolError`` (``LimitError`` past
+    ``limits``, checked before the header is parsed) or ``IntegrityError``."""
     if not frames:
         raise ProtocolError("empty message: no header frame")
+    if len(frames) > limits.frames:
+        raise LimitError("frame count", len(frames), limits.frames)
+    if len(frames[0]) > limits.header_bytes:
+        raise LimitError("header bytes", len(frames[0]), limits.header_bytes)
+    total = 0
+    for f in frames:
+        if len(f) > limits.frame_bytes:
+            raise LimitError("frame bytes", len(f), limits.frame_bytes)
+        total += len(f)
+    if total > limits.message_bytes:
+        raise LimitError("message bytes", total, limits.message_bytes)
     try:
         header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage
@@ -200,6 +213,8 @@ def decode_message(frames: Sequence[Buffer]) -> Message:
     if msg.parts < 1 or msg.part >= msg.parts:
         raise ProtocolError(f"{where}: part index out of range")
     raw_tensors = _get(header, "tensors", list)
+    if len(raw_tensors) > limits.tensors:
+        raise LimitError("tensor entries", len(raw_tensors), limits.tensors, where)
     msg.tensors = [_tensor_entry(t, where) for t in raw_tensors]
     specs = [b for t in msg.tensors for b in t.buffers]
     if len(frames) != len(specs) + 1:

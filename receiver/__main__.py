@@ -11,7 +11,12 @@ state digest, so a script can check it against the trainer's).
 ``ipc_snapshot`` reloads the trainer's ``step_<version>.safetensors`` files from ``--watch``.
 
 ``--control HOST:PORT`` serves the control API (pause, resume, sleep, wakeup,
-update_weights; see the README); ``python -m receiver ctl --help`` calls it.
+update_weights; see the README); ``python -m receiver ctl --help`` calls it. Off
+loopback it needs ``--control-token`` (or ``$WEIGHTSYNC_CONTROL_TOKEN``).
+
+Between hosts, use CURVE: ``--curve-secret`` (this receiver's ``.key_secret``, made by
+``python -m sender keygen``) and ``--curve-server-key`` (the sender's public ``.key``).
+A non-loopback ``--endpoint`` without them is refused unless ``--insecure-plaintext``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,8 +35,11 @@ import torch
 from protocol.checksum import state_digest
 from protocol.cli import load_object, report, run, setup_logging
 from protocol.dtypes import parse_float_dtype
+from protocol.errors import ConfigError
+from protocol.security import CurveClient
 
 from .attach import engine_region, seqlock_writes
+from .control import TOKEN_ENV
 from .service import Receiver
 from .snapshots import serve_snapshots
 
@@ -57,10 +66,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--name-mapping", metavar="SPEC",
         help="rename this model's names to the trainer's: 'is_agent', a JSON file {rollout: trainer}, or module:callable",
     )
+    p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV),
+                   help=f"bearer token the control API requires (needed off loopback; default ${TOKEN_ENV})")
+    p.add_argument("--curve-secret", type=Path, metavar="FILE", help="this receiver's CURVE .key_secret (python -m sender keygen)")
+    p.add_argument("--curve-server-key", type=Path, metavar="FILE", help="the sender's CURVE public .key")
+    p.add_argument("--insecure-plaintext", action="store_true",
+                   help="allow a non-loopback --endpoint without CURVE (weights in plaintext, sender not authenticated)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.load_strategy == "ipc_snapshot" and args.watch is None:
         p.error("--load-strategy ipc_snapshot needs --watch DIR")
+    if (args.curve_secret is None) != (args.curve_server_key is None):
+        p.error("--curve-secret and --curve-server-key go together")
+    try:
+        args.curve = None if args.curve_secret is None else CurveClient.from_files(args.curve_secret, args.curve_server_key)
+    except ConfigError as e:
+        p.error(str(e))
     return args
 
 
@@ -84,6 +105,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         model, args.endpoint, args.config, identity=args.identity,
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
         control_address=args.control, name_mapping=load_name_mapping(args.name_mapping),
+        curve=args.curve, insecure_plaintext=args.insecure_plaintext, control_token=args.control_token,
         wrap_write=None if region is None else seqlock_writes(region, lambda: receiver.strategy.version),
     )
 

@@ -9,13 +9,16 @@ errors to status codes. Bodies are JSON, ``{"status": "success", ...}`` or
     404 / 405 unknown path / method              500 integrity or internal error
     503 the receiver failed or is not running    504 a wait timed out
 
-It listens on localhost by default and has no authentication: expose it beyond the host
-only behind something that does.
+It listens on localhost by default. With a token, every request must carry
+``Authorization: Bearer <token>`` (401 otherwise, compared in constant time); a token is
+required to listen anywhere but loopback. The token authenticates, it does not encrypt:
+beyond a trusted network, put TLS in front.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from protocol.errors import ConfigError, IntegrityError, MetadataMismatchError, StaleVersionError, StateError, WeightSyncError
+from protocol.security import is_local_host
 
 if TYPE_CHECKING:
     from .service import Receiver
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 
 UPDATE_FIELDS = {"version", "verify_checksum", "timeout"}
 MAX_BODY = 64 << 10
+MIN_TOKEN = 16  # characters; secrets.token_urlsafe() gives 43
+TOKEN_ENV = "WEIGHTSYNC_CONTROL_TOKEN"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -83,18 +89,45 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return failure(status, type(e).__name__, str(e) or type(e).__name__)
 
 
+def bearer_auth(token: str) -> Any:
+    """A middleware admitting only requests with ``Authorization: Bearer <token>``."""
+    expected = token.encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            log.warning("control API: refused %s %s from %s: missing or wrong token", request.method, request.path, request.remote)
+            response = failure(401, "Unauthorized", "this control API needs 'Authorization: Bearer <token>'")
+            response.headers["WWW-Authenticate"] = 'Bearer realm="weightsync"'
+            return response
+        return await handler(request)
+
+    return check
+
+
 class ControlServer:
     """Serves a ``Receiver``'s control API from its own event loop."""
 
-    def __init__(self, receiver: Receiver, address: str = "127.0.0.1:0") -> None:
+    def __init__(self, receiver: Receiver, address: str = "127.0.0.1:0", token: str | None = None) -> None:
+        """Without ``token`` only a loopback address is allowed (``ConfigError`` otherwise):
+        anyone who reaches the port could pause the rollout or put its weights to sleep."""
         self.receiver = receiver
         self.host, self.port = parse_address(address)
+        if token is not None and len(token) < MIN_TOKEN:
+            raise ConfigError(f"control token is too short ({len(token)} characters, at least {MIN_TOKEN}); "
+                              "python -c 'import secrets; print(secrets.token_urlsafe())' makes one")
+        if token is None and not is_local_host(self.host):
+            raise ConfigError(f"the control API on {self.host} (not loopback) needs a token: "
+                              f"Receiver(control_token=...), --control-token or ${TOKEN_ENV}")
+        self.token = token
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
 
     async def start(self) -> str:
         """Bind and serve; returns the resolved ``http://host:port``."""
-        app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
+        middlewares = [_errors] if self.token is None else [bearer_auth(self.token), _errors]
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
         app.add_routes([
             web.post("/v1/pause", self._pause),
             web.post("/v1/resume", self._resume),
@@ -121,8 +154,8 @@ class ControlServer:
         self._runner = runner
         host, port = runner.addresses[0][:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        if self.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("control API on %s is reachable beyond this host and has no authentication", self.url)
+        if not is_local_host(self.host):
+            log.warning("control API on %s is reachable beyond this host (token required, not encrypted)", self.url)
         log.info("receiver %s control API at %s", self.receiver.identity, self.url)
         return self.url
 

@@ -21,6 +21,7 @@ import urllib.request
 from typing import Any
 
 ENV_URL = "WEIGHTSYNC_CONTROL_URL"
+ENV_TOKEN = "WEIGHTSYNC_CONTROL_TOKEN"  # the same variable the receiver reads (receiver/control.py)
 
 # command -> (HTTP method, path, takes --tags)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
@@ -39,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m receiver ctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=list(COMMANDS))
     p.add_argument("--url", default=os.environ.get(ENV_URL), help=f"the receiver's control API (default ${ENV_URL})")
+    p.add_argument("--token", default=os.environ.get(ENV_TOKEN), help=f"bearer token of the control API (default ${ENV_TOKEN})")
     p.add_argument("--tags", help="sleep / wakeup: comma-separated subset of weight,kv_cache (default both)")
     p.add_argument("--version", dest="weight_version", help="update-weights: the version to reach (default: the sender's current)")
     p.add_argument("--verify-checksum", action="store_true", help="update-weights: compare the state digest with the sender's")
@@ -65,7 +67,10 @@ def request(args: argparse.Namespace) -> tuple[int, Any]:
         if version is not None and version.isdigit():
             version = int(version)
         data = json.dumps({"version": version, "verify_checksum": args.verify_checksum, "timeout": args.timeout}).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if args.token:
+        headers["Authorization"] = f"Bearer {args.token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=args.timeout + 10) as resp:
             return resp.status, json.loads(resp.read() or b"{}")

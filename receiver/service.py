@@ -41,6 +41,8 @@ from protocol.errors import (
     WeightSyncError,
 )
 from protocol.framing import Message, MessageType, decode_message, encode_message, peek_type
+from protocol.limits import LimitError, Limits
+from protocol.security import CurveClient, check_transport
 from protocol.state import StateLike, resolve_state
 
 from . import memory
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 STALL_GRACE = 0.5  # seconds a heartbeat tick may be late before the loop counts as stalled
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
 _FATAL = (MetadataMismatchError, ConfigError)  # reconnecting would not help
+_EARLIER_CONNECTION = frozenset({MessageType.PATCH, MessageType.BUCKET, MessageType.BOOTSTRAP})
 
 
 class _Reconnect(Exception):
@@ -92,10 +95,23 @@ class Receiver:
         control_address: str | None = None,
         name_mapping: NameMappingSpec | None = None,
         wrap_write: Callable[[Callable[[], AbstractAsyncContextManager[Any]]], Callable[[], AbstractAsyncContextManager[Any]]] | None = None,
+        curve: CurveClient | None = None,
+        insecure_plaintext: bool = False,
+        limits: Limits | None = None,
+        control_token: str | None = None,
     ) -> None:
         """``control_address`` (``HOST:PORT``, port 0 for any) serves the control API over
         HTTP from ``start()``; ``name_mapping`` renames this model's names to the trainer's
-        (see ``receiver/naming.py``), checked here and again by the sender at handshake."""
+        (see ``receiver/naming.py``), checked here and again by the sender at handshake.
+
+        ``curve`` (``protocol.security.CurveClient``) encrypts the connection and accepts
+        only the sender holding its ``server_key``; without it, connecting beyond loopback
+        is a ``ConfigError`` unless ``insecure_plaintext``. ``limits`` bounds inbound
+        messages (default: derived from this model). ``control_token`` is required by the
+        control API (``Authorization: Bearer``) and must be set to serve it off localhost."""
+        check_transport(endpoint, curve, insecure_plaintext, role="receiver")
+        self.curve = curve
+        self._control_token = control_token
         self.model = model
         self.endpoint = endpoint
         self.config = load_config(config)
@@ -139,6 +155,7 @@ class Receiver:
         self.metrics = ReceiverMetrics(self._metric_state)
         self._control_address = control_address
         self._control_server: ControlServer | None = None
+        self.limits = limits or Limits.for_model(resolve_state(self._state()).tensors)
 
     # -- public API -----------------------------------------------------------------
     async def start(self, timeout: float | None = 30.0) -> Receiver:
@@ -149,7 +166,7 @@ class Receiver:
         if self._control_address is not None:
             from .control import ControlServer  # aiohttp only when the control API is wanted
 
-            self._control_server = ControlServer(self, self._control_address)
+            self._control_server = ControlServer(self, self._control_address, token=self._control_token)
             await self._control_server.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"weightsync-receiver-{self.identity}")
         self._task.add_done_callback(self._run_done)
@@ -571,12 +588,17 @@ class Receiver:
         inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
         self._inbox = inbox  # from here on, _leave_session can end this session
         digest = await self._digest() if self.version is not None else None
-        sock = self._socket = DealerSocket(self._context, self.endpoint, self.identity.encode())
+        sock = self._socket = DealerSocket(self._context, self.endpoint, self.identity.encode(), curve=self.curve, limits=self.limits)
         last_seen = [time.monotonic()]
 
         async def read() -> None:
+            welcomed = False
             while True:
-                frames = await sock.recv()
+                try:
+                    frames = await sock.recv()
+                except LimitError as e:  # drained, nothing kept: reject it like any bad message
+                    inbox.put_nowait(e)
+                    continue
                 last_seen[0] = time.monotonic()
                 kind = peek_type(frames)
                 if kind is MessageType.HEARTBEAT:
@@ -584,6 +606,12 @@ class Receiver:
                 if kind is MessageType.DIGEST:
                     self._answer(frames)
                     continue
+                if not welcomed and kind in _EARLIER_CONNECTION:
+                    # Sent to this identity before the sender saw our HELLO (a previous
+                    # connection's patch still on its way): this session starts at WELCOME.
+                    log.info("receiver %s: dropped a %s sent before this session's WELCOME", self.identity, kind.name)
+                    continue
+                welcomed = welcomed or kind is MessageType.WELCOME
                 if kind is MessageType.BYE:
                     inbox.put_nowait(_Reconnect("the sender said goodbye"))
                 elif kind is MessageType.ERROR and _error_code(frames) == "unknown_peer":
@@ -610,7 +638,7 @@ class Receiver:
                 raise item
             return item
 
-        tasks = [asyncio.create_task(read()), asyncio.create_task(beat())]
+        tasks = [asyncio.create_task(read()), asyncio.create_task(beat()), asyncio.create_task(sock.watch_handshakes(self.identity))]
         def ended(task: asyncio.Task[None]) -> None:  # a reader that dies must end the session, not hang it
             if not task.cancelled():
                 inbox.put_nowait(_Reconnect(f"socket task failed: {task.exception()!r}"))
@@ -663,9 +691,16 @@ class Receiver:
 
     async def _follow(self, sock: DealerSocket, recv: Callable[[], Any]) -> None:
         awaiting_resync = False
+        last_type: list[MessageType | None] = [None]
+
+        async def seen(*_: Any) -> Sequence[Buffer]:  # remembers what kind of message was rejected
+            frames = await recv()
+            last_type[0] = peek_type(frames)
+            return frames
+
         while True:
             try:
-                pending = await self.strategy.receive(self._state(), recv)
+                pending = await self.strategy.receive(self._state(), seen)
                 self.pending_version = pending.version
                 await self._notify()
                 await self._wait(functools.partial(self._may_commit, pending.version), None, fail=False)  # paused: wait here, staged
@@ -673,7 +708,9 @@ class Receiver:
                     raise _Leave("asked to leave")
                 await self.strategy.commit(self._state(), pending)
             except _REJECTED as e:
-                if not awaiting_resync:  # one NACK per incident: the sender resyncs once
+                # One NACK per incident: the sender resyncs once, and what it had in flight
+                # is rejected meanwhile. A rejected resync itself is a new incident.
+                if not awaiting_resync or last_type[0] is MessageType.BOOTSTRAP:
                     log.warning("receiver %s rejected an update at v%s: %s", self.identity, self.version, e)
                     self._nack(type(e).__name__, str(e))
                     awaiting_resync = True

@@ -1,27 +1,79 @@
-"""The receiver's DEALER socket: the only code that knows its options."""
+"""The receiver's DEALER socket: the only code that knows its options.
+
+With ``curve`` the socket is a CURVE client: it completes a handshake only with the
+sender whose public key it was given, and only if the sender admits its own key;
+otherwise it keeps retrying and never connects. Inbound messages are bounded by
+``limits`` (``MAXMSGSIZE`` per frame in ZeroMQ, frame count and total in ``recv``).
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol.buffers import Buffer
+from protocol.limits import DEFAULT_LIMITS, Limits, read_bounded
+from protocol.security import CurveClient
 
+log = logging.getLogger(__name__)
+
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 class DealerSocket:
     """Connects to the sender's ROUTER under a stable identity, so the sender knows a
     reconnecting receiver (ROUTER_HANDOVER hands it the new connection)."""
 
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str, identity: bytes) -> None:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        endpoint: str,
+        identity: bytes,
+        *,
+        curve: CurveClient | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # the sender's credits bound what can be queued here
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_bytes)
+        if curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.keys.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.keys.secret)
+        self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         sock.connect(endpoint)
         self.sock = sock
+        self.limits = limits
+        self.curve = curve
+        self.endpoint = endpoint
+        self.handshake_failures = 0
+
+    async def watch_handshakes(self, name: str) -> None:
+        """Log why handshakes with the sender fail (a wrong key otherwise looks like a
+        sender that never answers). Runs until cancelled; the first failure of each kind
+        is a warning, repeats (ZeroMQ retries) are debug."""
+        seen: set[int] = set()
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            self.handshake_failures += 1
+            kind = int(event["event"])
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                why = (f"the sender refused this receiver's key (ZAP status {event['value']}): "
+                       f"add {self.curve.keys.public.decode() if self.curve else 'its public key'} to the sender's allowlist")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                why = "the sender and this receiver disagree on security (CURVE on one side, plaintext on the other)"
+            elif self.curve is not None:
+                why = "CURVE handshake failed: the sender's key is not the --curve-server-key given here"
+            else:
+                why = "handshake failed"
+            (log.debug if kind in seen else log.warning)("receiver %s, sender %s: %s", name, self.endpoint, why)
+            seen.add(kind)
 
     async def send(self, frames: Sequence[Buffer]) -> None:
         await self.sock.send_multipart(list(frames), copy=False)
@@ -33,8 +85,10 @@ class DealerSocket:
         return not future.done() or future.exception() is None
 
     async def recv(self) -> list[memoryview]:
-        frames = await self.sock.recv_multipart(copy=False)
-        return [f.buffer for f in frames]
+        """The next message; ``LimitError`` (after draining it) when it exceeds ``limits``."""
+        return await read_bounded(lambda: self.sock.recv(copy=False), self.limits)
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)

@@ -9,19 +9,28 @@ Two ways to get the trainer's weights (``--load-strategy``):
 * ``ipc`` (``--shm NAME --handoff ENDPOINT``): the trainer calls
   ``sender.client.SidecarClient(ENDPOINT, NAME).publish(model, version)``, which copies
   its weights into shared memory the trainer owns; the daemon syncs them from there.
+
+Between hosts, use CURVE: ``python -m sender keygen --out DIR --name NAME`` writes a key
+pair (``NAME.key`` public, ``NAME.key_secret`` private); start the sender with
+``--curve-secret sender.key_secret --curve-allow DIR_OF_RECEIVER_KEYS``. A non-loopback
+``--endpoint`` without CURVE is refused unless ``--insecure-plaintext``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import torch
 
 from protocol.cli import load_object, report, run, setup_logging
+from protocol.errors import ConfigError
+from protocol.security import CurveServer, write_keypair
 from protocol.snapfile import read_snapshot
 
 from .service import Sender
@@ -46,8 +55,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-inflight", type=int, default=2, help="versions sent to a receiver ahead of its acks")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     p.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence before a receiver is dropped")
+    p.add_argument("--curve-secret", type=Path, metavar="FILE", help="the sender's CURVE .key_secret (python -m sender keygen)")
+    p.add_argument("--curve-allow", type=Path, metavar="FILE|DIR",
+                   help="receiver public keys to admit: a directory of .key files, or a file of keys")
+    p.add_argument("--insecure-plaintext", action="store_true",
+                   help="allow binding a non-loopback --endpoint without CURVE (weights in plaintext, anyone may connect)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    if (args.curve_secret is None) != (args.curve_allow is None):
+        p.error("--curve-secret and --curve-allow go together")
+    try:
+        args.curve = None if args.curve_secret is None else CurveServer.from_files(args.curve_secret, args.curve_allow)
+    except ConfigError as e:
+        p.error(str(e))
     args.load_strategy = args.load_strategy or ("ipc" if args.shm else "ipc_snapshot")
     if args.load_strategy == "ipc" and not args.shm:
         p.error("--load-strategy ipc needs --shm NAME")
@@ -88,6 +108,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     sender = Sender(
         args.endpoint, args.config, ring_size=args.ring_size, max_inflight=args.max_inflight,
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
+        curve=args.curve, insecure_plaintext=args.insecure_plaintext,
     )
     async with sender:
         await sender.start(model, version=version)
@@ -111,7 +132,30 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     report("stopped", version=sender.version)
 
 
+def keygen(argv: list[str]) -> int:
+    """``python -m sender keygen``: write a CURVE key pair, print its paths as JSON."""
+    p = argparse.ArgumentParser(prog="python -m sender keygen", description=(
+        "Write a ZeroMQ CURVE key pair: NAME.key (public: give it to the peers) and NAME.key_secret "
+        "(mode 0600: keep it on this host). Make one for the sender and one per receiver; put the "
+        "receivers' .key files in the directory the sender's --curve-allow names."))
+    p.add_argument("--out", type=Path, required=True, help="directory to write into (created if missing)")
+    p.add_argument("--name", default="sender", help="file name stem (default: sender)")
+    args = p.parse_args(argv)
+    try:
+        public, secret = write_keypair(args.out, args.name)
+    except ConfigError as e:
+        print(f"python -m sender keygen: {e}", file=sys.stderr)
+        return 1
+    from protocol.security import load_public
+
+    print(json.dumps({"event": "keygen", "public": str(public), "secret": str(secret), "public_key": load_public(public).decode()}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        sys.exit(keygen(argv[1:]))
     args = parse_args(argv)
     setup_logging(args.log_level)
     run(lambda stop: serve_shm(args, stop) if args.load_strategy == "ipc" else serve(args, stop))

@@ -149,7 +149,7 @@ class PatchBuilder:
         # The snapshot now holds exactly the new tensor: keep it when dense may win.
         dense = snap.clone() if nnz > min(self.options.dense_above, DENSE_CANDIDATE) * numel else None
         events: list[torch.cuda.Event] = []
-        staged = []
+        staged: list[torch.Tensor | None] = []
         for t in (flat, new, old, dense):  # to pinned host memory, behind events, on CUDA
             if t is None or self.transport.type == "cuda":  # packed on the GPU (nvcomp_lz4)
                 staged.append(t)
@@ -158,7 +158,8 @@ class PatchBuilder:
             staged.append(host)
             if event is not None:
                 events.append(event)
-        return Changes(self.plan.ordinal(key), tuple(cur.shape), nnz, *staged, events)
+        flat_h, new_h, old_h, dense_h = staged
+        return Changes(self.plan.ordinal(key), tuple(cur.shape), nnz, flat_h, new_h, old_h, dense_h, events)
 
     def _encode(self, changes: Changes) -> EncodedTensor:
         changes.wait()

@@ -25,7 +25,9 @@ from protocol.checksum import state_digest
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message
+from protocol.limits import Limits
 from protocol.metadata import ModelMetadata
+from protocol.security import CurveServer, check_transport
 from protocol.state import ModelState, StateLike, materialize, resolve_state
 
 from .base import Stamper, check_next_version, error_message, plan_for
@@ -53,6 +55,12 @@ class Sender:
 
     ``config`` is the seed's YAML shape (a path, mapping or ``SyncConfig``). The first
     receiver's metadata fixes the receivers' dtypes: every later receiver must match it.
+
+    ``curve`` (``protocol.security.CurveServer``) encrypts the connection and admits only
+    receivers whose public key it allows; a refused key is logged and counted in
+    ``rejected_handshakes``. Without it, binding beyond loopback is a ``ConfigError``
+    unless ``insecure_plaintext``. ``limits`` bounds what receivers may send (default:
+    derived from the model at ``start``).
     """
 
     def __init__(
@@ -67,9 +75,16 @@ class Sender:
         peer_timeout: float = 10.0,
         context: zmq.asyncio.Context | None = None,
         stats_history: int = 1000,
+        curve: CurveServer | None = None,
+        insecure_plaintext: bool = False,
+        limits: Limits | None = None,
     ) -> None:
         if ring_size < 1 or max_inflight < 1:
             raise ConfigError("ring_size and max_inflight must be at least 1")
+        check_transport(endpoint, curve, insecure_plaintext, role="sender")
+        self.curve, self._limits = curve, limits
+        self.rejected_handshakes = 0  # CURVE handshakes refused: key not in the allowlist
+        self.rejected_keys: set[str] = set()
         self.config = load_config(config)
         self.strategy = self.config.type
         self._endpoint = endpoint
@@ -127,11 +142,17 @@ class Sender:
         self._model, self.version = model, version
         self._state = resolve_state(model, self._trainable_keys)
         self._hold(self._state.tensors)
-        self._socket = RouterSocket(self._context, self._endpoint)
+        limits = self._limits or Limits.for_control(self._state.tensors)
+        self._socket = RouterSocket(self._context, self._endpoint, curve=self.curve, limits=limits, on_reject=self._rejected)
         self._spawn(self._serve(), "serve")
         self._spawn(self._heartbeat(), "heartbeat")
         log.info("sender %s serving %s (%s, version %s)", self.session[:8], self.endpoint, self.strategy, version)
         return self
+
+    def _rejected(self, address: str, public_key: str) -> None:
+        """A receiver's CURVE key was refused (called from the ZAP thread, which logs it)."""
+        self.rejected_handshakes += 1
+        self.rejected_keys.add(public_key)
 
     async def sync(self, model: StateLike, version: int) -> SyncStats:
         """Capture ``version`` from ``model`` once for every receiver and return its stats.

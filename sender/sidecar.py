@@ -119,6 +119,7 @@ class ShmSidecar:
         self.sender = Sender(
             a.endpoint, a.config, trainable_keys=self.layout.tracked, ring_size=a.ring_size, max_inflight=a.max_inflight,
             heartbeat_interval=a.heartbeat, peer_timeout=a.peer_timeout,
+            curve=getattr(a, "curve", None), insecure_plaintext=getattr(a, "insecure_plaintext", False),
         )
         await self.sender.start(self.views, version=version)
         report("listening", endpoint=self.sender.endpoint, version=version, session=self.sender.session, shm=a.shm)

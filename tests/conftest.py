@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,3 +23,43 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# -- reliability figures ----------------------------------------------------------------------
+# Fault tests record what they measured (versions published and applied, resyncs, integrity
+# errors caught, reconnects, digests equal) through the ``reliability`` fixture. The figures
+# are printed in the terminal summary and merged into tests/.reliability.json (gitignored),
+# keyed by test id, which the README's reliability table is made from.
+RELIABILITY_FILE = Path(__file__).resolve().parent / ".reliability.json"
+_FIGURES: dict[str, dict[str, Any]] = {}
+
+
+class Reliability:
+    """One test's figures: ``record(applied=..., resyncs=...)``, called any number of times."""
+
+    def __init__(self, test_id: str) -> None:
+        self.test_id = test_id
+
+    def record(self, **figures: Any) -> None:
+        _FIGURES.setdefault(self.test_id, {}).update(figures)
+
+
+@pytest.fixture
+def reliability(request: pytest.FixtureRequest) -> Reliability:
+    return Reliability(request.node.nodeid.removeprefix("tests/"))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _FIGURES:
+        return
+    try:
+        merged = json.loads(RELIABILITY_FILE.read_text())
+    except (OSError, ValueError):
+        merged = {}
+    merged.update(_FIGURES)
+    with contextlib.suppress(OSError):
+        RELIABILITY_FILE.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    terminalreporter.section("reliability figures")
+    for test_id, figures in _FIGURES.items():
+        terminalreporter.write_line(f"{test_id}: {json.dumps(figures, sort_keys=True)}")
+    terminalreporter.write_line(f"(merged into {RELIABILITY_FILE})")
