@@ -1,0 +1,147 @@
+"""The receiver daemon as a sidecar process (``python -m receiver``).
+
+Builds the rollout's model locally (``--model module:factory``, cast to ``--dtype``),
+follows a sender, and reports each applied version as a JSON line on stdout (with the
+state digest, so a script can check it against the trainer's).
+
+``--shm NAME`` puts the model in a shared-memory region this process creates and owns
+(unlinked on exit): a rollout engine maps its model onto it with
+``receiver.attach.attach(model, NAME)`` and reads under the region's seqlock.
+``--load-strategy rsync`` (the default) follows a sender over the network;
+``ipc_snapshot`` reloads the trainer's ``step_<version>.safetensors`` files from ``--watch``.
+
+``--control HOST:PORT`` serves the control API (pause, resume, sleep, wakeup,
+update_weights; see the README); ``python -m receiver ctl --help`` calls it. Off
+loopback it needs ``--control-token`` (or ``$WEIGHTSYNC_CONTROL_TOKEN``).
+
+Between hosts, use CURVE: ``--curve-secret`` (this receiver's ``.key_secret``, made by
+``python -m sender keygen``) and ``--curve-server-key`` (the sender's public ``.key``).
+A non-loopback ``--endpoint`` without them is refused unless ``--insecure-plaintext``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protocol.checksum import state_digest
+from protocol.cli import load_object, report, run, setup_logging
+from protocol.dtypes import parse_float_dtype
+from protocol.errors import ConfigError
+from protocol.security import CurveClient
+
+from .attach import engine_region, seqlock_writes
+from .control import TOKEN_ENV
+from .service import Receiver
+from .snapshots import serve_snapshots
+
+log = logging.getLogger("receiver")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m receiver", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the sender's address")
+    p.add_argument("--config", help="weight_syncer YAML; must name the same strategy as the sender's")
+    p.add_argument("--model", required=True, help="module:factory building the rollout's model")
+    p.add_argument("--dtype", default="bfloat16", help="cast the model's floating tensors to this dtype (or 'keep')")
+    p.add_argument("--identity", help="stable receiver id (default: host-pid-random)")
+    p.add_argument("--save", type=Path, help="torch.save the state dict here on shutdown")
+    p.add_argument("--digest", action="store_true", help="include the state digest in each report")
+    p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    p.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence before reconnecting")
+    p.add_argument("--shm", help="create shared-memory region NAME holding the model, for an engine to attach to")
+    p.add_argument("--load-strategy", choices=["rsync", "ipc_snapshot"], default="rsync",
+                   help="rsync: follow --endpoint; ipc_snapshot: reload files from --watch")
+    p.add_argument("--watch", type=Path, help="ipc_snapshot: directory the trainer writes step_<version>.safetensors to")
+    p.add_argument("--control", metavar="HOST:PORT", help="serve the control API here (port 0: any free port; reported as a 'control' line)")
+    p.add_argument(
+        "--name-mapping", metavar="SPEC",
+        help="rename this model's names to the trainer's: 'is_agent', a JSON file {rollout: trainer}, or module:callable",
+    )
+    p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV),
+                   help=f"bearer token the control API requires (needed off loopback; default ${TOKEN_ENV})")
+    p.add_argument("--curve-secret", type=Path, metavar="FILE", help="this receiver's CURVE .key_secret (python -m sender keygen)")
+    p.add_argument("--curve-server-key", type=Path, metavar="FILE", help="the sender's CURVE public .key")
+    p.add_argument("--insecure-plaintext", action="store_true",
+                   help="allow a non-loopback --endpoint without CURVE (weights in plaintext, sender not authenticated)")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.load_strategy == "ipc_snapshot" and args.watch is None:
+        p.error("--load-strategy ipc_snapshot needs --watch DIR")
+    if (args.curve_secret is None) != (args.curve_server_key is None):
+        p.error("--curve-secret and --curve-server-key go together")
+    try:
+        args.curve = None if args.curve_secret is None else CurveClient.from_files(args.curve_secret, args.curve_server_key)
+    except ConfigError as e:
+        p.error(str(e))
+    return args
+
+
+def load_name_mapping(spec: str | None) -> Any:
+    if spec is None or spec == "is_agent":
+        return spec
+    if spec.endswith(".json"):
+        return json.loads(Path(spec).read_text())
+    return load_object(spec)
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    model = load_object(args.model)()
+    if args.dtype != "keep":
+        model = model.to(parse_float_dtype(args.dtype))
+    region = engine_region(model, args.shm) if args.shm else None  # owned here: unlinked on close or at exit
+    if args.load_strategy == "ipc_snapshot":
+        await serve_snapshots(args, model, region, stop)
+        return
+    receiver = Receiver(
+        model, args.endpoint, args.config, identity=args.identity,
+        heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
+        control_address=args.control, name_mapping=load_name_mapping(args.name_mapping),
+        curve=args.curve, insecure_plaintext=args.insecure_plaintext, control_token=args.control_token,
+        wrap_write=None if region is None else seqlock_writes(region, lambda: receiver.strategy.version),
+    )
+
+    async def on_update(version: int | None) -> None:
+        fields: dict[str, object] = {"version": version, "identity": receiver.identity}
+        stats = receiver.stats.get(version) if version is not None else None
+        if stats is not None:
+            fields.update(stats.as_dict())
+        if args.digest:
+            async with receiver.reading():
+                fields["digest"] = await asyncio.to_thread(state_digest, model.state_dict())
+        report("applied", **fields)
+
+    receiver.on_update(on_update)
+    async with receiver:
+        started = asyncio.ensure_future(receiver.start(timeout=None))
+        if args.control is not None:
+            while receiver.control_url is None and not started.done():
+                await asyncio.sleep(0.01)
+            if receiver.control_url is not None:
+                report("control", url=receiver.control_url, identity=receiver.identity)
+        await asyncio.wait([started, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if started.done():
+            started.result()  # surface a failed handshake (metadata mismatch, ...)
+            await stop.wait()
+        else:
+            started.cancel()
+        if args.save is not None:
+            async with receiver.reading():
+                torch.save(model.state_dict(), args.save)
+    if region is not None:
+        region.close()
+    report("stopped", version=receiver.version, identity=receiver.identity)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging(args.log_level)
+    run(lambda stop: serve(args, stop))
