@@ -118,7 +118,7 @@ def _counts(model: torch.Tensor, n: int, alphabet: int, what: str) -> tuple[np.n
     if model.dtype != torch.int64 or model.dim() != 1 or not 0 < model.numel() <= alphabet:
         raise ProtocolError(f"{what} model is malformed")
     counts = model.numpy()
-    if (counts < 0).any() or int(counts.sum()) != n:
+    if (counts < 0).any() or (counts > n).any() or int(counts.sum()) != n:  # bounded first: the sum cannot wrap
         raise ProtocolError(f"{what} model of {len(counts)} symbols does not describe {n} values")
     freq = rans.quantize(counts)
     cum, lut = rans.tables(freq)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.errors import ProtocolError
 from protocol.framing import ValueEncoding
 from protocol.tensorcodec import DecodedTensor
 
@@ -23,14 +24,18 @@ class StagedUpdate:
 
     @classmethod
     def stage(cls, decoded: DecodedTensor, target: torch.Tensor) -> StagedUpdate:
-        """Resolve XOR values against ``target`` and move everything to its device."""
+        """Resolve XOR and ulp values against ``target`` and move everything to its device."""
         if decoded.flat is None:
-            return cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
-        flat = decoded.flat.to(target.device)
-        if decoded.encoding is ValueEncoding.ULP and kernels.supported(target):
-            return cls(decoded.key, flat, kernels.gather_add(target, flat, decoded.values.cpu()))
-        old = read_flat(target, flat)
-        return cls(decoded.key, flat, decoded.new_values(old).to(target.device))
+            update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
+        else:
+            flat = decoded.flat.to(target.device)
+            if decoded.encoding is ValueEncoding.ULP and kernels.supported(target):
+                update = cls(decoded.key, flat, kernels.gather_add(target, flat, decoded.values.cpu()))
+            else:
+                update = cls(decoded.key, flat, decoded.new_values(read_flat(target, flat)).to(target.device))
+        if target.dtype == torch.bool and update.values.numel() and int(update.values.view(torch.uint8).max()) > 1:
+            raise ProtocolError(f"tensor {decoded.key}: bool values other than 0 and 1")  # XOR/ulp bits, or raw bytes
+        return update
 
 
 def read_flat(target: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:

@@ -586,3 +586,21 @@ def test_gpu_codec_on_a_cpu_receiver_is_a_typed_error():
     frames = message([EncodedTensor(0, Encoding.DENSE, ValueEncoding.RAW, 100, [(spec, wire)])])
     with pytest.raises(WeightSyncError):
         decode_all(frames, {0: ((100,), torch.float32)})
+
+
+@pytest.mark.parametrize("values", [ValueEncoding.RAW, ValueEncoding.XOR, ValueEncoding.ULP])
+def test_bool_tensor_never_gets_bytes_other_than_0_and_1(values: ValueEncoding) -> None:
+    """Raw, XOR and ulp values can all make a bool byte 2..255, which torch would hold as an
+    invalid bool: refused while staging, before anything is written."""
+    from receiver.commit import StagedUpdate
+
+    target = torch.zeros(4096, dtype=torch.bool)
+    flat = torch.arange(0, 4096, 4)
+    new = torch.full((flat.numel(),), 2, dtype=torch.uint8).view(torch.bool)  # byte 2: not a bool
+    old = torch.zeros(flat.numel(), dtype=torch.bool)
+    entry = encode_sparse(0, flat, new, old, (4096,), PatchOptions(Encoding.GAPS, values))
+    specs, frames = assemble([entry])
+    decoded = decode_entry(specs[0], frames, (4096,), torch.bool, torch.device("cpu"))
+    with pytest.raises(ProtocolError, match="bool"):
+        StagedUpdate.stage(decoded, target)
+    assert not target.any()
