@@ -73,6 +73,22 @@ def rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+SETTLE = 1.0  # seconds between the bootstrap and the measured sync
+
+
+def release_freed() -> None:
+    """Return freed heap to the OS (glibc ``malloc_trim``) after a collection, so the
+    peak restarted next starts from what is live, not from the bootstrap's leftovers."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the peak then includes what the allocator kept
+
+
 def warm_runtime() -> None:
     """Load what every daemon loads whatever the model's size (compiled kernels, the codec
     threads, ZeroMQ's I/O thread), so ``base`` holds the runtime and growth is the model's."""
@@ -104,6 +120,8 @@ async def run_sender(args: argparse.Namespace) -> dict[str, Any]:
         await sender.wait_for_receivers(args.receivers, timeout=300)
         await sender.wait_acked(0, timeout=300)
         boot_peak = maxrss_bytes()
+        await asyncio.sleep(SETTLE)  # every side lets go of the bootstrap (receivers restart their peaks)
+        release_freed()
         reset = reset_peak_rss()  # from here: the steady state, one sync
         read_into(Path(args.post), state)
         started = time.perf_counter()
@@ -126,15 +144,11 @@ async def run_receiver(args: argparse.Namespace) -> dict[str, Any]:
     base = rss()
     receiver = Receiver(state, f"tcp://127.0.0.1:{args.port}", json.loads(args.config), identity=args.identity, peer_timeout=300.0)
     marks: dict[str, Any] = {}
-
-    def on_update(version: int | None) -> None:
-        if version == 0:  # bootstrapped; the sender reads the next state from disk before it syncs
-            marks["boot_peak"] = maxrss_bytes()
-            marks["reset"] = reset_peak_rss()
-
-    receiver.on_update(on_update)
     try:
-        await receiver.start(timeout=300)
+        await receiver.start(timeout=300)  # bootstrapped; the sender settles before it syncs v1
+        marks["boot_peak"] = maxrss_bytes()
+        release_freed()
+        marks["reset"] = reset_peak_rss()
         await receiver.wait_for_version(1, timeout=300)
         applied = receiver.stats.get(1)
     finally:

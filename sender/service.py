@@ -279,6 +279,16 @@ class Sender:
             held = self._retained or {}
         return lambda key: held[key] if key in held else model[key]
 
+    def _release_resync(self) -> None:
+        """Drop the cached bootstrap once every receiver has its version and none is joining
+        or waiting for a resync: kept, it would hold a second copy of the model until the
+        next sync. A later joiner gets it rebuilt."""
+        cached = self._resync
+        if cached is None or cached[0] is None or self._greeting:
+            return
+        if all(p.acked is not None and p.acked >= cached[0] and not p.needs_resync for p in self._peers.values()):
+            self._resync = None
+
     async def _resync_messages(self) -> list[Message]:
         """A bootstrap of the current version: the init-sync keys, plus every tracked key
         once the trainer has moved past its initial weights. Cached per version."""
@@ -375,6 +385,7 @@ class Sender:
                     await self._notify()
                 elif msg.type is MessageType.ACK:
                     peer.ack(msg.version)
+                self._release_resync()
             elif msg.type is MessageType.NACK:
                 log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, msg.body.get("message"))
                 peer.ack(msg.version)
