@@ -482,16 +482,18 @@ class Sender:
     async def _pump(self, peer: Peer, greeting: list[Message]) -> None:
         """Send ``peer`` what it is missing, never more than ``max_inflight`` versions ahead."""
         try:
-            for msg in greeting:
-                await self._deliver(peer, self.stamp(msg))
+            await self._deliver_all(peer, [self.stamp(m) for m in greeting])
+            # A bootstrap is a whole model copy: this coroutine lives as long as the peer,
+            # so it keeps no reference to what it has queued (ZeroMQ holds what it still needs).
+            del greeting
             while True:
                 while len(peer.inflight) < self.max_inflight:
                     batch = await self._next_for(peer)
                     if batch is None:
                         break
-                    version, frames_list = batch
-                    for frames in frames_list:
-                        await self._deliver(peer, frames)
+                    version = batch[0]
+                    await self._deliver_all(peer, batch[1])
+                    del batch
                     peer.sent = version
                     peer.inflight.append(version)
                 await peer.wake.wait()
@@ -515,6 +517,10 @@ class Sender:
         peer.resyncs += 1
         log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version)
         return self.version, [self.stamp(m) for m in await self._resync_messages()]
+
+    async def _deliver_all(self, peer: Peer, messages: list[list[Buffer]]) -> None:
+        for frames in messages:
+            await self._deliver(peer, frames)
 
     async def _deliver(self, peer: Peer, frames: list[Buffer]) -> None:
         """Queue ``frames`` for ``peer``, waiting (never blocking the loop) while its queue is full."""
