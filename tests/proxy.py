@@ -24,7 +24,7 @@ import json
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,8 +313,8 @@ class Proxy:
         conn = self.stats.connections
         link = (client_w, server_w)
         self._links.add(link)
-        up = self._spawn(self._pipe_up(client_r, server_w))
-        down = self._spawn(self._pipe_down(server_r, client_w, conn))
+        up = self._spawn(self._pipe(client_r, lambda q: self._drain(q, server_w)))
+        down = self._spawn(self._pipe(server_r, lambda q: self._drain_messages(q, client_w, conn)))
         await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
         for w in link:
             w.transport.abort()
@@ -330,22 +330,10 @@ class Proxy:
         if self.delay > 0:
             await asyncio.sleep(max(0.0, arrived + self.delay - time.monotonic()))
 
-    async def _pipe_up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, drain: Callable[[asyncio.Queue[tuple[float, bytes]]], Awaitable[None]]) -> None:
+        """Read one direction into a queue that ``drain`` forwards (with delay, faults)."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-        pump = self._spawn(self._drain(queue, writer))
-        try:
-            while data := await reader.read(1 << 16):
-                queue.put_nowait((time.monotonic(), data))
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            queue.put_nowait((time.monotonic(), b""))
-            with contextlib.suppress(Exception):
-                await pump
-
-    async def _pipe_down(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: int) -> None:
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-        pump = self._spawn(self._drain_messages(queue, writer, conn))
+        pump = self._spawn(drain(queue))
         try:
             while data := await reader.read(1 << 16):
                 queue.put_nowait((time.monotonic(), data))
