@@ -25,6 +25,7 @@ index bounds) belong to the receiver, and also happen before anything is written
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -36,7 +37,7 @@ from .buffers import Buffer
 from .checksum import checksum
 from .compress import Codec
 from .dtypes import dtype_from_code, itemsize
-from .errors import IntegrityError, ProtocolError
+from .errors import ConfigError, IntegrityError, MetadataMismatchError, ProtocolError, WeightSyncError
 from .limits import DEFAULT_LIMITS, LimitError, Limits
 
 PROTOCOL_VERSION = 1
@@ -312,3 +313,23 @@ def peek_type(frames: Sequence[Buffer]) -> MessageType | None:
         return MessageType(header["type"])
     except Exception:
         return None
+
+
+class Stamper:
+    """Frames a message with a sender session id and the next sequence number."""
+
+    def __init__(self) -> None:
+        self.session = uuid.uuid4().hex
+        self._seq = 0
+
+    def __call__(self, msg: Message) -> list[Buffer]:
+        msg.session = self.session
+        msg.seq = self._seq
+        self._seq += 1
+        return encode_message(msg)
+
+
+def error_message(error: WeightSyncError) -> Message:
+    """The ERROR a server sends a receiver it cannot serve; the code names the error type."""
+    code = {MetadataMismatchError: "metadata_mismatch", ConfigError: "config", ProtocolError: "protocol"}.get(type(error), "error")
+    return Message(MessageType.ERROR, body={"code": code, "message": str(error)})

@@ -76,3 +76,14 @@ class ModelMetadata:
             for k in self.keys:
                 if k not in tensors:
                     raise MetadataMismatchError(f"key {k!r} exists on the receiver but not on the sender")
+
+    def require_same(self, theirs: ModelMetadata, ours_are: str) -> None:
+        """Raise ``MetadataMismatchError`` unless ``theirs`` equals this metadata exactly
+        (keys, order, shapes, dtypes): later receivers of a sender, and a relay's receivers,
+        share the wire's ordinals and dtypes. ``ours_are`` names whose metadata this is."""
+        if theirs == self:
+            return
+        for key, shape, dtype in zip(theirs.keys, theirs.shapes, theirs.dtypes):
+            if key not in self or self.shapes[self.ordinal(key)] != shape or self.dtypes[self.ordinal(key)] != dtype:
+                raise MetadataMismatchError(f"key {key!r}: this receiver differs from {ours_are} ({list(shape)}, {dtype})")
+        raise MetadataMismatchError(f"this receiver's keys differ from {ours_are}")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from protocol.buffers import Buffer
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
-from protocol.framing import Message, MessageType, decode_message, encode_message
+from protocol.framing import Message, MessageType, Stamper, decode_message, error_message
 from protocol.metadata import ModelMetadata
 from protocol.state import ModelState, StateLike, resolve_state
 
@@ -22,20 +21,6 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[Sequence[Buffer]], Awaitable[Any]]
 Recv = Callable[[], Awaitable[Sequence[Buffer]]]
-
-
-class Stamper:
-    """Frames a message with a sender session id and the next sequence number."""
-
-    def __init__(self) -> None:
-        self.session = uuid.uuid4().hex
-        self._seq = 0
-
-    def __call__(self, msg: Message) -> list[Buffer]:
-        msg.session = self.session
-        msg.seq = self._seq
-        self._seq += 1
-        return encode_message(msg)
 
 
 def check_next_version(current: int | None, version: int) -> None:
@@ -51,11 +36,6 @@ def plan_for(state: ModelState, hello: Message, config: SyncConfig) -> SyncPlan:
     if hello.type is not MessageType.HELLO:
         raise ProtocolError(f"expected HELLO, got {hello.describe()}")
     return SyncPlan(state, ModelMetadata.from_body(hello.body), config.init_sync)
-
-
-def error_message(error: WeightSyncError) -> Message:
-    code = {MetadataMismatchError: "metadata_mismatch", ConfigError: "config", ProtocolError: "protocol"}.get(type(error), "error")
-    return Message(MessageType.ERROR, body={"code": code, "message": str(error)})
 
 
 async def send_all(send: Send, stamp: Stamper, messages: Iterator[Message]) -> int:

@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
+from protocol.buckets import bucket_messages, plan_buckets
 from protocol.config import BucketConfig
 from protocol.errors import ConfigError, MetadataMismatchError
 from protocol.framing import Message, MessageType
 from protocol.state import StateLike, materialize, resolve_state
 
 from .base import Send, SenderBase
-from .buckets import bucket_messages, plan_buckets
 from .plan import SyncPlan
 from .stats import SyncStats
 
@@ -73,6 +73,7 @@ class BucketBuilder:
             t = src if self.device is None else src.to(self.device)
             host = t.to(self.wire_dtype(t)).cpu()
             out[key] = host.clone() if host.data_ptr() == src.data_ptr() else host
+            del src, t, host  # a gathered (FSDP2) weight is dropped before the next gather
         return out
 
 

@@ -115,6 +115,9 @@ class PatchBuilder:
             cur = materialize(tensors[key]).detach()
             snap = self.snapshot.stream(cur.device).use(working, event)
             item = self._diff(key, cur, snap, stats)
+            # A sharded (FSDP2) weight was gathered whole: drop it before the next
+            # gather, so no more than one full tensor is alive at a time.
+            del cur, snap
             if item is not None:
                 captured.append(item)
         return captured

@@ -38,6 +38,7 @@ import contextlib
 import copy
 import os
 import resource
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ import torch
 from channel import Channel, Pipe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
 from models import Trainer, make_model, mismatches, snapshot
 
 import receiver
@@ -60,7 +62,7 @@ from protocol.compress import Codec
 from protocol.dtypes import dtype_code
 from protocol.errors import ProtocolError, WeightSyncError
 from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
-from sender.peers import Peer
+from protocol.peers import Peer
 
 Frames = list[bytes]
 
@@ -74,12 +76,17 @@ def examples(share: float) -> int:
     return max(10, round(TOTAL_EXAMPLES * share))
 
 
+# Long runs keep what they find: a failure is saved the moment it is seen, and replayed
+# first by the next run, even when this one is stopped before it has shrunk or reported it.
+FUZZ_DATABASE = os.path.join(os.path.dirname(__file__), ".fuzz-examples")
+
+
 def fuzz_settings(share: float) -> settings:
     """CI: derandomized, so a red build is reproducible; long: a fresh seed every run."""
     return settings(
         max_examples=examples(share),
         deadline=None,
-        database=None,
+        database=DirectoryBasedExampleDatabase(FUZZ_DATABASE) if LONG else None,
         derandomize=not LONG,
         print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
@@ -405,6 +412,8 @@ class Stats:
     def count(self, outcome: str) -> None:
         self.cases += 1
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if LONG and self.cases % 10_000 == 0:  # a long run shows it is alive, and how far it got
+            print(f"fuzz: {self.cases} cases, {self.outcomes}", file=sys.__stderr__, flush=True)
 
 
 STATS = Stats()

@@ -52,6 +52,7 @@ from protocol.compress import Codec
 from protocol.errors import ConfigError, ProtocolError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message, encode_message
 from protocol.limits import LimitError, Limits
+from protocol.router import RouterSocket
 from protocol.security import (
     CurveClient,
     CurveServer,
@@ -66,7 +67,6 @@ from protocol.tensorcodec import assemble, encode_dense
 from receiver import Receiver
 from receiver.socket import DealerSocket
 from sender import Sender
-from sender.socket import RouterSocket
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE (built without libsodium)")
 
@@ -147,7 +147,7 @@ def test_bad_key_files_are_config_errors(tmp_path: Path) -> None:
 async def test_curve_admits_only_allowed_keys_and_logs_the_rest(
     keys: dict[str, KeyPair], tmp_path: Path, caplog: pytest.LogCaptureFixture, reliability: Any
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="sender.zap")
+    caplog.set_level(logging.WARNING, logger="protocol.zap")
     caplog.set_level(logging.WARNING, logger="receiver.socket")
     trainer = Trainer()
     async with daemons() as made:

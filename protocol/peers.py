@@ -1,4 +1,4 @@
-"""Per-receiver bookkeeping of the sender daemon."""
+"""Per-receiver bookkeeping of a version server (the sender daemon, or a relay)."""
 
 from __future__ import annotations
 

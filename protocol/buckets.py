@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from protocol.compress import Codec
-from protocol.framing import Message, MessageType
-from protocol.state import materialize
-from protocol.tensorcodec import assemble, encode_dense
+from .compress import Codec
+from .framing import Message, MessageType
+from .state import materialize
+from .tensorcodec import assemble, encode_dense
 
 
 def plan_buckets(keys: list[str], nbytes: Callable[[str], int], bucket_size: int) -> list[list[str]]:

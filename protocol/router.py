@@ -1,11 +1,11 @@
-"""The sender's ROUTER socket: the only code that knows its options and how to send.
+"""The ROUTER socket that serves versions (the sender's, and a relay's): its options and how to send.
 
 Sends never block: a peer whose queue is full gets ``False`` back (the caller keeps
 the message and retries later), and a peer that is gone raises ``PeerGone``
 (ROUTER_MANDATORY turns silent drops into errors).
 
 With ``curve`` the socket is a CURVE server: traffic is encrypted and only receivers
-whose public key is in the allowlist complete the handshake (``sender/zap.py`` decides
+whose public key is in the allowlist complete the handshake (``protocol/zap.py`` decides
 and logs each refused key). Inbound messages are bounded by ``limits``: ZeroMQ drops a
 connection that sends a frame over ``MAXMSGSIZE``, and ``recv`` discards (and logs) a
 message over its frame count or byte total without keeping its parts.
@@ -22,11 +22,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from protocol.buffers import Buffer
-from protocol.limits import DEFAULT_LIMITS, LimitError, Limits, read_bounded
-from protocol.security import CurveServer
-
 from . import zap
+from .buffers import Buffer
+from .limits import DEFAULT_LIMITS, LimitError, Limits, read_bounded
+from .security import CurveServer
 
 log = logging.getLogger(__name__)
 

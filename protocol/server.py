@@ -1,0 +1,440 @@
+"""Serving versions to receivers over a ROUTER: what the sender daemon and a relay share.
+
+A ``VersionServer`` knows nothing of where versions come from. Its subclass puts each
+new version in front of it (``_add_patch``, ``_set_bucket``) and answers three
+questions: is this receiver's metadata acceptable (``_admit``), what is a bootstrap of
+the current version (``_bootstrap``), and what is its state digest (``_compute_digest``).
+The server does the rest: handshakes, one pump task per receiver bounded by credits
+(versions in flight), so a slow or dead receiver never blocks the others, a ring of
+recent patches to catch receivers up, resyncs by bootstrap, heartbeats, and timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from .buffers import Buffer
+from .errors import ConfigError, WeightSyncError
+from .framing import Message, MessageType, Stamper, decode_message, error_message
+from .limits import Limits
+from .peers import Peer
+from .router import PeerGone, RouterSocket
+from .security import CurveServer, check_transport
+
+log = logging.getLogger(__name__)
+
+_Server = TypeVar("_Server", bound="VersionServer")
+STALL_GRACE = 0.5  # seconds a heartbeat tick may be late before the loop counts as stalled
+
+
+@dataclass
+class RingEntry:
+    base: int | None
+    version: int
+    frames: list[Buffer]
+
+
+class VersionServer:
+    """Serves the versions its subclass provides to any number of receivers.
+
+    ``curve`` (``protocol.security.CurveServer``) encrypts the connection and admits only
+    receivers whose public key it allows; a refused key is logged and counted in
+    ``rejected_handshakes``. Without it, binding beyond loopback is a ``ConfigError``
+    unless ``insecure_plaintext``.
+    """
+
+    role = "sender"  # in log lines and errors
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        ring_size: int = 8,
+        max_inflight: int = 2,
+        heartbeat_interval: float = 0.5,
+        peer_timeout: float = 10.0,
+        context: zmq.asyncio.Context | None = None,
+        curve: CurveServer | None = None,
+        insecure_plaintext: bool = False,
+    ) -> None:
+        if ring_size < 1 or max_inflight < 1:
+            raise ConfigError("ring_size and max_inflight must be at least 1")
+        check_transport(endpoint, curve, insecure_plaintext, role="sender")
+        self.curve = curve
+        self.rejected_handshakes = 0  # CURVE handshakes refused: key not in the allowlist
+        self.rejected_keys: set[str] = set()
+        self.bytes_sent = 0  # every message queued for a receiver: this server's egress
+        self._endpoint = endpoint
+        self.ring_size, self.max_inflight = ring_size, max_inflight
+        self.heartbeat_interval, self.peer_timeout = heartbeat_interval, peer_timeout
+        self._context = context or zmq.asyncio.Context.instance()
+        self.stamp = Stamper()
+        self.version: int | None = None
+        self._ring: collections.deque[RingEntry] = collections.deque(maxlen=ring_size)
+        self._pending_bases: set[int | None] = set()  # bases of patches still being prepared
+        self._bucket_frames: tuple[int, list[list[Buffer]]] | None = None  # bucket mode: the current version's messages
+        self._resync: tuple[int | None, list[Message]] | None = None
+        self._digest: tuple[int | None, str] | None = None
+        self._peers: dict[bytes, Peer] = {}
+        self._greeting: dict[bytes, asyncio.Task[None]] = {}  # HELLOs being answered
+        self._lock = asyncio.Lock()  # the version at rest: new versions vs bootstraps and digests
+        self._acked = asyncio.Condition()
+        self._socket: RouterSocket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failure: BaseException | None = None
+        self._closed = False
+
+    # -- what a subclass provides -----------------------------------------------------
+    async def _admit(self, hello: Message) -> None:
+        """Check a receiver's HELLO (called under the lock); raise to refuse it."""
+        raise NotImplementedError
+
+    async def _bootstrap(self) -> list[Message]:
+        """A bootstrap of the current version (called under the lock)."""
+        raise NotImplementedError
+
+    async def _compute_digest(self) -> str:
+        """The current version's state digest at the receivers' dtypes (under the lock)."""
+        raise NotImplementedError
+
+    def _welcome(self, version: int | None, bootstrap_parts: int) -> Message:
+        raise NotImplementedError
+
+    # -- public API -----------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        """The bound address, with the real port once started."""
+        return self._socket.endpoint if self._socket else self._endpoint
+
+    @property
+    def session(self) -> str:
+        return self.stamp.session
+
+    @property
+    def receivers(self) -> dict[str, dict[str, object]]:
+        """Connected receivers by identity, with their acknowledged version and queue."""
+        return {p.name: p.describe() for p in self._peers.values()}
+
+    async def wait_acked(self, version: int, timeout: float | None = None) -> None:
+        """Wait until every connected receiver has applied ``version`` (or a later one)."""
+
+        def done() -> bool:
+            self._check_running()
+            return all(p.acked is not None and p.acked >= version for p in self._peers.values())
+
+        async with self._acked:
+            await asyncio.wait_for(self._acked.wait_for(done), timeout)
+
+    async def wait_for_receivers(self, count: int, timeout: float | None = None) -> None:
+        """Wait until at least ``count`` receivers are connected."""
+        async with self._acked:
+            await asyncio.wait_for(self._acked.wait_for(lambda: self._check_running() or len(self._peers) >= count), timeout)
+
+    async def close(self) -> None:
+        """Say goodbye to the receivers, stop every task and close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._socket is not None:
+            for peer in list(self._peers.values()):
+                try:
+                    self._try_send(peer, self.stamp(Message(MessageType.BYE)))
+                except PeerGone:
+                    pass
+        tasks = list(self._tasks) + [p.task for p in self._peers.values() if p.task]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._socket is not None:
+            await self._socket.aclose()
+        log.info("%s %s closed", self.role, self.session[:8])
+
+    async def __aenter__(self: _Server) -> _Server:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- for subclasses -------------------------------------------------------------------
+    def _open(self, limits: Limits) -> None:
+        """Bind the socket and start serving."""
+        if self._socket is not None:
+            raise WeightSyncError(f"{self.role} already started")
+        self._socket = RouterSocket(self._context, self._endpoint, curve=self.curve, limits=limits, on_reject=self._rejected)
+        self._spawn(self._serve(), "serve")
+        self._spawn(self._heartbeat(), "heartbeat")
+
+    def _add_patch(self, base: int | None, version: int, frames: list[Buffer]) -> None:
+        """A patch from ``base`` to ``version`` is ready: receivers at ``base`` get it."""
+        self._ring.append(RingEntry(base, version, frames))
+        self._pending_bases.discard(base)
+        self._wake_all()
+
+    def _set_bucket(self, version: int, messages: list[list[Buffer]]) -> None:
+        """Bucket mode: every receiver behind ``version`` gets these messages."""
+        self._bucket_frames = (version, messages)
+
+    def _moved(self, version: int | None) -> None:
+        """The current version is now ``version`` (call under the lock)."""
+        self.version = version
+        self._resync = self._digest = None
+
+    def _wake_all(self) -> None:
+        for peer in self._peers.values():
+            peer.wake.set()
+
+    def _rejected(self, address: str, public_key: str) -> None:
+        """A receiver's CURVE key was refused (called from the ZAP thread, which logs it)."""
+        self.rejected_handshakes += 1
+        self.rejected_keys.add(public_key)
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=f"weightsync-{self.role}-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or self._closed:
+            return
+        error = task.exception()
+        if error is not None:
+            log.error("%s task %s failed: %r", self.role, task.get_name(), error, exc_info=error)
+            self._failure = error
+            asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._acked:
+            self._acked.notify_all()
+
+    def _check_running(self) -> bool:
+        if self._failure is not None:
+            raise WeightSyncError(f"{self.role} failed: {self._failure!r}") from self._failure
+        if self._closed or self._socket is None:
+            raise WeightSyncError(f"{self.role} is not running (call start(), and not after close())")
+        return False
+
+    # -- the version at rest ------------------------------------------------------------
+    def _release_resync(self) -> None:
+        """Drop the cached bootstrap once every receiver has its version and none is joining
+        or waiting for a resync: kept, it would hold a second copy of the model until the
+        next version. A later joiner gets it rebuilt."""
+        cached = self._resync
+        if cached is None or cached[0] is None or self._greeting:
+            return
+        if all(p.acked is not None and p.acked >= cached[0] and not p.needs_resync for p in self._peers.values()):
+            self._resync = None
+
+    async def _resync_messages(self) -> list[Message]:
+        """A bootstrap of the current version, cached per version."""
+        async with self._lock:
+            if self._resync is not None and self._resync[0] == self.version:
+                return self._resync[1]
+            built = await self._bootstrap()
+            self._resync = (self.version, built)
+            return built
+
+    async def _state_digest(self) -> str:
+        """Digest of the current version at the receivers' dtypes, as a receiver computes it."""
+        async with self._lock:
+            if self._digest is not None and self._digest[0] == self.version:
+                return self._digest[1]
+            digest = await self._compute_digest()
+            self._digest = (self.version, digest)
+            return digest
+
+    # -- serving ----------------------------------------------------------------------
+    async def _serve(self) -> None:
+        assert self._socket is not None
+        while True:
+            identity, frames = await self._socket.recv()
+            try:
+                msg = decode_message(frames)
+            except WeightSyncError as e:
+                log.warning("dropping a bad message from %r: %s", identity, e)
+                continue
+            peer = self._peers.get(identity)
+            if peer is not None:
+                peer.last_seen = time.monotonic()
+            if msg.type is MessageType.HELLO:
+                # Handled in its own task: a bootstrap can take a while to build, and the
+                # other receivers' acks and heartbeats must keep flowing meanwhile.
+                previous = self._greeting.pop(identity, None)
+                if previous is not None:
+                    previous.cancel()
+                self._greeting[identity] = self._spawn(self._on_hello(identity, msg), f"hello-{identity!r}")
+            elif peer is None:
+                if identity in self._greeting:
+                    continue  # its HELLO is being answered: heartbeats meanwhile are expected
+                if msg.type is not MessageType.BYE:  # e.g. after a restart: ask it to say HELLO
+                    self._try_send(Peer(identity), self.stamp(Message(MessageType.ERROR, body={"code": "unknown_peer", "message": "say HELLO"})))
+            elif msg.type in (MessageType.ACK, MessageType.HEARTBEAT):
+                # Heartbeats repeat the applied version, so a lost ACK is never waited on forever.
+                if msg.version is not None and (peer.acked is None or msg.version > peer.acked):
+                    peer.ack(msg.version)
+                    await self._notify()
+                elif msg.type is MessageType.ACK:
+                    peer.ack(msg.version)
+                self._release_resync()
+            elif msg.type is MessageType.NACK:
+                log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, msg.body.get("message"))
+                peer.ack(msg.version)
+                peer.inflight.clear()  # it drops whatever else is queued until the resync
+                peer.needs_resync = True
+            elif msg.type is MessageType.DIGEST_REQUEST:
+                self._spawn(self._answer_digest(peer, msg), f"digest-{peer.name}")
+            elif msg.type is MessageType.BYE:
+                await self._drop(peer, "said goodbye")
+            elif msg.type is MessageType.ERROR:
+                log.error("receiver %s reported: %s", peer.name, msg.body.get("message"))
+
+    async def _answer_digest(self, peer: Peer, request: Message) -> None:
+        """Tell a receiver the current version and, when asked, its state digest: what a
+        paused receiver updates to, and what ``verify_checksum`` compares against."""
+        version, digest = self.version, None
+        if request.body.get("digest") is True:
+            for _ in range(3):  # a new version may arrive meanwhile: the pair must be consistent
+                version = self.version
+                digest = await self._state_digest()
+                if self.version == version:
+                    break
+            else:
+                digest = None
+        reply = Message(MessageType.DIGEST, version=version, body={"nonce": request.body.get("nonce"), "digest": digest})
+        try:
+            self._try_send(peer, self.stamp(reply))
+        except PeerGone:
+            await self._drop(peer, "disconnected")
+
+    async def _on_hello(self, identity: bytes, hello: Message) -> None:
+        old = self._peers.pop(identity, None)
+        if old is not None and old.task is not None:
+            old.task.cancel()
+        peer = Peer(identity)
+        try:
+            await self._greet(peer, hello)
+        except WeightSyncError as e:  # this receiver cannot be served; the others carry on
+            log.error("receiver %s refused: %s", peer.name, e)
+            self._try_send(peer, self.stamp(error_message(e)))
+        finally:
+            if self._greeting.get(identity) is asyncio.current_task():
+                del self._greeting[identity]
+
+    async def _greet(self, peer: Peer, hello: Message) -> None:
+        identity = peer.identity
+        async with self._lock:  # a new version must not move what is at rest mid-check
+            await self._admit(hello)
+        applied, digest, session = hello.body.get("applied"), hello.body.get("digest"), hello.body.get("session")
+        known = {self.version} | {e.base for e in self._ring} | self._pending_bases
+        greeting: list[Message]
+        if session == self.session and applied in known:
+            greeting, version = [], applied  # it was with us: the ring catches it up
+        elif applied == self.version and self.version is not None and digest == await self._state_digest():
+            greeting, version = [], applied  # already current (e.g. after a restart)
+        else:
+            greeting, version = await self._resync_messages(), self.version
+        welcome = self._welcome(version, len(greeting))
+        peer.sent = version
+        peer.acked = None if greeting else version
+        peer.inflight = [version] if greeting else []
+        self._peers[identity] = peer
+        peer.task = asyncio.get_running_loop().create_task(self._pump(peer, [welcome, *greeting]))
+        log.info("receiver %s joined at v%s (bootstrap: %d buckets)", peer.name, applied, len(greeting))
+        await self._notify()
+
+    async def _pump(self, peer: Peer, greeting: list[Message]) -> None:
+        """Send ``peer`` what it is missing, never more than ``max_inflight`` versions ahead."""
+        try:
+            await self._deliver_all(peer, [self.stamp(m) for m in greeting])
+            # A bootstrap is a whole model copy: this coroutine lives as long as the peer,
+            # so it keeps no reference to what it has queued (ZeroMQ holds what it still needs).
+            del greeting
+            while True:
+                while len(peer.inflight) < self.max_inflight:
+                    batch = await self._next_for(peer)
+                    if batch is None:
+                        break
+                    version = batch[0]
+                    await self._deliver_all(peer, batch[1])
+                    del batch
+                    peer.sent = version
+                    peer.inflight.append(version)
+                await peer.wake.wait()
+                peer.wake.clear()
+        except PeerGone:
+            await self._drop(peer, "disconnected")
+
+    async def _next_for(self, peer: Peer) -> tuple[int | None, list[list[Buffer]]] | None:
+        if not peer.needs_resync:
+            if peer.sent == self.version:
+                return None
+            for entry in self._ring:
+                if entry.base == peer.sent:
+                    return entry.version, [entry.frames]
+            if peer.sent in self._pending_bases:
+                return None  # its next patch is being prepared; _add_patch wakes it
+            if self._bucket_frames is not None and (peer.sent is None or peer.sent < self._bucket_frames[0]):
+                return self._bucket_frames
+        peer.needs_resync = False
+        peer.resyncs += 1
+        log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version)
+        return self.version, [self.stamp(m) for m in await self._resync_messages()]
+
+    async def _deliver_all(self, peer: Peer, messages: list[list[Buffer]]) -> None:
+        for frames in messages:
+            await self._deliver(peer, frames)
+
+    async def _deliver(self, peer: Peer, frames: list[Buffer]) -> None:
+        """Queue ``frames`` for ``peer``, waiting (never blocking the loop) while its queue is full."""
+        delay = 0.001
+        while not self._try_send(peer, frames):
+            if time.monotonic() - peer.last_seen > self.peer_timeout:
+                raise PeerGone(peer.name)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _try_send(self, peer: Peer, frames: list[Buffer]) -> bool:
+        assert self._socket is not None
+        try:
+            queued = self._socket.try_send(peer.identity, frames)
+        except PeerGone:
+            if peer.identity in self._peers:
+                raise
+            return True  # not a registered peer (an ERROR to a stranger): nothing to undo
+        if queued:
+            self.bytes_sent += sum(len(f) for f in frames)
+        return queued
+
+    async def _drop(self, peer: Peer, why: str) -> None:
+        if self._peers.get(peer.identity) is peer:
+            del self._peers[peer.identity]
+            log.info("receiver %s dropped: %s", peer.name, why)
+            if peer.task is not None and peer.task is not asyncio.current_task():
+                peer.task.cancel()
+            await self._notify()
+
+    async def _heartbeat(self) -> None:
+        tick = time.monotonic()
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            now = time.monotonic()
+            # Woken late, this loop was blocked (a long GIL-holding call, say): the peers'
+            # messages are still queued, unread. Judge silence on the next tick instead.
+            stalled, tick = now - tick > 2 * self.heartbeat_interval + STALL_GRACE, now
+            for peer in list(self._peers.values()):
+                if now - peer.last_seen > self.peer_timeout and not stalled:
+                    await self._drop(peer, f"silent for {now - peer.last_seen:.1f}s")
+                    continue
+                try:
+                    self._try_send(peer, self.stamp(Message(MessageType.HEARTBEAT, version=self.version)))
+                except PeerGone:
+                    await self._drop(peer, "disconnected")
