@@ -27,12 +27,16 @@ class MetadataMismatchError(WeightSyncError):
 
 
 class StaleVersionError(WeightSyncError):
-    """An update does not apply on top of the receiver's current version."""
+    """An update does not apply on top of the receiver's current version.
 
-    def __init__(self, message: str, *, current: int | None = None, got: int | None = None):
+    ``held``: the update's version is one the receiver already holds or passed (a replay,
+    or a patch sent before a resync that overtook it), so there is nothing to recover."""
+
+    def __init__(self, message: str, *, current: int | None = None, got: int | None = None, held: bool = False):
         super().__init__(message)
         self.current = current
         self.got = got
+        self.held = held
 
 
 class ConfigError(WeightSyncError, ValueError):

@@ -26,7 +26,7 @@ from protocol.errors import (
 from protocol.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
 from protocol.metadata import ModelMetadata
 from protocol.parallel import map_ordered
-from protocol.state import StateLike, resolve_state
+from protocol.state import StateLike, find_aliases, resolve_state
 from protocol.tensorcodec import decode_entry
 
 from .commit import StagedUpdate, commit
@@ -53,6 +53,7 @@ class PendingVersion:
     base_version: int | None
     updates: list[StagedUpdate] = field(default_factory=list)
     stats: ApplyStats = field(default_factory=lambda: ApplyStats(None, ""))
+    messages: list[Message] = field(default_factory=list)  # as received, when the receiver keeps them (a relay)
 
 
 class ReceiverBase:
@@ -72,10 +73,14 @@ class ReceiverBase:
         self.session: str | None = None
         self.metadata: ModelMetadata | None = None
         self.aliases: dict[int, list[int]] = {}
+        self._own_ties: dict[str, str] = {}  # this model's tied names (alias -> canonical), checked against WELCOME's
         self.last_stats: ApplyStats | None = None
         self.device = torch.device("cpu")  # where buffers are decoded
         # Held while a version is written; the daemon makes it its model lock's write side.
         self.write_guard: Callable[[], AbstractAsyncContextManager[Any]] = contextlib.nullcontext
+        # A relay keeps each version's messages and is told of each commit, inside the guard.
+        self.keep_messages = False
+        self.on_commit: Callable[[PendingVersion], None] | None = None
 
     # -- handshake --------------------------------------------------------------------
     async def init_receiver(
@@ -93,6 +98,7 @@ class ReceiverBase:
         """
         tensors = resolve_state(model).tensors
         self.metadata = ModelMetadata.of(tensors)
+        self._own_ties = find_aliases(tensors)
         body = {
             **self.metadata.to_body(),
             "receiver": receiver_id,
@@ -141,6 +147,15 @@ class ReceiverBase:
             if alias == canonical or (meta.shapes[alias], meta.dtypes[alias]) != (meta.shapes[canonical], meta.dtypes[canonical]):
                 raise ProtocolError(f"WELCOME ties {meta.keys[alias]!r} to {meta.keys[canonical]!r}, which differ in shape or dtype")
             self.aliases.setdefault(canonical, []).append(alias)
+        # A tie only this side has would get two different tensors written into one storage.
+        group = {a: c for c, tied in self.aliases.items() for a in tied}
+        for alias, canonical in self._own_ties.items():
+            a, c = meta.ordinal(alias), meta.ordinal(canonical)
+            if group.get(a, a) != group.get(c, c):
+                raise MetadataMismatchError(
+                    f"key {alias!r} shares storage with {canonical!r} on the receiver, but the sender holds them as two "
+                    "tensors: untie them on the rollout or tie them on the trainer"
+                )
         self.session = msg.session
 
     # -- applying versions ------------------------------------------------------------
@@ -177,6 +192,8 @@ class ReceiverBase:
                 seen_keys.add(entry.key)
             pending.stats.messages += 1
             pending.stats.wire_bytes += msg.payload_nbytes
+            if self.keep_messages:
+                pending.messages.append(msg)
             if self.decode_on_arrival:
                 await self._stage(msg, targets, pending)
             else:
@@ -202,6 +219,8 @@ class ReceiverBase:
             await asyncio.to_thread(commit, targets, pending.updates, self.aliases)
             pending.stats.apply_seconds = time.perf_counter() - started
             self.version = pending.version
+            if self.on_commit is not None:
+                self.on_commit(pending)
         self.last_stats = pending.stats
         log.debug("applied %s", pending.stats)
 
@@ -237,13 +256,15 @@ class ReceiverBase:
             if msg.version is None or msg.base_version != current:
                 raise StaleVersionError(
                     f"patch v{msg.version} applies on top of v{msg.base_version}, receiver is at v{current}",
-                    current=current, got=msg.base_version,
+                    current=current, got=msg.base_version, held=type(msg.version) is int and current is not None and msg.version <= current,
                 )
             if msg.base_version is not None and msg.version <= msg.base_version:
                 raise ProtocolError(f"patch v{msg.version} does not follow its base v{msg.base_version}")
         elif msg.type is MessageType.BUCKET:
             if msg.version is None or (current is not None and msg.version <= current):
-                raise StaleVersionError(f"bucket v{msg.version} is not newer than v{current}", current=current, got=msg.version)
+                raise StaleVersionError(
+                    f"bucket v{msg.version} is not newer than v{current}", current=current, got=msg.version, held=msg.version is not None,
+                )
         elif not bootstrap and msg.version is not None and current is not None and msg.version < current:
             raise StaleVersionError(f"bootstrap v{msg.version} is older than v{current}", current=current, got=msg.version)
 

@@ -17,6 +17,10 @@ loopback it needs ``--control-token`` (or ``$WEIGHTSYNC_CONTROL_TOKEN``).
 Between hosts, use CURVE: ``--curve-secret`` (this receiver's ``.key_secret``, made by
 ``python -m sender keygen``) and ``--curve-server-key`` (the sender's public ``.key``).
 A non-loopback ``--endpoint`` without them is refused unless ``--insecure-plaintext``.
+
+``--relay-bind ENDPOINT`` makes this receiver a relay: it serves the versions it has
+applied to other receivers, which connect to it as to a sender (``receiver/relay.py``).
+Several ``--endpoint`` are parents tried in turn: a relay's death moves its children on.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from protocol.checksum import state_digest
 from protocol.cli import load_object, report, run, setup_logging
 from protocol.dtypes import parse_float_dtype
 from protocol.errors import ConfigError
-from protocol.security import CurveClient
+from protocol.security import CurveClient, CurveServer
 
 from .attach import engine_region, seqlock_writes
 from .control import TOKEN_ENV
@@ -48,7 +52,9 @@ log = logging.getLogger("receiver")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m receiver", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the sender's address")
+    p.add_argument("--endpoint", action="append", metavar="ENDPOINT",
+                   help="the sender's (or a relay's) address; repeat it to give parents tried in turn when one is lost "
+                        "(default: tcp://127.0.0.1:5555)")
     p.add_argument("--config", help="weight_syncer YAML; must name the same strategy as the sender's")
     p.add_argument("--model", required=True, help="module:factory building the rollout's model")
     p.add_argument("--dtype", default="bfloat16", help="cast the model's floating tensors to this dtype (or 'keep')")
@@ -70,18 +76,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"bearer token the control API requires (needed off loopback; default ${TOKEN_ENV})")
     p.add_argument("--curve-secret", type=Path, metavar="FILE", help="this receiver's CURVE .key_secret (python -m sender keygen)")
     p.add_argument("--curve-server-key", type=Path, metavar="FILE", help="the sender's CURVE public .key")
+    p.add_argument("--relay-bind", metavar="ENDPOINT",
+                   help="relay: serve the versions applied here to other receivers at ENDPOINT (port 0: any; reported as a 'relay' line)")
+    p.add_argument("--relay-curve-allow", type=Path, metavar="FILE|DIR",
+                   help="relay over CURVE: the public .key files of the receivers it admits (it serves with --relay-curve-secret)")
+    p.add_argument("--relay-curve-secret", type=Path, metavar="FILE",
+                   help="the .key_secret the relay serves with (default: --curve-secret); give every relay of a tree the same one "
+                        "so a child can verify any parent with one --curve-server-key")
     p.add_argument("--insecure-plaintext", action="store_true",
                    help="allow a non-loopback --endpoint without CURVE (weights in plaintext, sender not authenticated)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    args.endpoint = args.endpoint or ["tcp://127.0.0.1:5555"]
     if args.load_strategy == "ipc_snapshot" and args.watch is None:
         p.error("--load-strategy ipc_snapshot needs --watch DIR")
     if (args.curve_secret is None) != (args.curve_server_key is None):
         p.error("--curve-secret and --curve-server-key go together")
     try:
         args.curve = None if args.curve_secret is None else CurveClient.from_files(args.curve_secret, args.curve_server_key)
+        relay_secret = args.relay_curve_secret or args.curve_secret
+        if args.relay_curve_allow is not None and relay_secret is None:
+            p.error("--relay-curve-allow needs --relay-curve-secret (or --curve-secret)")
+        args.relay_curve = None if args.relay_curve_allow is None else CurveServer.from_files(relay_secret, args.relay_curve_allow)
     except ConfigError as e:
         p.error(str(e))
+    if args.relay_bind is None and (args.relay_curve_allow or args.relay_curve_secret):
+        p.error("--relay-curve-allow and --relay-curve-secret need --relay-bind")
     return args
 
 
@@ -106,6 +126,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
         control_address=args.control, name_mapping=load_name_mapping(args.name_mapping),
         curve=args.curve, insecure_plaintext=args.insecure_plaintext, control_token=args.control_token,
+        relay_endpoint=args.relay_bind, relay_curve=args.relay_curve,
         wrap_write=None if region is None else seqlock_writes(region, lambda: receiver.strategy.version),
     )
 
@@ -130,6 +151,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await asyncio.wait([started, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if started.done():
             started.result()  # surface a failed handshake (metadata mismatch, ...)
+            if receiver.relay_endpoint is not None:
+                report("relay", endpoint=receiver.relay_endpoint, identity=receiver.identity)
             await stop.wait()
         else:
             started.cancel()

@@ -79,4 +79,29 @@ class NameMapping:
             return f"{message} (rollout name {self.backward[key]!r}, renamed by name_mapping)"
         if key in self.forward and self.forward[key] != key:
             return f"{message} (name_mapping renames the rollout's {key!r} to {self.forward[key]!r})"
+        near = self.nearest(key) if key is not None else None
+        if near is not None:
+            return f"{message} (names are after name_mapping, which sends the rollout's {near!r} as {self.forward[near]!r})"
         return f"{message} (names are after name_mapping)"
+
+    def nearest(self, trainer_name: str) -> str | None:
+        """The rollout name that most likely should have mapped to ``trainer_name``: the
+        one sharing the longest dotted suffix with it (two parts at least, and no tie), so
+        a wrong prefix or a forgotten dict entry is pointed at rather than left to guess."""
+        want = trainer_name.split(".")
+        best: list[str] = []
+        length = 1
+        for name in self.forward:
+            n = _common_suffix(want, name.split("."))
+            if n > length:
+                best, length = [name], n
+            elif n == length and best:
+                best.append(name)
+        return best[0] if len(best) == 1 else None
+
+
+def _common_suffix(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n

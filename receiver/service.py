@@ -42,7 +42,7 @@ from protocol.errors import (
 )
 from protocol.framing import Message, MessageType, decode_message, encode_message, peek_type
 from protocol.limits import LimitError, Limits
-from protocol.security import CurveClient, check_transport
+from protocol.security import CurveClient, CurveServer, check_transport
 from protocol.state import StateLike, resolve_state
 
 from . import memory
@@ -50,6 +50,7 @@ from .engine import KV_CACHE, WEIGHT, EngineHooks, Hook, call_hook, parse_tags, 
 from .factory import make_receiver
 from .metrics import ReceiverMetrics, ReceiverState
 from .naming import NameMapping, NameMappingSpec
+from .relay import Relay
 from .rwlock import ReadWriteLock
 from .socket import DealerSocket
 from .stats import ApplyStats
@@ -83,7 +84,7 @@ class Receiver:
     def __init__(
         self,
         model: StateLike,
-        endpoint: str,
+        endpoint: str | Sequence[str],
         config: SyncConfig | Any = None,
         *,
         identity: str | None = None,
@@ -99,6 +100,8 @@ class Receiver:
         insecure_plaintext: bool = False,
         limits: Limits | None = None,
         control_token: str | None = None,
+        relay_endpoint: str | None = None,
+        relay_curve: CurveServer | None = None,
     ) -> None:
         """``control_address`` (``HOST:PORT``, port 0 for any) serves the control API over
         HTTP from ``start()``; ``name_mapping`` renames this model's names to the trainer's
@@ -108,12 +111,22 @@ class Receiver:
         only the sender holding its ``server_key``; without it, connecting beyond loopback
         is a ``ConfigError`` unless ``insecure_plaintext``. ``limits`` bounds inbound
         messages (default: derived from this model). ``control_token`` is required by the
-        control API (``Authorization: Bearer``) and must be set to serve it off localhost."""
-        check_transport(endpoint, curve, insecure_plaintext, role="receiver")
+        control API (``Authorization: Bearer``) and must be set to serve it off localhost.
+
+        ``endpoint`` may be a list of upstreams (the sender, or relays) tried in turn:
+        whenever a session is lost, the next one is tried. ``relay_endpoint`` makes this
+        receiver a relay (``receiver/relay.py``): from ``start()`` it serves the versions it
+        has applied there, to receivers connecting as to a sender; ``relay_curve`` (a
+        ``CurveServer``) secures that side."""
+        self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not self.endpoints:
+            raise ConfigError("a receiver needs at least one upstream endpoint")
+        for upstream in self.endpoints:
+            check_transport(upstream, curve, insecure_plaintext, role="receiver")
+        self._upstream = 0
         self.curve = curve
         self._control_token = control_token
         self.model = model
-        self.endpoint = endpoint
         self.config = load_config(config)
         self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.heartbeat_interval, self.peer_timeout = heartbeat_interval, peer_timeout
@@ -122,7 +135,16 @@ class Receiver:
         self.lock = ReadWriteLock()
         self.strategy = make_receiver(self.config)
         # wrap_write: a sidecar wraps each version's write (receiver.attach.seqlock_writes: a shared-memory seqlock)
-        self.strategy.write_guard = self.lock.writing if wrap_write is None else wrap_write(self.lock.writing)
+        write = self.lock.writing if wrap_write is None else wrap_write(self.lock.writing)
+        self.relay: Relay | None = None
+        if relay_endpoint is not None:
+            self.relay = Relay(
+                relay_endpoint, self.strategy, self._state, self.lock, bucket_size=self.config.init_sync.bucket_size,
+                heartbeat_interval=heartbeat_interval, peer_timeout=peer_timeout, context=self._context,
+                curve=relay_curve, insecure_plaintext=insecure_plaintext,
+            )
+            write = self.relay.guard(write)
+        self.strategy.write_guard = write
         self.stats: collections.OrderedDict[int, ApplyStats] = collections.OrderedDict()
         self._stats_history = stats_history
         self.version: int | None = None
@@ -171,7 +193,20 @@ class Receiver:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"weightsync-receiver-{self.identity}")
         self._task.add_done_callback(self._run_done)
         await self._wait(lambda: self._ready.is_set(), timeout)
+        if self.relay is not None:
+            self.relay.start()
+            log.info("receiver %s relays at %s", self.identity, self.relay.endpoint)
         return self
+
+    @property
+    def endpoint(self) -> str:
+        """The upstream this receiver follows (or will try next)."""
+        return self.endpoints[self._upstream]
+
+    @property
+    def relay_endpoint(self) -> str | None:
+        """Where this receiver relays, with the real port once started; None if it does not."""
+        return None if self.relay is None else self.relay.endpoint
 
     def reading(self) -> AbstractAsyncContextManager[None]:
         """Hold the model still: no version is committed while inside."""
@@ -194,6 +229,8 @@ class Receiver:
         await self._notify()  # control calls waiting on the receiver fail now
         if self._control_server is not None:
             await self._control_server.close()
+        if self.relay is not None:
+            await self.relay.close()
         if self._socket is not None:
             self._socket.try_send(encode_message(Message(MessageType.BYE, version=self.version)))
         if self._task is not None:
@@ -339,6 +376,8 @@ class Receiver:
         return {
             "identity": self.identity,
             "endpoint": self.endpoint,
+            "relay_endpoint": self.relay_endpoint,
+            "relay_receivers": None if self.relay is None else len(self.relay.receivers),
             "version": self.version,
             "pending_version": self.pending_version,
             "is_paused": self._paused,
@@ -567,6 +606,7 @@ class Receiver:
                 self.connected = False
             await self._notify()
             self.reconnects += 1
+            self._upstream = (self._upstream + 1) % len(self.endpoints)  # a lost parent: try the next
             if self._handshakes != handshakes:  # that session worked: start backing off afresh
                 delay = self.reconnect_backoff[0]
             await asyncio.sleep(delay)
@@ -646,7 +686,12 @@ class Receiver:
         for t in tasks:
             t.add_done_callback(ended)
         try:
-            await self._handshake(sock, recv, digest)
+            try:
+                await self._handshake(sock, recv, digest)
+            except LimitError:
+                raise  # this receiver's limits refuse the sender's bootstrap: asking again would not help
+            except _REJECTED as e:  # a bootstrap that arrived damaged: ask again, from HELLO
+                raise _Reconnect(f"the handshake failed: {type(e).__name__}: {e}") from e
             self._handshaking = False
             await self._notify()
             await self._follow(sock, recv)
@@ -708,6 +753,9 @@ class Receiver:
                     raise _Leave("asked to leave")
                 await self.strategy.commit(self._state(), pending)
             except _REJECTED as e:
+                if isinstance(e, StaleVersionError) and e.held:  # sent before a resync that overtook it, or a replay
+                    log.debug("receiver %s dropped a version it holds: %s", self.identity, e)
+                    continue
                 # One NACK per incident: the sender resyncs once, and what it had in flight
                 # is rejected meanwhile. A rejected resync itself is a new incident.
                 if not awaiting_resync or last_type[0] is MessageType.BOOTSTRAP:

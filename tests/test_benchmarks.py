@@ -150,3 +150,19 @@ async def test_result_objects_have_every_required_key() -> None:
     assert all(isinstance(c["pass"], bool) and c["ratio"] > 0 for c in checks.values())
     json.loads(json.dumps(doc, default=str))
     assert "synthetic-tiny" in table(doc)
+
+
+# -- fan-out: direct vs a relay tree -----------------------------------------------------------
+async def test_fanout_tree_halves_the_trainers_egress_and_every_rollout_matches() -> None:
+    """Two receiver daemons (real processes): direct, the trainer sends each version twice;
+    as trainer -> relay -> leaf, once. Digests are checked inside ``run`` (it raises)."""
+    from benchmarks.fanout import run as run_fanout
+    from benchmarks.fanout import table as fanout_table
+
+    doc = await run_fanout([2], fanout=1, steps=2, lr=1e-5)
+    direct, tree = doc["results"]
+    assert (direct["layout"], direct["first_level"], tree["layout"], tree["first_level"]) == ("direct", 2, "tree", 1)
+    assert all(r["digests_equal"] and r["trainer_bytes_per_version"] > 0 for r in (direct, tree))
+    assert tree["trainer_bytes_per_version"] < 0.55 * direct["trainer_bytes_per_version"]
+    assert tree["trainer_bootstrap_bytes"] < 0.55 * direct["trainer_bootstrap_bytes"]
+    assert "| 2 | tree | 1 |" in fanout_table(doc)

@@ -1,0 +1,145 @@
+"""A receiver that relays: it serves the versions it has applied to receivers below it.
+
+A tree of relays keeps the trainer's uplink flat as the fleet grows: the trainer sends
+each update once per first-level child, and each relay forwards it, with the same
+protocol, to its own children. A relay forwards exactly the frames it received (patch
+or bucket payloads are not decoded twice nor re-encoded), re-stamped, and only after it
+has applied them itself, so a version a relay serves is one it holds.
+
+Forwarded messages keep the upstream session id: every relay below one trainer speaks
+for the same lineage of versions, so a child that moves to another relay (its parent
+died) resumes from that relay's ring instead of taking a bootstrap. A child joining
+behind the ring gets a bootstrap built from the relay's own model.
+
+The relay's lock is held around every commit of the receiver (``guard``): a bootstrap
+or digest served to a child is always of the version the relay announces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import zmq.asyncio
+
+from protocol.buckets import bucket_messages, plan_buckets
+from protocol.checksum import state_digest
+from protocol.errors import WeightSyncError
+from protocol.framing import Message, MessageType
+from protocol.limits import Limits
+from protocol.metadata import ModelMetadata
+from protocol.security import CurveServer
+from protocol.server import VersionServer
+from protocol.state import StateLike, resolve_state
+
+from .base import PendingVersion, ReceiverBase
+from .rwlock import ReadWriteLock
+
+WriteGuard = Callable[[], AbstractAsyncContextManager[Any]]
+
+
+class Relay(VersionServer):
+    """Serves ``strategy``'s applied versions of ``state()`` at ``endpoint``.
+
+    Built by ``Receiver(..., relay_endpoint=...)``; ``lock`` is that receiver's model lock.
+    """
+
+    role = "relay"
+
+    def __init__(
+        self,
+        endpoint: str,
+        strategy: ReceiverBase,
+        state: Callable[[], StateLike],
+        lock: ReadWriteLock,
+        *,
+        bucket_size: int,
+        ring_size: int = 8,
+        max_inflight: int = 2,
+        heartbeat_interval: float = 0.5,
+        peer_timeout: float = 10.0,
+        context: zmq.asyncio.Context | None = None,
+        curve: CurveServer | None = None,
+        insecure_plaintext: bool = False,
+    ) -> None:
+        super().__init__(
+            endpoint, ring_size=ring_size, max_inflight=max_inflight, heartbeat_interval=heartbeat_interval,
+            peer_timeout=peer_timeout, context=context, curve=curve, insecure_plaintext=insecure_plaintext,
+        )
+        self._strategy, self._state, self._model_lock = strategy, state, lock
+        self._bucket_size = bucket_size
+        strategy.keep_messages = True  # what it commits is what this relay forwards
+        strategy.on_commit = self._committed
+
+    def start(self) -> None:
+        """Bind and serve; the receiver has completed its first handshake."""
+        self._moved(self._strategy.version)
+        if self._strategy.session is not None:
+            self.stamp.session = self._strategy.session
+        self._open(Limits.for_control(resolve_state(self._state()).tensors))
+
+    def guard(self, write: WriteGuard) -> WriteGuard:
+        """Wrap the receiver's write guard: commits and what children are served exclude
+        each other, so a child's bootstrap is never labelled with another version."""
+
+        @asynccontextmanager
+        async def guarded() -> AsyncIterator[None]:
+            async with self._lock, write():
+                yield
+
+        return guarded
+
+    def _committed(self, pending: PendingVersion) -> None:
+        """The receiver applied ``pending`` (called inside ``guard``): serve it onwards."""
+        messages, version = pending.messages, pending.version
+        pending.messages = []
+        session = self._strategy.session
+        if session is not None and session != self.stamp.session:  # a new upstream lineage
+            self.stamp.session = session
+            self._ring.clear()
+        if pending.type is MessageType.PATCH and version is not None and len(messages) == 1:
+            self._moved(version)
+            self._add_patch(pending.base_version, version, self.stamp(messages[0]))
+        elif pending.type is MessageType.BUCKET and version is not None:
+            self._moved(version)
+            self._set_bucket(version, [self.stamp(m) for m in messages])
+            self._wake_all()
+        else:  # a bootstrap (a resync from upstream): children behind it are resynced too
+            self._ring.clear()
+            self._bucket_frames = None
+            self._moved(version)
+            self._wake_all()
+
+    # -- what the server asks -----------------------------------------------------------
+    async def _admit(self, hello: Message) -> None:
+        metadata = self._strategy.metadata
+        if metadata is None or self.version is None:
+            raise WeightSyncError("this relay holds no version yet")
+        metadata.require_same(ModelMetadata.from_body(hello.body), "this relay's model")
+
+    async def _bootstrap(self) -> list[Message]:
+        metadata = self._strategy.metadata
+        if metadata is None or self._strategy.version != self.version:
+            raise WeightSyncError("this relay's weights are released (asleep): it has no version to serve")
+        aliases = {a for group in self._strategy.aliases.values() for a in group}
+        keys = [k for i, k in enumerate(metadata.keys) if i not in aliases]
+        tensors = resolve_state(self._state()).tensors
+        buckets = plan_buckets(keys, lambda k: tensors[k].numel() * tensors[k].element_size(), self._bucket_size)
+        messages = bucket_messages(
+            MessageType.BOOTSTRAP, buckets, tensors.__getitem__, metadata.ordinal, lambda _, t: t, None,
+            version=self.version, copy=True,  # copies: the model moves on while frames are queued
+        )
+        async with self._model_lock.reading():
+            return await asyncio.to_thread(list, messages)
+
+    async def _compute_digest(self) -> str:
+        tensors = resolve_state(self._state()).tensors
+        async with self._model_lock.reading():
+            return await asyncio.to_thread(state_digest, tensors, list(tensors))
+
+    def _welcome(self, version: int | None, bootstrap_parts: int) -> Message:
+        aliases = [[a, c] for c, group in self._strategy.aliases.items() for a in group]
+        body = {"strategy": self._strategy.strategy, "aliases": aliases, "bootstrap": bootstrap_parts}
+        return Message(MessageType.WELCOME, version=version, body=body)

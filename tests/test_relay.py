@@ -1,0 +1,247 @@
+"""Relays: receivers that serve the versions they applied to receivers below them.
+
+A trainer does real AdamW steps; relays follow it and leaves follow the relays, over
+real tcp:// sockets, in patch and bucket mode. After every version each leaf holds the
+trainer's bf16 weights bit for bit, the trainer served each version once per relay (not
+per leaf), and acks, catch-up, resync and a relay's death all work through the tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from daemon_helpers import CONFIGS, DAEMON_KW, T, Trainer, assert_matches, receiver_model, wait_until
+
+from protocol.errors import MetadataMismatchError, WeightSyncError
+from protocol.framing import Message, MessageType, decode_message
+from receiver import Receiver
+from sender import Sender
+
+MODES = ["patch", "bucket"]
+
+
+class Tree:
+    """A sender and the receivers of one test, closed at the end (leaves first)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.trainer = Trainer()
+        self.sender: Sender | None = None
+        self.receivers: list[Receiver] = []
+
+    async def start_sender(self, **kw: Any) -> Sender:
+        self.sender = Sender("tcp://127.0.0.1:0", CONFIGS[self.mode], **{**DAEMON_KW, **kw})
+        await asyncio.wait_for(self.sender.start(self.trainer.model, version=self.trainer.version), T)
+        return self.sender
+
+    async def start_receiver(self, upstream: str | list[str], identity: str, *, relay: bool = False, **kw: Any) -> Receiver:
+        r = Receiver(
+            kw.pop("model", None) or receiver_model(), upstream, CONFIGS[self.mode], identity=identity,
+            relay_endpoint="tcp://127.0.0.1:0" if relay else None, **{**DAEMON_KW, **kw},
+        )
+        self.receivers.append(r)
+        await r.start(timeout=T)
+        return r
+
+    async def step(self, *receivers: Receiver) -> int:
+        assert self.sender is not None
+        version = await self.trainer.step_and_sync(self.sender)
+        for r in receivers:
+            await r.wait_for_version(version, timeout=T)
+            await assert_matches(r, self.trainer, version)
+        return version
+
+    async def close(self) -> None:
+        for r in reversed(self.receivers):
+            await asyncio.wait_for(r.close(), T)
+        if self.sender is not None:
+            await asyncio.wait_for(self.sender.close(), T)
+
+
+@contextlib.asynccontextmanager
+async def tree(mode: str) -> AsyncIterator[Tree]:
+    t = Tree(mode)
+    try:
+        yield t
+    finally:
+        await t.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_two_level_tree_is_bit_identical_and_trainer_serves_each_version_once(mode):
+    """trainer -> relay -> 2 leaves: every leaf bit-identical after each version; the
+    trainer has one receiver, the relay two, and the relay acknowledges upstream."""
+    async with tree(mode) as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.relay_endpoint.startswith("tcp://127.0.0.1:")
+        leaves = [await t.start_receiver(relay.relay_endpoint, f"leaf-{i}") for i in range(2)]
+        for r in (relay, *leaves):
+            await assert_matches(r, t.trainer, 0)
+        for _ in range(4):
+            version = await t.step(relay, *leaves)
+            await asyncio.wait_for(sender.wait_acked(version), T)
+            assert relay.relay is not None
+            await asyncio.wait_for(relay.relay.wait_acked(version), T)
+        assert list(sender.receivers) == ["relay"]
+        assert relay.relay is not None and sorted(relay.relay.receivers) == ["leaf-0", "leaf-1"]
+        assert relay.status()["relay_receivers"] == 2
+        if mode == "patch":  # leaves were caught up by the forwarded patches, not resynced
+            assert all(p["resyncs"] == 0 for p in relay.relay.receivers.values())
+            assert all(leaf.stats[v].kind == "patch" for leaf in leaves for v in range(1, 5))
+
+
+async def test_three_levels_deep():
+    """trainer -> relay -> relay -> leaf: versions pass through two relays intact."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        top = await t.start_receiver(sender.endpoint, "top", relay=True)
+        assert top.relay_endpoint is not None
+        middle = await t.start_receiver(top.relay_endpoint, "middle", relay=True)
+        assert middle.relay_endpoint is not None
+        leaf = await t.start_receiver(middle.relay_endpoint, "leaf")
+        for _ in range(3):
+            await t.step(top, middle, leaf)
+
+
+async def test_late_leaf_is_bootstrapped_by_the_relay_and_a_slow_one_caught_up_from_its_ring():
+    """A leaf joining after several versions gets the relay's bootstrap; a leaf held back
+    for two versions is caught up with the forwarded patches, one by one, no bootstrap."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        for _ in range(3):
+            await t.step(relay)
+        late = await t.start_receiver(relay.relay_endpoint, "late")
+        await assert_matches(late, t.trainer, 3)
+        assert late.stats[3].kind == "bootstrap"
+        await t.step(relay, late)
+
+        async with late.reading():  # nothing can be committed on `late` meanwhile
+            for _ in range(2):
+                await t.step(relay)
+            assert late.version == 4
+        await late.wait_for_version(6, timeout=T)
+        await assert_matches(late, t.trainer, 6)
+        assert [late.stats[v].kind for v in (5, 6)] == ["patch", "patch"]
+        assert relay.relay.receivers["late"]["resyncs"] == 0
+
+
+async def test_a_corrupted_forward_is_nacked_and_the_leaf_resynced_from_the_relay():
+    """The relay only forwards what it applied; a leaf that rejects a message (here: one
+    it is told never arrived intact) is resynced by the relay, the trainer never hears of it."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
+        await t.step(relay, leaf)
+        # Corrupt the next patch on its way from the relay to the leaf: flip a payload byte.
+        original = relay.relay._add_patch
+
+        def corrupt(base: int | None, version: int, frames: list[Any]) -> None:
+            frames = [frames[0], *(bytes(f) for f in frames[1:])]
+            payload = bytearray(frames[1])
+            payload[len(payload) // 2] ^= 0x10
+            frames[1] = bytes(payload)
+            relay.relay._add_patch = original  # type: ignore[method-assign]
+            original(base, version, frames)
+
+        relay.relay._add_patch = corrupt  # type: ignore[method-assign]
+        await t.step(relay, leaf)  # the leaf rejected v2 and was resynced to it
+        assert relay.relay.receivers["leaf"]["resyncs"] == 1
+        assert leaf.stats[2].kind == "bootstrap"
+        assert sender.receivers["relay"]["resyncs"] == 0
+        await t.step(relay, leaf)
+
+
+async def test_children_move_to_another_relay_when_theirs_dies():
+    """Two relays; a leaf given both as its upstreams follows the first, and when that one
+    dies it moves to the second, resumes from its ring (same lineage) and stays exact."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        first = await t.start_receiver(sender.endpoint, "relay-a", relay=True)
+        second = await t.start_receiver(sender.endpoint, "relay-b", relay=True)
+        assert first.relay_endpoint and second.relay_endpoint and second.relay is not None
+        leaf = await t.start_receiver([first.relay_endpoint, second.relay_endpoint], "leaf")
+        assert leaf.endpoint == first.relay_endpoint
+        await t.step(first, second, leaf)
+
+        await first.close()  # the relay dies (its children hear nothing more)
+        t.receivers.remove(first)
+        await wait_until(lambda: "leaf" in second.relay.receivers, timeout=T)
+        assert leaf.endpoint == second.relay_endpoint
+        for _ in range(2):
+            await t.step(second, leaf)
+        assert second.relay.receivers["leaf"]["resyncs"] == 0
+        assert leaf.reconnects >= 1
+
+
+async def test_a_leaf_unlike_the_relay_is_refused_naming_the_key():
+    """A relay's children must share its metadata exactly (same keys, shapes, dtypes)."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None
+        odd = Receiver(receiver_model().to(torch.float32), relay.relay_endpoint, CONFIGS["patch"], identity="odd", **DAEMON_KW)
+        t.receivers.append(odd)
+        with pytest.raises(WeightSyncError, match="key 'pos': this receiver differs from this relay's model") as raised:
+            await odd.start(timeout=T)
+        assert isinstance(raised.value.__cause__, MetadataMismatchError)
+
+
+async def test_relay_serves_only_versions_it_applied():
+    """While the relay is paused, the trainer moves on but its leaves stay at the relay's
+    version; after resume they get there too. Each WELCOME / PATCH the leaves see is
+    stamped by the trainer's lineage (upstream session)."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
+        await relay.pause()
+        version = await t.trainer.step_and_sync(sender)
+        await asyncio.sleep(0.5)
+        assert relay.version == 0 and leaf.version == 0
+        await relay.resume()
+        await leaf.wait_for_version(version, timeout=T)
+        await assert_matches(leaf, t.trainer, version)
+        assert relay.relay.session == sender.session
+        entry = relay.relay._ring[-1]
+        assert decode_message(entry.frames).type is MessageType.PATCH
+        assert decode_message(entry.frames).session == sender.session
+
+
+async def test_a_damaged_first_bootstrap_is_asked_for_again():
+    """A receiver whose very first bootstrap arrives corrupted reconnects and asks again
+    (it used to stop for good): here the relay damages the first one it sends."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        await t.step(relay)
+        original = relay.relay._resync_messages
+        sent: list[bool] = []
+
+        async def damaged_once() -> list[Message]:
+            messages = await original()
+            if sent:
+                return messages
+            sent.append(True)
+            first = messages[0]
+            payload = bytearray(first.frames[0])
+            payload[0] ^= 0x01
+            return [dataclasses.replace(first, frames=[bytes(payload), *first.frames[1:]]), *messages[1:]]
+
+        relay.relay._resync_messages = damaged_once  # type: ignore[method-assign]
+        leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
+        await assert_matches(leaf, t.trainer, 1)
+        assert sent and leaf.reconnects >= 1
+        await t.step(relay, leaf)
