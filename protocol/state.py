@@ -4,11 +4,18 @@ Given an ``nn.Module`` the tracked keys are its trainable parameters and persist
 buffers; frozen parameters only travel in a bootstrap. Given a plain state dict every
 key is tracked unless ``trainable_keys`` says otherwise. Tied weights (two names, one
 storage) are found by storage identity so they travel once.
+
+Sharded (FSDP2) state dicts hold DTensors, and gathering one is a collective: every rank
+must gather the same tensors in the same order. ``gather_order`` is that order, for every
+rank and for the sender alike; ``gathering`` lets the rank that hosts the sender route its
+gathers through a hook that enforces it (see ``sender.fsdp``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -74,10 +81,45 @@ def _identity(t: torch.Tensor) -> tuple[object, ...] | None:
     return (local.device, ptr, local.storage_offset(), tuple(local.shape), local.stride(), local.dtype)
 
 
+def sync_keys(state: ModelState) -> list[str]:
+    """The keys a sender reads from the model at every version, in state-dict order: the
+    tracked keys without aliases, so each storage is read once."""
+    return [k for k in state.tracked if k not in state.aliases]
+
+
+def gather_order(state: ModelState) -> list[str]:
+    """The DTensors a sender gathers at every version, in the order it gathers them.
+
+    The one definition every rank of a sharded model follows: the collectives of one
+    version match only if each rank gathers exactly these keys, in this order.
+    """
+    return [k for k in sync_keys(state) if is_dtensor(state.tensors[k])]
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
 
 
+Gather = Callable[[torch.Tensor], torch.Tensor]
+_GATHER: ContextVar[Gather | None] = ContextVar("weightsync_gather", default=None)
+
+
+@contextmanager
+def gathering(hook: Gather) -> Iterator[None]:
+    """Route ``materialize`` of DTensors through ``hook`` in this context, and in the
+    threads (``asyncio.to_thread``) and tasks started from it: the hook decides when a
+    collective may run, so one rank can never gather on its own."""
+    token = _GATHER.set(hook)
+    try:
+        yield
+    finally:
+        _GATHER.reset(token)
+
+
 def materialize(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor for ``t``: DTensors (FSDP2) are gathered; a collective on every rank."""
-    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    """A plain tensor for ``t``: DTensors (FSDP2) are gathered, a collective on every
+    rank, through the ``gathering`` hook when one is set."""
+    if not is_dtensor(t):
+        return t
+    hook = _GATHER.get()
+    return hook(t) if hook is not None else t.full_tensor()  # type: ignore[attr-defined]
