@@ -1,0 +1,261 @@
+"""The README's configuration reference covers every knob the code has.
+
+Walks the config dataclasses, the ``Sender`` / ``Receiver`` signatures and the CLI
+parsers (``python -m sender``, ``python -m sender keygen``, ``python -m receiver``,
+``python -m receiver ctl``) and fails when one of their keys, keyword arguments or flags
+is missing from its table under "Configuration reference" in README.md, or documents
+another default. Nothing is listed by hand: a new field, argument or flag must be
+documented to pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+REFERENCE = "Configuration reference"
+
+
+# -- the README's reference tables -------------------------------------------------------------
+def sections(text: str) -> dict[str, str]:
+    """Body of every heading, keyed by its title (without '#' and backticks), up to the
+    next heading of the same or a higher level. Headings inside code blocks don't count."""
+    lines = text.splitlines()
+    heads: list[tuple[int, int, str]] = []
+    fenced = False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^(#{1,6})\s+(.*?)\s*$", line)):
+            heads.append((i, len(m.group(1)), m.group(2).replace("`", "")))
+    out = {}
+    for n, (i, level, title) in enumerate(heads):
+        end = next((j for j, lv, _ in heads[n + 1:] if lv <= level), len(lines))
+        out[title] = "\n".join(lines[i + 1:end])
+    return out
+
+
+def rows(body: str) -> list[list[str]]:
+    """Cells of the table rows in ``body`` (header and separator rows excluded)."""
+    out = []
+    for line in body.splitlines():
+        line = line.strip()
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip("|"))]
+        if all(re.fullmatch(r":?-+:?", c) for c in cells if c):
+            continue
+        out.append(cells)
+    return out[1:] if out else out  # the first row is the header
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    found = sections(README.read_text())
+    assert REFERENCE in found, f"README.md has no '## {REFERENCE}' section"
+    return found
+
+
+def table(reference: dict[str, str], title: str) -> list[list[str]]:
+    assert title in reference, f"README.md lacks the '### {title}' table under '{REFERENCE}'"
+    got = rows(reference[title])
+    assert got, f"README.md '### {title}' has no table"
+    return got
+
+
+def code_spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+# -- YAML keys ---------------------------------------------------------------------------------
+def config_keys() -> Iterator[tuple[str, Any]]:
+    """Every leaf of the config as a dotted path, with its default (nested dataclasses
+    walked through their default instances, so each side's own defaults are seen)."""
+    from protocol.config import SyncConfig
+
+    def walk(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from walk(value, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", value
+
+    yield from walk(SyncConfig(), "")
+
+
+def yaml_form(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def test_every_config_key_is_documented(reference: dict[str, str]) -> None:
+    documented = {span: cells for cells in table(reference, "YAML keys") for span in code_spans(cells[0])}
+    keys = list(config_keys())
+    assert len(keys) > 10, keys  # the walk found the nested dataclasses
+    missing = [k for k, _ in keys if k not in documented]
+    assert not missing, f"config keys missing from README's 'YAML keys' table: {missing}"
+    wrong = [
+        (k, yaml_form(v), documented[k][1]) for k, v in keys if f"`{yaml_form(v)}`" not in documented[k][1]
+    ]
+    assert not wrong, f"README's 'YAML keys' table documents other defaults (key, code default, README cell): {wrong}"
+
+
+# -- constructor arguments -----------------------------------------------------------------------
+def python_form(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+@pytest.mark.parametrize("name", ["Sender", "Receiver"])
+def test_every_constructor_argument_is_documented(reference: dict[str, str], name: str) -> None:
+    if name == "Sender":
+        from sender import Sender as cls
+    else:
+        from receiver import Receiver as cls
+    params = [
+        p for p in inspect.signature(cls.__init__).parameters.values()
+        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    assert params
+    documented = {span: cells for cells in table(reference, f"{name}(...)") for span in code_spans(cells[0])}
+    missing = [p.name for p in params if p.name not in documented]
+    assert not missing, f"{name}(...) arguments missing from README's '{name}(...)' table: {missing}"
+    wrong = []
+    for p in params:
+        cell = documented[p.name][1]
+        expected = "required" if p.default is p.empty else f"`{python_form(p.default)}`"
+        if expected not in cell:
+            wrong.append((p.name, expected, cell))
+    assert not wrong, f"README's '{name}(...)' table documents other defaults (argument, expected, README cell): {wrong}"
+
+
+# -- CLI flags ---------------------------------------------------------------------------------
+class _Parsed(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def capture_parser(build: Callable[[], Any]) -> argparse.ArgumentParser | None:
+    """The parser ``build()`` creates, caught when it starts parsing (nothing after runs)."""
+
+    def caught(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _Parsed(self)
+
+    patches = {name: getattr(argparse.ArgumentParser, name) for name in ("parse_args", "parse_known_args", "parse_intermixed_args")}
+    try:
+        for name in patches:
+            setattr(argparse.ArgumentParser, name, caught)
+        build()
+    except _Parsed as e:
+        return e.parser
+    except (Exception, SystemExit):
+        return None
+    finally:
+        for name, original in patches.items():
+            setattr(argparse.ArgumentParser, name, original)
+    return None
+
+
+def help_flags(argv: list[str]) -> set[str]:
+    """Fallback: the flags ``python -m ... --help`` lists."""
+    done = subprocess.run([sys.executable, "-m", *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    listed = [line for line in done.stdout.splitlines() if re.match(r"^\s{2}(-\w[ ,].*)?--[a-z]", line)]  # option lines only
+    return {m.group(1) for line in listed for m in re.finditer(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line.split("  ")[1])} - {"--help"}
+
+
+def cli_parsers() -> dict[str, tuple[Callable[[], Any], list[str]]]:
+    """README table title -> (a call that builds and parses, the module argv for --help)."""
+
+    def sender_main() -> None:
+        from sender import __main__ as m
+
+        m.parse_args([])
+
+    def sender_keygen() -> None:
+        from sender import __main__ as m
+
+        m.keygen([])
+
+    def receiver_main() -> None:
+        from receiver import daemon
+
+        daemon.parse_args([])
+
+    def receiver_ctl() -> None:
+        from receiver import ctl
+
+        ctl.parse_args([])
+
+    return {
+        "python -m sender": (sender_main, ["sender"]),
+        "python -m sender keygen": (sender_keygen, ["sender", "keygen"]),
+        "python -m receiver": (receiver_main, ["receiver"]),
+        "python -m receiver ctl": (receiver_ctl, ["receiver", "ctl"]),
+    }
+
+
+def flags_of(cells: list[str]) -> list[str]:
+    return re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", " ".join(code_spans(cells[0])))
+
+
+@pytest.mark.parametrize("title", list(cli_parsers()))
+def test_every_cli_flag_is_documented(reference: dict[str, str], title: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("WEIGHTSYNC_CONTROL_TOKEN", "WEIGHTSYNC_CONTROL_URL"):  # defaults read from the environment
+        monkeypatch.delenv(var, raising=False)
+    build, argv = cli_parsers()[title]
+    body_rows = table(reference, title)
+    documented = {flag: cells for cells in body_rows for flag in flags_of(cells)}
+    parser = capture_parser(build)
+    if parser is None:  # the module no longer builds its parser where this test looks: ask --help
+        missing = sorted(help_flags(argv) - documented.keys())
+        assert not missing, f"{title} flags missing from README's '{title}' table: {missing}"
+        return
+    actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    options = [a for a in actions if a.option_strings]
+    assert options
+    missing = [a.option_strings[-1] for a in options if not any(s in documented for s in a.option_strings)]
+    assert not missing, f"{title} flags missing from README's '{title}' table: {missing}"
+    body = reference[title]
+    for positional in (a for a in actions if not a.option_strings):  # subcommands: each choice named
+        absent = [c for c in positional.choices or () if f"`{c}`" not in body]
+        assert not absent, f"{title}: {positional.dest} choices missing from README: {absent}"
+    wrong = []
+    for a in options:
+        cells = next(documented[s] for s in a.option_strings if s in documented)
+        if a.required:
+            expected = "required"
+        elif a.default is None or isinstance(a.default, bool) or a.default is argparse.SUPPRESS:
+            continue
+        elif isinstance(a.default, (list, tuple)):
+            expected = " ".join(f"`{v}`" for v in a.default)
+        else:
+            expected = f"`{a.default}`"
+        if expected not in cells[1]:
+            wrong.append((a.option_strings[-1], expected, cells[1]))
+    assert not wrong, f"README's '{title}' table documents other defaults (flag, expected, README cell): {wrong}"
+
+
+# -- the test's own parsing ------------------------------------------------------------------
+def test_reference_parsing_finds_tables() -> None:
+    text = "## Configuration reference\n\n### T\n\n| a | b |\n| --- | --- |\n| `--x N` `-y` | `1` |\n```\n# not a heading\n```\n"
+    found = sections(text)
+    assert set(found) == {"Configuration reference", "T"}
+    assert rows(found["T"]) == [["`--x N` `-y`", "`1`"]]
+    assert flags_of(rows(found["T"])[0]) == ["--x"]
+    parser = capture_parser(lambda: argparse.ArgumentParser(prog="x").parse_args(["--nope"]))
+    assert parser is not None and parser.prog == "x"
