@@ -16,19 +16,29 @@ moment the last of the N reported the version applied (read from their JSON line
 digests are checked against the trainer's). Times are medians over ``--steps`` versions
 on this machine, which the N processes share with the trainer: compare the layouts of one
 run, not runs of different machines.
+
+On one machine loopback is nearly free, so the trainer's uplink is never the bottleneck.
+``--uplink-mbit M`` (root, iproute2) makes it one: the receivers run in a network namespace
+joined to the trainer by a veth pair whose trainer-to-rollouts direction is shaped to M
+Mbit/s (tc tbf), while relays and their leaves talk over the namespace's own loopback, as
+rollouts in one cluster would. Only addresses of that namespace pair are used.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +73,16 @@ class Rollout:
         self.reader = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def start(cls, identity: str, upstream: str, relay: bool) -> Rollout:
+    async def start(cls, identity: str, upstream: str, relay: bool, netns: str | None = None) -> Rollout:
         args = [
+            *(["ip", "netns", "exec", netns] if netns else []),
             sys.executable, "-m", "receiver", "--endpoint", upstream, "--model", "benchmarks.fanout:rollout_model",
             "--dtype", "bfloat16", "--identity", identity, "--digest", "--peer-timeout", "60", "--log-level", "WARNING",
         ]
         if relay:
             args += ["--relay-bind", "tcp://127.0.0.1:0"]
+        if netns:  # the trainer's end of the veth is not loopback: a test link of this machine
+            args += ["--insecure-plaintext"]
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
         proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env)
         return cls(proc, identity)
@@ -90,6 +103,32 @@ class Rollout:
         await asyncio.gather(self.reader, return_exceptions=True)
 
 
+@contextlib.contextmanager
+def shaped_uplink(mbit: float) -> Iterator[tuple[str, str]]:
+    """A namespace for the rollouts, reached from here over a veth pair shaped to ``mbit``
+    Mbit/s towards them; yields (namespace, this side's address). Removed on exit."""
+    tag = uuid.uuid4().hex[:6]
+    ns, here, there = f"wsfan-{tag}", f"wsf{tag}h", f"wsf{tag}n"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    ip("netns", "add", ns)
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there)
+        ip("link", "set", there, "netns", ns)
+        ip("addr", "add", "10.123.9.1/24", "dev", here)
+        ip("link", "set", here, "up")
+        ip("-n", ns, "addr", "add", "10.123.9.2/24", "dev", there)
+        ip("-n", ns, "link", "set", there, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        subprocess.run(["tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb", "latency", "500ms"],
+                       check=True, capture_output=True, timeout=30)
+        yield ns, "10.123.9.1"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # takes the veth pair with it
+
+
 async def wait_applied(rollouts: list[Rollout], version: int) -> float:
     """When the last of ``rollouts`` reported ``version`` (perf_counter)."""
     while not all(version in r.applied for r in rollouts):
@@ -99,21 +138,22 @@ async def wait_applied(rollouts: list[Rollout], version: int) -> float:
     return max(r.applied[version][0] for r in rollouts)
 
 
-async def run_layout(n: int, tree: bool, fanout: int, steps: int, lr: float) -> dict[str, Any]:
+async def run_layout(n: int, tree: bool, fanout: int, steps: int, lr: float, uplink: tuple[str, str] | None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rollouts: list[Rollout] = []
-    async with Sender("tcp://127.0.0.1:0", CONFIG, peer_timeout=60.0) as sender:
+    netns, address = uplink or (None, "127.0.0.1")
+    async with Sender(f"tcp://{address}:0", CONFIG, peer_timeout=60.0, insecure_plaintext=uplink is not None) as sender:
         await sender.start(model, version=0)
         relays = min(n, fanout) if tree and n > 1 else 0
         try:
             for i in range(relays):
-                rollouts.append(await Rollout.start(f"relay-{i}", sender.endpoint, relay=True))
+                rollouts.append(await Rollout.start(f"relay-{i}", sender.endpoint, relay=True, netns=netns))
             parents = [await asyncio.wait_for(r.relay_endpoint, TIMEOUT) for r in rollouts]
             for i in range(n - relays):
                 upstream = parents[i % len(parents)] if parents else sender.endpoint
-                rollouts.append(await Rollout.start(f"leaf-{i}", upstream, relay=False))
+                rollouts.append(await Rollout.start(f"leaf-{i}", upstream, relay=False, netns=netns))
             await asyncio.wait_for(wait_applied(rollouts, 0), TIMEOUT)
             bootstrap_bytes = sender.bytes_sent
             expected = {0: bf16_digest(model)}
@@ -150,17 +190,10 @@ async def run_layout(n: int, tree: bool, fanout: int, steps: int, lr: float) -> 
     }
 
 
-async def run(receivers: list[int], fanout: int, steps: int, lr: float) -> dict[str, Any]:
+async def run(receivers: list[int], fanout: int, steps: int, lr: float, uplink_mbit: float | None = None) -> dict[str, Any]:
     started, load = time.perf_counter(), os.getloadavg()[0]
-    results = []
-    for n in receivers:
-        for tree in (False, True):
-            if tree and n <= 1:
-                continue  # one receiver: the tree is the direct connection
-            result = await run_layout(n, tree, fanout, steps, lr)
-            print(f"  {n} receivers, {result['layout']}: trainer {result['trainer_bytes_per_version']:.0f} B/version, "
-                  f"all applied in {result['all_applied_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
-            results.append(result)
+    with shaped_uplink(uplink_mbit) if uplink_mbit else contextlib.nullcontext() as uplink:
+        results = await run_layouts(receivers, fanout, steps, lr, uplink)
     return {
         "benchmark": "weightsync-fanout",
         "command": "python -m benchmarks.fanout " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -168,9 +201,23 @@ async def run(receivers: list[int], fanout: int, steps: int, lr: float) -> dict[
         "model": "4 x Linear(1024, 1024): 4.2M parameters, fp32 trainer, bf16 receivers",
         "lr": lr,
         "fanout": fanout,
+        "uplink": f"veth into a namespace, tc tbf {uplink_mbit} Mbit/s towards the rollouts" if uplink_mbit else "tcp loopback, unshaped",
         "results": results,
         "wall_s": time.perf_counter() - started,
     }
+
+
+async def run_layouts(receivers: list[int], fanout: int, steps: int, lr: float, uplink: tuple[str, str] | None) -> list[dict[str, Any]]:
+    results = []
+    for n in receivers:
+        for tree in (False, True):
+            if tree and n <= 1:
+                continue  # one receiver: the tree is the direct connection
+            result = await run_layout(n, tree, fanout, steps, lr, uplink)
+            print(f"  {n} receivers, {result['layout']}: trainer {result['trainer_bytes_per_version']:.0f} B/version, "
+                  f"all applied in {result['all_applied_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+            results.append(result)
+    return results
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -189,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fanout", type=int, default=2, help="relays under the trainer in the tree layout")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--uplink-mbit", type=float, help="shape the trainer's uplink to this many Mbit/s (root: a namespace and tc)")
     args = p.parse_args(argv)
-    doc = asyncio.run(run(args.receivers, args.fanout, args.steps, args.lr))
+    doc = asyncio.run(run(args.receivers, args.fanout, args.steps, args.lr, args.uplink_mbit))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2))
     print(table(doc))
