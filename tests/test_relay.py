@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 from daemon_helpers import CONFIGS, DAEMON_KW, T, Trainer, assert_matches, receiver_model, wait_until
 
 from protocol.errors import MetadataMismatchError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message
+from protocol.security import CurveClient, CurveServer, KeyPair
 from receiver import Receiver
 from sender import Sender
 
@@ -245,3 +247,28 @@ async def test_a_damaged_first_bootstrap_is_asked_for_again():
         await assert_matches(leaf, t.trainer, 1)
         assert sent and leaf.reconnects >= 1
         await t.step(relay, leaf)
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE (built without libsodium)")
+async def test_curve_on_every_hop_and_an_intruder_refused_by_the_relay():
+    """The relay is a CURVE client of the trainer and a CURVE server to its leaves: the
+    allowed leaf follows bit for bit, a leaf whose key the relay does not allow gets nothing."""
+    sender_keys, relay_keys, leaf_keys, intruder_keys = (KeyPair.generate() for _ in range(4))
+    async with tree("patch") as t:
+        t.sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], curve=CurveServer(sender_keys, frozenset({relay_keys.public})), **DAEMON_KW)
+        await asyncio.wait_for(t.sender.start(t.trainer.model, version=0), T)
+        relay = await t.start_receiver(
+            t.sender.endpoint, "relay", relay=True, curve=CurveClient(relay_keys, sender_keys.public),
+            relay_curve=CurveServer(relay_keys, frozenset({leaf_keys.public})),
+        )
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        leaf = await t.start_receiver(relay.relay_endpoint, "leaf", curve=CurveClient(leaf_keys, relay_keys.public))
+        intruder = Receiver(receiver_model(), relay.relay_endpoint, CONFIGS["patch"], identity="intruder",
+                            curve=CurveClient(intruder_keys, relay_keys.public), **DAEMON_KW)
+        t.receivers.append(intruder)
+        with pytest.raises(TimeoutError):
+            await intruder.start(timeout=1.5)
+        for _ in range(2):
+            await t.step(relay, leaf)
+        assert relay.relay.rejected_handshakes >= 1 and relay.relay.rejected_keys == {intruder_keys.public.decode()}
+        assert intruder.version is None and sorted(relay.relay.receivers) == ["leaf"]
