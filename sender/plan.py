@@ -13,7 +13,7 @@ from protocol.config import InitSyncConfig
 from protocol.errors import ConfigError
 from protocol.framing import Message, MessageType
 from protocol.metadata import ModelMetadata
-from protocol.state import ModelState
+from protocol.state import ModelState, sync_keys
 
 Source = Callable[[str], torch.Tensor]
 
@@ -27,7 +27,7 @@ class SyncPlan:
 
     def __post_init__(self) -> None:
         self.metadata.check_against(self.state.tensors)
-        self.tracked = [k for k in self.state.tracked if k not in self.state.aliases]
+        self.tracked = sync_keys(self.state)
         if self.init_sync.enabled:
             self.bootstrap_keys()  # a prefix that matches nothing is a configuration error: fail now
 

@@ -22,13 +22,13 @@ import zmq.asyncio
 
 from protocol.checksum import state_digest
 from protocol.config import SyncConfig, load_config
-from protocol.errors import WeightSyncError
+from protocol.errors import ConfigError, WeightSyncError
 from protocol.framing import Message
 from protocol.limits import Limits
 from protocol.metadata import ModelMetadata
 from protocol.security import CurveServer
 from protocol.server import VersionServer
-from protocol.state import ModelState, StateLike, materialize, resolve_state
+from protocol.state import ModelState, StateLike, materialize, resolve_state, sync_keys
 
 from .base import check_next_version, plan_for
 from .bucket import BucketBuilder
@@ -163,12 +163,18 @@ class Sender(VersionServer):
     def _hold(self, tensors: dict[str, torch.Tensor]) -> None:
         """Keep a copy of the current version until the first receiver says which dtypes
         it wants: the weights may move on before it joins, and it must get this version."""
-        held = self._held
-        if held is None or held.keys() != tensors.keys():
-            self._held = {k: materialize(t).detach().clone() for k, t in tensors.items()}
+        # Only what the first receiver's snapshot (or retained copy) takes: each tracked storage
+        # once. Frozen keys come from the model, as in every bootstrap.
+        assert self._state is not None
+        keys, held = sync_keys(self._state), self._held
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise ConfigError(f"this model has no {missing[0]!r}, which the model given to start() has")
+        if held is None:
+            self._held = {k: materialize(tensors[k]).detach().clone() for k in keys}
             return
-        for key, t in tensors.items():
-            held[key].copy_(materialize(t).detach())
+        for key in keys:
+            held[key].copy_(materialize(tensors[key]).detach())
 
     def _source(self) -> Source:
         """Tensors of the current version at rest: the snapshot or retained copy for
