@@ -30,9 +30,11 @@ bench: $(STAMP)
 
 # The mutation fuzzer (tests/test_fuzz.py) at >= 100,000 cases with a fresh seed; about a
 # half hour on a 2-core machine (about 60 cases a second). FUZZ_EXAMPLES=N runs N instead.
+# Progress every 10,000 cases; a failing case is saved in tests/.fuzz-examples at once and
+# replayed first by the next run, even if this one is stopped before it reports.
 FUZZ_EXAMPLES ?= 100000
 fuzz: $(STAMP)
-	WEIGHTSYNC_FUZZ=long WEIGHTSYNC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest -q tests/test_fuzz.py --timeout=0 -p no:cacheprovider
+	WEIGHTSYNC_FUZZ=long WEIGHTSYNC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest -q -s tests/test_fuzz.py --timeout=0 -p no:cacheprovider
 
 clean:
 	rm -rf .make build *.egg-info .pytest_cache .hypothesis
