@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -166,3 +169,17 @@ async def test_fanout_tree_halves_the_trainers_egress_and_every_rollout_matches(
     assert tree["trainer_bytes_per_version"] < 0.55 * direct["trainer_bytes_per_version"]
     assert tree["trainer_bootstrap_bytes"] < 0.55 * direct["trainer_bootstrap_bytes"]
     assert "| 2 | tree | 1 |" in fanout_table(doc)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")), reason="needs root, ip and tc")
+async def test_fanout_over_a_shaped_uplink_in_a_namespace_and_cleans_up() -> None:
+    """``--uplink-mbit``: the receivers run in a network namespace behind a shaped veth; the
+    tree still halves the trainer's egress, digests still match, and the namespace is gone."""
+    from benchmarks.fanout import run as run_fanout
+
+    doc = await run_fanout([2], fanout=1, steps=1, lr=1e-5, uplink_mbit=400)
+    direct, tree = doc["results"]
+    assert "tbf 400" in doc["uplink"]
+    assert tree["trainer_bytes_per_version"] < 0.55 * direct["trainer_bytes_per_version"]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert "wsfan-" not in listed
