@@ -14,6 +14,8 @@ class Peer:
     ``acked`` is the version it confirmed; ``sent`` the version it will be at once
     everything already queued for it is applied; ``inflight`` the versions sent but not
     yet acknowledged, which bounds how far ahead of it the sender runs (credits).
+    A relay also reports the receivers below it: how many (``below``) and the lowest
+    version any of them has applied (``below_acked``; None until all have one).
     """
 
     identity: bytes
@@ -25,6 +27,8 @@ class Peer:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     resyncs: int = 0
+    below: int = 0
+    below_acked: int | None = None
 
     @property
     def name(self) -> str:
@@ -35,9 +39,29 @@ class Peer:
         self.inflight = [v for v in self.inflight if v is not None and (version is None or v > version)]
         self.wake.set()
 
+    def report_below(self, body: dict[str, object]) -> bool:
+        """Take a relay's ``{"below": [receivers, lowest applied version]}`` from its ACK or
+        HEARTBEAT body (untrusted: anything malformed is ignored); True if it changed."""
+        below = body.get("below")
+        if not (isinstance(below, list) and len(below) == 2 and type(below[0]) is int and below[0] >= 0):
+            return False
+        count, acked = below
+        if not (acked is None or (type(acked) is int and acked >= 0)):
+            return False
+        changed = (count, acked) != (self.below, self.below_acked)
+        self.below, self.below_acked = count, acked
+        return changed
+
+    def subtree_acked(self, version: int) -> bool:
+        """It, and every receiver below it, has applied ``version`` (or a later one)."""
+        mine = self.acked is not None and self.acked >= version
+        return mine and (self.below == 0 or (self.below_acked is not None and self.below_acked >= version))
+
     def describe(self) -> dict[str, object]:
         return {
             "acked": self.acked,
+            "below": self.below,
+            "below_acked": self.below_acked,
             "sent": self.sent,
             "inflight": len(self.inflight),
             "resyncs": self.resyncs,

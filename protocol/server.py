@@ -123,11 +123,25 @@ class VersionServer:
         """Connected receivers by identity, with their acknowledged version and queue."""
         return {p.name: p.describe() for p in self._peers.values()}
 
-    async def wait_acked(self, version: int, timeout: float | None = None) -> None:
-        """Wait until every connected receiver has applied ``version`` (or a later one)."""
+    def subtree(self) -> tuple[int, int | None]:
+        """How many receivers this server feeds, directly or through relays, and the
+        lowest version any of them has applied (None while one has none)."""
+        peers = list(self._peers.values())
+        count = sum(1 + p.below for p in peers)
+        versions = [p.acked for p in peers] + [p.below_acked for p in peers if p.below]
+        if not versions or any(v is None for v in versions):
+            return count, None
+        return count, min(v for v in versions if v is not None)
+
+    async def wait_acked(self, version: int, timeout: float | None = None, *, tree: bool = False) -> None:
+        """Wait until every connected receiver has applied ``version`` (or a later one);
+        with ``tree``, every receiver below the relays among them too (relays report it
+        with their heartbeats, so each level adds up to a heartbeat interval)."""
 
         def done() -> bool:
             self._check_running()
+            if tree:
+                return all(p.subtree_acked(version) for p in self._peers.values())
             return all(p.acked is not None and p.acked >= version for p in self._peers.values())
 
         async with self._acked:
@@ -278,12 +292,15 @@ class VersionServer:
                 if msg.type is not MessageType.BYE:  # e.g. after a restart: ask it to say HELLO
                     self._try_send(Peer(identity), self.stamp(Message(MessageType.ERROR, body={"code": "unknown_peer", "message": "say HELLO"})))
             elif msg.type in (MessageType.ACK, MessageType.HEARTBEAT):
+                below_changed = peer.report_below(msg.body)
                 # Heartbeats repeat the applied version, so a lost ACK is never waited on forever.
                 if msg.version is not None and (peer.acked is None or msg.version > peer.acked):
                     peer.ack(msg.version)
                     await self._notify()
                 elif msg.type is MessageType.ACK:
                     peer.ack(msg.version)
+                if below_changed:
+                    await self._notify()
                 self._release_resync()
             elif msg.type is MessageType.NACK:
                 log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, msg.body.get("message"))

@@ -663,7 +663,7 @@ class Receiver:
             tick = time.monotonic()
             while True:
                 await asyncio.sleep(self.heartbeat_interval)
-                sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=self.version)))
+                sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=self.version, body=self._below())))
                 now = time.monotonic()
                 # Woken late, this loop was blocked and the sender's messages are still
                 # unread: a stalled loop is not a dead sender. Judge on the next tick.
@@ -730,7 +730,7 @@ class Receiver:
         if (boot is not None and boot.kind == "bootstrap") or version != self.version:
             await self._publish(version, sock)
         else:  # resumed where it was: nothing new to announce to hooks, only to the sender
-            sock.try_send(encode_message(Message(MessageType.ACK, version=version)))
+            sock.try_send(encode_message(Message(MessageType.ACK, version=version, body=self._below())))
         self._ready.set()
         log.info("receiver %s connected to %s at v%s", self.identity, self.endpoint, version)
 
@@ -769,6 +769,10 @@ class Receiver:
             self._record(pending.stats)
             await self._publish(pending.version, sock)
 
+    def _below(self) -> dict[str, Any]:
+        """A relay tells its parent about the receivers below it (see ``Sender.wait_acked(tree=True)``)."""
+        return {} if self.relay is None else {"below": list(self.relay.subtree())}
+
     def _record(self, stats: ApplyStats) -> None:
         self.metrics.applied(stats)
         if stats.version is not None:
@@ -778,7 +782,7 @@ class Receiver:
 
     async def _publish(self, version: int | None, sock: DealerSocket) -> None:
         self.version = version
-        sock.try_send(encode_message(Message(MessageType.ACK, version=version)))
+        sock.try_send(encode_message(Message(MessageType.ACK, version=version, body=self._below())))
         for hook in self._hooks:
             try:
                 result = hook(version)

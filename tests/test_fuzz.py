@@ -307,6 +307,8 @@ class ControlTarget(Target):
         assert msg.version is None or type(msg.version) is int
         assert isinstance(msg.body, dict)
         if msg.type in (MessageType.ACK, MessageType.NACK, MessageType.HEARTBEAT):
+            self.peer.report_below(msg.body)
+            assert self.peer.below >= 0 and (self.peer.below_acked is None or type(self.peer.below_acked) is int)
             self.peer.ack(msg.version)
             str(msg.body.get("message"))
 
@@ -364,8 +366,10 @@ def control_exchanges() -> list[Exchange]:
         Message(MessageType.ACK, version=7),
         Message(MessageType.NACK, version=7, body={"reason": "integrity", "message": "tensor 3 values frame 9 checksum mismatch"}),
         Message(MessageType.HEARTBEAT, version=7, body={"applied": 7}),
+        Message(MessageType.HEARTBEAT, version=7, body={"below": [3, 6]}),  # a relay's, with the receivers below it
     ]
-    return [Exchange(f"control/{m.type.name}", [[bytes(f) for f in encode_message(m)]], control) for m in messages]
+    return [Exchange(f"control/{m.type.name}{'-relay' if 'below' in m.body else ''}", [[bytes(f) for f in encode_message(m)]], control)
+            for m in messages]
 
 
 _CORPUS: Corpus | None = None

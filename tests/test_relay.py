@@ -272,3 +272,27 @@ async def test_curve_on_every_hop_and_an_intruder_refused_by_the_relay():
             await t.step(relay, leaf)
         assert relay.relay.rejected_handshakes >= 1 and relay.relay.rejected_keys == {intruder_keys.public.decode()}
         assert intruder.version is None and sorted(relay.relay.receivers) == ["leaf"]
+
+
+async def test_the_trainer_can_wait_for_the_whole_tree():
+    """Relays report the receivers below them with their acks and heartbeats:
+    ``wait_acked(v, tree=True)`` returns only once every leaf under every relay has v,
+    and a leaf held back keeps it waiting while the relay itself is already there."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None
+        leaves = [await t.start_receiver(relay.relay_endpoint, f"leaf-{i}") for i in range(2)]
+        await asyncio.wait_for(sender.wait_acked(0, tree=True), T)
+        await wait_until(lambda: sender.receivers["relay"]["below"] == 2, timeout=T)
+        assert sender.subtree() == (3, 0)
+
+        async with leaves[1].reading():  # leaf-1 cannot apply anything meanwhile
+            version = await t.trainer.step_and_sync(sender)
+            await asyncio.wait_for(sender.wait_acked(version), T)  # the relay has it
+            with pytest.raises(TimeoutError):
+                await sender.wait_acked(version, timeout=1.0, tree=True)
+            assert sender.receivers["relay"]["below_acked"] == 0
+        await asyncio.wait_for(sender.wait_acked(version, tree=True), T)
+        for r in (relay, *leaves):
+            await assert_matches(r, t.trainer, version)
