@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from daemon_helpers import CONFIGS, DAEMON_KW, T, Trainer, assert_matches, receiver_model, wait_until
+from daemon_helpers import CONFIGS, DAEMON_KW, Processes, T, Trainer, assert_matches, receiver_model, wait_until
 
 from protocol.errors import MetadataMismatchError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message
@@ -296,3 +296,41 @@ async def test_the_trainer_can_wait_for_the_whole_tree():
         await asyncio.wait_for(sender.wait_acked(version, tree=True), T)
         for r in (relay, *leaves):
             await assert_matches(r, t.trainer, version)
+
+
+async def test_relay_processes_and_a_leaf_that_outlives_its_relay(tmp_path):
+    """The CLI: two ``python -m receiver --relay-bind`` processes under an in-process
+    trainer, a leaf process given both (``--endpoint`` twice). ``kill -9`` of the leaf's
+    relay: it moves to the other, and every version it reports has the trainer's digest."""
+    timing = ["--heartbeat", "0.1", "--peer-timeout", "2.0", "--digest"]
+    model = "examples.tiny_model:build"
+    procs = Processes(tmp_path)
+    async with tree("patch") as t:
+        try:
+            sender = await t.start_sender()
+            relays = [
+                await procs.spawn(name, "receiver", "--endpoint", sender.endpoint, "--model", model, "--identity", name,
+                                  "--relay-bind", "tcp://127.0.0.1:0", *timing)
+                for name in ("relay-a", "relay-b")
+            ]
+            parents = [(await r.wait_event(lambda e: e.get("event") == "relay"))["endpoint"] for r in relays]
+            leaf = await procs.spawn("leaf", "receiver", "--endpoint", parents[0], "--endpoint", parents[1], "--model", model,
+                                     "--identity", "leaf", *timing)
+
+            async def step_and_check() -> int:
+                version = await t.trainer.step_and_sync(sender)
+                event = await leaf.wait_event(lambda e: e.get("event") == "applied" and e.get("version") == version)
+                assert event["digest"] == t.trainer.digests[version]
+                return version
+
+            await leaf.wait_event(lambda e: e.get("event") == "applied" and e.get("version") == 0)
+            await step_and_check()
+            await relays[0].kill()
+            for _ in range(3):
+                await step_and_check()
+            await sender.wait_acked(t.trainer.version, timeout=T)
+            assert sorted(sender.receivers) == ["relay-b"]
+            assert all(e["digest"] == t.trainer.digests[e["version"]] for e in leaf.applied())
+            assert await leaf.terminate() == 0
+        finally:
+            await procs.cleanup()
