@@ -6,9 +6,10 @@ connections (no message within ``peer_timeout``) are re-established with backoff
 resuming from the applied version.
 
 The control calls (``pause``, ``resume``, ``sleep``, ``wakeup``, ``update_weights``) are
-methods here; ``receiver/control.py`` only serves them over HTTP. While paused, versions
-keep arriving and the connection and heartbeats stay up, but the next version waits,
-received and staged, in front of the commit until ``resume`` or ``update_weights``.
+methods of this class, written in ``receiver/controls.py``; ``receiver/control.py`` serves
+them over HTTP. While paused, versions keep arriving and the connection and heartbeats
+stay up, but the next version waits, received and staged, in front of the commit until
+``resume`` or ``update_weights``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from protocol.errors import (
     MetadataMismatchError,
     ProtocolError,
     StaleVersionError,
-    StateError,
     WeightSyncError,
 )
 from protocol.framing import Message, MessageType, decode_message, encode_message, peek_type
@@ -46,7 +46,8 @@ from protocol.security import CurveClient, CurveServer, check_transport
 from protocol.state import StateLike, resolve_state
 
 from . import memory
-from .engine import KV_CACHE, WEIGHT, EngineHooks, Hook, call_hook, parse_tags, parse_version
+from .controls import Controls
+from .engine import EngineHooks
 from .factory import make_receiver
 from .metrics import ReceiverMetrics, ReceiverState
 from .naming import NameMapping, NameMappingSpec
@@ -74,7 +75,7 @@ class _Leave(Exception):
     """End the session on purpose (sleep): start no new one until allowed."""
 
 
-class Receiver:
+class Receiver(Controls):
     """The rollout-side daemon. An async context manager; see ``start`` and ``close``.
 
     Rollouts run inference under ``async with receiver.reading():`` (or
@@ -238,17 +239,7 @@ class Receiver:
             await asyncio.gather(self._task, return_exceptions=True)
         log.info("receiver %s closed at v%s", self.identity, self.version)
 
-    # -- control: pause, resume, sleep, wakeup, update_weights ----------------------------
-    @property
-    def is_paused(self) -> bool:
-        """True while no new version is applied (except through ``update_weights``)."""
-        return self._paused
-
-    @property
-    def asleep(self) -> frozenset[str]:
-        """The memory tags released by ``sleep`` and not yet woken (``weight``, ``kv_cache``)."""
-        return frozenset(self._asleep)
-
+    # -- control: the calls themselves are in controls.py ------------------------------
     @property
     def control_url(self) -> str | None:
         """``http://host:port`` of the control API once started, else None."""
@@ -258,118 +249,6 @@ class Receiver:
     def healthy(self) -> bool:
         """Started, not closed, and not stopped by an error."""
         return self._task is not None and not self._task.done() and self._failure is None and not self._closed
-
-    def register_engine(
-        self,
-        *,
-        on_pause: Hook | None = None,
-        on_resume: Hook | None = None,
-        on_sleep_kv_cache: Hook | None = None,
-        on_wakeup_kv_cache: Hook | None = None,
-    ) -> None:
-        """Connect the rollout engine: these hooks (sync or async, no arguments) are called
-        by the control calls. Replaces hooks registered before."""
-        self._engine = EngineHooks(on_pause, on_resume, on_sleep_kv_cache, on_wakeup_kv_cache)
-
-    async def pause(self) -> None:
-        """Stop generating (the engine's ``on_pause``) and stop applying new versions.
-
-        Idempotent. Versions keep arriving: the next one is staged and waits, the rest
-        stay queued. Returns once no version can be committed until ``resume`` or
-        ``update_weights``; a handshake under way is abandoned (its bootstrap may commit
-        first) and a new session starts only when one of those needs it.
-        """
-        async with self._control:
-            await self._pause()
-
-    async def resume(self) -> None:
-        """Generate again (``on_resume``) and apply versions as they come. Idempotent; an
-        error while something is asleep (wake it up first)."""
-        async with self._control:
-            await self._resume()
-
-    async def sleep(self, tags: str | Sequence[str] | None = None) -> dict[str, Any]:
-        """Pause, then release memory: ``kv_cache`` through the engine's hook, ``weight``
-        by leaving the sender and resizing every synced tensor's storage to zero bytes
-        (tensor objects, shapes and dtypes stay; non-persistent buffers are not touched).
-        ``tags`` default to both. Returns the tags asleep and the weight bytes freed."""
-        wanted = parse_tags(tags)
-        if WEIGHT in wanted and self.strategy.write_guard != self.lock.writing:  # wrap_write: shared with an engine
-            raise ConfigError("sleep cannot release weights whose writes are wrapped (shared memory an engine maps); use tags=kv_cache")
-        async with self._control:
-            await self._pause()
-            freed = 0
-            if KV_CACHE in wanted and KV_CACHE not in self._asleep:
-                await call_hook(self._engine.on_sleep_kv_cache)
-                self._asleep.add(KV_CACHE)
-            if WEIGHT in wanted and WEIGHT not in self._asleep:
-                freed = await self._release_weights()
-            await self._notify()
-            return {"asleep": sorted(self._asleep), "freed_bytes": freed}
-
-    async def wakeup(self, tags: str | Sequence[str] | None = None, timeout: float | None = 60.0) -> dict[str, Any]:
-        """Undo ``sleep`` for ``tags`` (default both), the KV cache first, then resume once
-        nothing is asleep. Weights come back as the sender's *current* version: storages
-        are reallocated and the receiver rejoins as a new one, so the sender bootstraps it.
-        Waking the weights while the KV cache sleeps and stays asleep is a ``StateError``."""
-        wanted = parse_tags(tags)
-        async with self._control:
-            if WEIGHT in wanted and KV_CACHE not in wanted and KV_CACHE in self._asleep:
-                raise StateError("the KV cache is asleep: wake it before or with the weights (tags=kv_cache,weight)")
-            if KV_CACHE in wanted and KV_CACHE in self._asleep:
-                await call_hook(self._engine.on_wakeup_kv_cache)
-                self._asleep.discard(KV_CACHE)
-            if WEIGHT in wanted and WEIGHT in self._asleep:
-                await self._restore_weights(timeout)
-            if not self._asleep:
-                await self._resume()
-            await self._notify()
-            return {"asleep": sorted(self._asleep), "version": self.version, "is_paused": self._paused}
-
-    async def update_weights(
-        self, version: int | str | None = None, verify_checksum: bool = False, timeout: float | None = 60.0
-    ) -> int | None:
-        """While paused, apply the received versions up to ``version`` and stay paused.
-
-        ``version`` None means the sender's current version, asked of the sender now; a
-        string's trailing digits are the version (``"global_step_12"``). Versions apply
-        in order until the applied one is at least ``version`` (a resync may land past
-        it). ``verify_checksum`` then compares the whole-state digest with the sender's,
-        which it has for its current version only; a mismatch requests a resync and
-        raises ``IntegrityError``. Not paused, or asleep: ``StateError``. Returns the
-        applied version.
-        """
-        target = parse_version(version)
-        if type(verify_checksum) is not bool:
-            raise ConfigError(f"verify_checksum must be true or false, got {verify_checksum!r}")
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - loop.time())
-
-        async with self._control:
-            if not self._paused:
-                raise StateError("update_weights needs a paused receiver: pause first (it never resumes by itself)")
-            if self._asleep:
-                raise StateError(f"{sorted(self._asleep)} asleep: wakeup first")
-            self._rejoin = True  # if the connection is down, reconnect even though paused
-            await self._notify()
-            try:
-                latest, digest = await self._ask_sender(verify_checksum, left())
-                target = latest if target is None else target
-                if target is not None:
-                    if self.version is not None and target < self.version:
-                        raise StaleVersionError(f"the receiver is at v{self.version}, already past v{target}", current=self.version, got=target)
-                    self._apply_until = target
-                    await self._notify()
-                    await self._wait(lambda: self.version is not None and self.version >= target, left(), what=f"v{target}")
-            finally:
-                self._apply_until = None
-                self._rejoin = False
-            if verify_checksum:  # under the control lock: no new version commits meanwhile
-                await self._verify(latest, digest, left())
-            return self.version
 
     def status(self) -> dict[str, Any]:
         """Versions and state, as ``GET /v1/version`` reports them."""
@@ -388,80 +267,6 @@ class Receiver:
             "error": None if self._failure is None else f"{type(self._failure).__name__}: {self._failure}",
         }
 
-    async def _pause(self) -> None:
-        if self._paused:
-            return
-        await call_hook(self._engine.on_pause)
-        self._paused = True
-        await self._notify()
-        if self._handshaking:  # a handshake commits its bootstrap ungated: abandon it, rejoin when needed
-            await self._leave_session()
-        log.info("receiver %s paused at v%s", self.identity, self.version)
-
-    async def _resume(self) -> None:
-        if self._asleep:
-            raise StateError(f"{sorted(self._asleep)} asleep: wakeup first")
-        if not self._paused:
-            return
-        await call_hook(self._engine.on_resume)
-        self._paused = False
-        await self._notify()
-        log.info("receiver %s resumed at v%s", self.identity, self.version)
-
-    async def _release_weights(self) -> int:
-        self._asleep.add(WEIGHT)  # no new session from here on
-        try:
-            await self._leave_session()
-            async with self.lock.writing():
-                self._released = memory.release(self.model, resolve_state(self._state()).tensors)
-        except BaseException:
-            self._asleep.discard(WEIGHT)
-            await self._notify()
-            raise
-        # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
-        self.version = self.strategy.version = self.strategy.session = None
-        self.pending_version = None
-        log.info("receiver %s released %d bytes of weights", self.identity, self._released.nbytes)
-        return self._released.nbytes
-
-    async def _restore_weights(self, timeout: float | None) -> None:
-        released = self._released
-        assert released is not None
-        if not self.healthy:
-            raise WeightSyncError("the receiver is not running (not started, failed or closed): it cannot fetch the weights")
-        async with self.lock.writing():
-            released.restore()
-        self._asleep.discard(WEIGHT)
-        self._rejoin = True
-        handshakes = self._handshakes
-        await self._notify()
-        try:
-            await self._wait(lambda: self._handshakes > handshakes, timeout, what="the sender's bootstrap")
-            self._check_bootstrap_complete()
-        except BaseException:  # the storages hold garbage: release them again, stay asleep
-            self._rejoin = False
-            self._asleep.add(WEIGHT)
-            await self._leave_session()
-            async with self.lock.writing():
-                self._released = memory.release(self.model, resolve_state(self._state()).tensors)
-            self.version = self.strategy.version = self.strategy.session = None
-            raise
-        finally:
-            self._rejoin = False
-        self._released = None
-        log.info("receiver %s woke up at v%s", self.identity, self.version)
-
-    def _check_bootstrap_complete(self) -> None:
-        meta, boot = self.strategy.metadata, self._last_bootstrap
-        assert meta is not None
-        needed = len(meta.keys) - sum(len(a) for a in self.strategy.aliases.values())
-        got = 0 if boot is None else boot.tensors
-        if got < needed:
-            raise ConfigError(
-                f"the sender's bootstrap restored {got} of {needed} tensors; the rest would be garbage. "
-                "Sleeping the weights needs init_sync enabled for every key on the sender"
-            )
-
     async def _leave_session(self) -> None:
         """End the current session at a point where no thread touches the model."""
         if not self._in_session:
@@ -475,69 +280,12 @@ class Receiver:
         finally:
             self._leaving = False
 
-    async def _ask_sender(self, digest: bool, timeout: float | None) -> tuple[int | None, str | None]:
-        """The sender's current version and, if asked, its state digest (one round trip)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        await self._wait(lambda: self.connected, timeout, what="a connection to the sender")
-        sock = self._socket
-        if sock is None:
-            raise WeightSyncError("not connected to the sender")
-        nonce = uuid.uuid4().hex
-        reply: asyncio.Future[tuple[int | None, str | None]] = loop.create_future()
-        self._queries[nonce] = reply
-        try:
-            sock.try_send(encode_message(Message(MessageType.DIGEST_REQUEST, version=self.version, body={"nonce": nonce, "digest": digest})))
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            try:
-                return await asyncio.wait_for(reply, left)
-            except asyncio.TimeoutError:
-                raise asyncio.TimeoutError(f"the sender at {self.endpoint} did not answer within {timeout}s") from None
-        finally:
-            self._queries.pop(nonce, None)
-
-    def _answer(self, frames: Sequence[Buffer]) -> None:
-        try:
-            msg = decode_message(frames)
-        except WeightSyncError as e:
-            log.warning("receiver %s: dropping a bad DIGEST reply: %s", self.identity, e)
-            return
-        reply = self._queries.get(str(msg.body.get("nonce")))
-        digest = msg.body.get("digest")
-        if reply is not None and not reply.done():
-            reply.set_result((msg.version, digest if isinstance(digest, str) else None))
-
-    async def _verify(self, latest: int | None, digest: str | None, timeout: float | None) -> None:
-        if digest is None or latest != self.version:
-            latest, digest = await self._ask_sender(True, timeout)
-        if latest != self.version or digest is None:
-            raise StateError(f"cannot verify v{self.version}: the sender is at v{latest} and has only its current version's digest")
-        ours = await self._digest()
-        if ours != digest:
-            message = f"state digest of v{self.version} differs from the sender's (receiver {ours[:16]}, sender {digest[:16]}); resync requested"
-            log.error("receiver %s: %s", self.identity, message)
-            self._nack(IntegrityError.__name__, message)
-            raise IntegrityError(message)
-
     def _nack(self, reason: str, message: str) -> None:
         """Ask the sender for a resync of its current version."""
         self.metrics.nack(reason)
         if self._socket is not None:
             nack = Message(MessageType.NACK, version=self.version, body={"reason": reason, "message": message})
             self._socket.try_send(encode_message(nack))
-
-    def _may_connect(self) -> bool:
-        if self._leaving or WEIGHT in self._asleep:
-            return False
-        return not self._paused or self._rejoin
-
-    def _may_commit(self, version: int | None) -> bool:
-        if self._leaving:
-            return True  # to raise _Leave at once
-        if not self._paused or version == self.version:  # the same version again is a repair (resync)
-            return True
-        until = self._apply_until
-        return until is not None and (self.version is None or self.version < until)
 
     def _state(self) -> StateLike:
         """What is synced: the model, or its tensors under the trainer's names."""
