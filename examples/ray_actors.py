@@ -3,9 +3,10 @@
 
 The daemons are the in-process ones, unchanged: each actor is an async Ray actor, so
 its ``async def`` methods and the daemon's background tasks share the actor's event loop.
-The trainer binds ``tcp://<host>:0`` and hands out the port it got; a rollout looks the
-trainer up by name (``ray.get_actor(TRAINER, namespace=NAMESPACE)``) and asks it for the
-endpoint, so nothing about addresses or ports has to be configured per worker.
+The trainer binds ``tcp://<host>:0`` and hands out the port it got; a rollout's receiver
+is given a resolver that looks the trainer up by name (``ray.get_actor(TRAINER,
+namespace=NAMESPACE)``) and asks it for the endpoint, before every session: nothing about
+addresses or ports is configured per worker, and a restarted trainer actor is found again.
 
 Loopback (the default ``host``) is right for a one-node cluster. Across nodes, pass
 ``host=None`` (the node's IP, ``ray.util.get_node_ip_address()``) with CURVE keys: a
@@ -147,20 +148,15 @@ class RolloutActor:
         self.model = build(seed=seed).to(parse_float_dtype(dtype))  # other weights: the bootstrap aligns them
         self.receiver: Receiver | None = None
 
+    async def find_trainer(self) -> str:
+        """The trainer's endpoint, looked up by name each time: the receiver asks before
+        every session, so a trainer actor Ray restarts on another port is found again."""
+        trainer = ray.get_actor(self.trainer, namespace=self.namespace)  # ValueError until registered: retried
+        return str(await trainer.endpoint.remote())
+
     async def start(self, timeout: float = 60.0) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:  # the trainer may not be registered yet
-            try:
-                trainer = ray.get_actor(self.trainer, namespace=self.namespace)
-                break
-            except ValueError:
-                if loop.time() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
-        endpoint = await asyncio.wait_for(trainer.endpoint.remote(timeout), max(deadline - loop.time(), 0.1))
-        self.receiver = Receiver(self.model, endpoint, self.config, identity=self.identity, **self.options)
-        await self.receiver.start(timeout=max(deadline - loop.time(), 0.1))
+        self.receiver = Receiver(self.model, self.find_trainer, self.config, identity=self.identity, **self.options)
+        await self.receiver.start(timeout=timeout)
         return await self.status()
 
     async def wait_for_version(self, version: int, timeout: float = 60.0) -> dict[str, Any]:

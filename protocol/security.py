@@ -192,10 +192,12 @@ def check_transport(endpoint: str, curve: object | None, insecure_plaintext: boo
     """Refuse plaintext weights beyond loopback unless the insecure flag says so."""
     if curve is not None or insecure_plaintext or is_local_endpoint(endpoint):
         return
-    keys = "--curve-secret and --curve-allow (Sender(curve=CurveServer(...)))" if role == "sender" else \
-        "--curve-secret and --curve-server-key (Receiver(curve=CurveClient(...)))"
+    keys = {
+        "sender": "--curve-secret and --curve-allow (Sender(curve=CurveServer(...)))",
+        "relay": "--relay-curve-allow and --relay-curve-secret (Receiver(relay_curve=CurveServer(...)))",
+    }.get(role, "--curve-secret and --curve-server-key (Receiver(curve=CurveClient(...)))")
     raise ConfigError(
         f"the {role} would use {endpoint} without CURVE: weights in plaintext, and anyone who reaches it "
-        f"{'can connect' if role == 'sender' else 'can impersonate the sender'}. Give {keys}, or pass "
+        f"{'can impersonate the sender' if role == 'receiver' else 'can connect'}. Give {keys}, or pass "
         f"{INSECURE_FLAG} (insecure_plaintext=True) on a network you trust"
     )

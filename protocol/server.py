@@ -67,7 +67,7 @@ class VersionServer:
     ) -> None:
         if ring_size < 1 or max_inflight < 1:
             raise ConfigError("ring_size and max_inflight must be at least 1")
-        check_transport(endpoint, curve, insecure_plaintext, role="sender")
+        check_transport(endpoint, curve, insecure_plaintext, role=self.role)
         self.curve = curve
         self.rejected_handshakes = 0  # CURVE handshakes refused: key not in the allowlist
         self.rejected_keys: set[str] = set()

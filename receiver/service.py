@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import inspect
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 STALL_GRACE = 0.5  # seconds a heartbeat tick may be late before the loop counts as stalled
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
 _FATAL = (MetadataMismatchError, ConfigError)  # reconnecting would not help
+Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's address before each session
 _EARLIER_CONNECTION = frozenset({MessageType.PATCH, MessageType.BUCKET, MessageType.BOOTSTRAP})
 
 
@@ -85,7 +87,7 @@ class Receiver(Controls):
     def __init__(
         self,
         model: StateLike,
-        endpoint: str | Sequence[str],
+        endpoint: str | Sequence[str] | Resolver,
         config: SyncConfig | Any = None,
         *,
         identity: str | None = None,
@@ -115,16 +117,21 @@ class Receiver(Controls):
         control API (``Authorization: Bearer``) and must be set to serve it off localhost.
 
         ``endpoint`` may be a list of upstreams (the sender, or relays) tried in turn:
-        whenever a session is lost, the next one is tried. ``relay_endpoint`` makes this
+        whenever a session is lost, the next one is tried. Or a resolver: a callable
+        (sync or async) asked for the address before each session, for a sender whose
+        address changes when it restarts (a Ray actor, a Kubernetes pod). ``relay_endpoint`` makes this
         receiver a relay (``receiver/relay.py``): from ``start()`` it serves the versions it
         has applied there, to receivers connecting as to a sender; ``relay_curve`` (a
         ``CurveServer``) secures that side."""
-        self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
-        if not self.endpoints:
+        self._resolver = endpoint if callable(endpoint) else None
+        self.endpoints = [] if callable(endpoint) else [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not self.endpoints and self._resolver is None:
             raise ConfigError("a receiver needs at least one upstream endpoint")
         for upstream in self.endpoints:
             check_transport(upstream, curve, insecure_plaintext, role="receiver")
         self._upstream = 0
+        self._resolved: str | None = None
+        self._insecure_plaintext = insecure_plaintext
         self.curve = curve
         self._control_token = control_token
         self.model = model
@@ -201,8 +208,9 @@ class Receiver(Controls):
 
     @property
     def endpoint(self) -> str:
-        """The upstream this receiver follows (or will try next)."""
-        return self.endpoints[self._upstream]
+        """The upstream this receiver follows (or will try next; with a resolver, the
+        address it last returned, empty before the first)."""
+        return self.endpoints[self._upstream] if self._resolver is None else self._resolved or ""
 
     @property
     def relay_endpoint(self) -> str | None:
@@ -354,7 +362,8 @@ class Receiver(Controls):
                 self.connected = False
             await self._notify()
             self.reconnects += 1
-            self._upstream = (self._upstream + 1) % len(self.endpoints)  # a lost parent: try the next
+            if self.endpoints:
+                self._upstream = (self._upstream + 1) % len(self.endpoints)  # a lost parent: try the next
             if self._handshakes != handshakes:  # that session worked: start backing off afresh
                 delay = self.reconnect_backoff[0]
             await asyncio.sleep(delay)
@@ -376,7 +385,8 @@ class Receiver(Controls):
         inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
         self._inbox = inbox  # from here on, _leave_session can end this session
         digest = await self._digest() if self.version is not None else None
-        sock = self._socket = DealerSocket(self._context, self.endpoint, self.identity.encode(), curve=self.curve, limits=self.limits)
+        endpoint = await self._find_upstream()
+        sock = self._socket = DealerSocket(self._context, endpoint, self.identity.encode(), curve=self.curve, limits=self.limits)
         last_seen = [time.monotonic()]
 
         async def read() -> None:
@@ -452,6 +462,22 @@ class Receiver(Controls):
             await asyncio.gather(*tasks, return_exceptions=True)
             sock.close()
             self._socket = None
+
+    async def _find_upstream(self) -> str:
+        """The address for this session: the current list entry, or what the resolver says now."""
+        if self._resolver is None:
+            return self.endpoint
+        try:
+            found = self._resolver()
+            if inspect.isawaitable(found):
+                found = await asyncio.wait_for(found, self.peer_timeout)
+        except Exception as e:  # the sender may be restarting: ask again after a backoff
+            raise _Reconnect(f"the endpoint resolver failed: {e!r}") from e
+        if not isinstance(found, str) or not found:
+            raise ConfigError(f"the endpoint resolver returned {found!r}, not an address")
+        check_transport(found, self.curve, self._insecure_plaintext, role="receiver")
+        self._resolved = found
+        return found
 
     async def _digest(self) -> str:
         tensors = resolve_state(self._state()).tensors

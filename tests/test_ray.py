@@ -111,3 +111,33 @@ def test_curve_keys_travel_as_actor_arguments(cluster: float) -> None:
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
+
+
+def test_rollouts_find_a_restarted_trainer_through_ray(cluster: float) -> None:
+    """The trainer actor dies and a new one takes its name (on another port): the rollouts'
+    receivers ask Ray for the trainer's address before every session, so they reconnect to
+    the new one by themselves and follow it bit for bit."""
+    name = f"{TRAINER}-restart"
+    timing = {"peer_timeout": 2.0, "heartbeat_interval": 0.2}
+    trainer = TrainerActor.options(name=name).remote(**timing)
+    rollouts = [RolloutActor.remote(f"rollout-{i}", trainer=name, **timing) for i in range(2)]
+    actors = [trainer, *rollouts]
+    try:
+        first = get(trainer.start.remote())
+        get([r.start.remote(WAIT) for r in rollouts])
+        synced = get(trainer.step.remote())
+        get([r.wait_for_version.remote(synced["version"]) for r in rollouts])
+
+        ray.kill(trainer, no_restart=True)
+        trainer = TrainerActor.options(name=name).remote(**timing)
+        actors.append(trainer)
+        second = get(trainer.start.remote())
+        assert second != first
+        for _ in range(3):
+            synced = get(trainer.step.remote())
+        for status in get([r.wait_for_version.remote(synced["version"]) for r in rollouts]):
+            assert (status["endpoint"], status["version"], status["digest"]) == (second, synced["version"], synced["digest"])
+        get([a.close.remote() for a in (trainer, *rollouts)])
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)

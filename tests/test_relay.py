@@ -19,7 +19,7 @@ import torch
 import zmq
 from daemon_helpers import CONFIGS, DAEMON_KW, Processes, T, Trainer, assert_matches, receiver_model, wait_until
 
-from protocol.errors import MetadataMismatchError, WeightSyncError
+from protocol.errors import ConfigError, MetadataMismatchError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message
 from protocol.security import CurveClient, CurveServer, KeyPair
 from receiver import Receiver
@@ -334,3 +334,40 @@ async def test_relay_processes_and_a_leaf_that_outlives_its_relay(tmp_path):
             assert await leaf.terminate() == 0
         finally:
             await procs.cleanup()
+
+
+async def test_an_endpoint_resolver_follows_a_sender_that_moved():
+    """``Receiver(model, resolver)``: the address is asked for before each session, so a
+    sender restarted on another port (a Ray actor, a rescheduled pod) is found again."""
+    async with tree("patch") as t:
+        first = await t.start_sender()
+        where = {"endpoint": first.endpoint}
+        asked: list[str] = []
+
+        async def resolve() -> str:
+            asked.append(where["endpoint"])
+            return where["endpoint"]
+
+        r = Receiver(receiver_model(), resolve, CONFIGS["patch"], identity="rollout", **DAEMON_KW)
+        t.receivers.append(r)
+        await r.start(timeout=T)
+        assert r.endpoint == first.endpoint
+        await t.step(r)
+
+        await first.close()  # the trainer's sender restarts elsewhere, at the version it had
+        second = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **DAEMON_KW)
+        await asyncio.wait_for(second.start(t.trainer.model, version=t.trainer.version), T)
+        t.sender = second
+        where["endpoint"] = second.endpoint
+        await asyncio.wait_for(second.wait_for_receivers(1), T)
+        assert r.endpoint == second.endpoint and asked[-1] == second.endpoint
+        for _ in range(2):
+            await t.step(r)
+
+
+def test_a_relay_beyond_loopback_needs_curve_or_the_insecure_flag():
+    """Like a sender, a relay refuses to serve weights in plaintext off loopback."""
+    with pytest.raises(ConfigError, match=r"the relay would use tcp://0\.0\.0\.0:0 without CURVE.*--relay-curve-allow"):
+        Receiver(receiver_model(), "tcp://127.0.0.1:1", CONFIGS["patch"], relay_endpoint="tcp://0.0.0.0:0")
+    allowed = Receiver(receiver_model(), "tcp://127.0.0.1:1", CONFIGS["patch"], relay_endpoint="tcp://0.0.0.0:0", insecure_plaintext=True)
+    assert allowed.relay is not None
