@@ -22,15 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-import zmq.asyncio
-
 from protocol.buckets import bucket_messages, plan_buckets
 from protocol.checksum import state_digest
 from protocol.errors import WeightSyncError
 from protocol.framing import Message, MessageType
 from protocol.limits import Limits
 from protocol.metadata import ModelMetadata
-from protocol.security import CurveServer
 from protocol.server import VersionServer
 from protocol.state import StateLike, resolve_state
 
@@ -56,18 +53,10 @@ class Relay(VersionServer):
         lock: ReadWriteLock,
         *,
         bucket_size: int,
-        ring_size: int = 8,
-        max_inflight: int = 2,
-        heartbeat_interval: float = 0.5,
-        peer_timeout: float = 10.0,
-        context: zmq.asyncio.Context | None = None,
-        curve: CurveServer | None = None,
-        insecure_plaintext: bool = False,
+        **server: Any,
     ) -> None:
-        super().__init__(
-            endpoint, ring_size=ring_size, max_inflight=max_inflight, heartbeat_interval=heartbeat_interval,
-            peer_timeout=peer_timeout, context=context, curve=curve, insecure_plaintext=insecure_plaintext,
-        )
+        """``server``: ``VersionServer``'s options (ring size, credits, timings, context, CURVE)."""
+        super().__init__(endpoint, **server)
         self._strategy, self._state, self._model_lock = strategy, state, lock
         self._bucket_size = bucket_size
         strategy.keep_messages = True  # what it commits is what this relay forwards
