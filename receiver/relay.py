@@ -104,8 +104,8 @@ class Relay(VersionServer):
     # -- what the server asks -----------------------------------------------------------
     async def _admit(self, hello: Message) -> None:
         metadata = self._strategy.metadata
-        if metadata is None or self.version is None:
-            raise WeightSyncError("this relay holds no version yet")
+        if metadata is None:
+            raise WeightSyncError("this relay has not completed its own handshake yet")
         metadata.require_same(ModelMetadata.from_body(hello.body), "this relay's model")
 
     async def _bootstrap(self) -> list[Message]:

@@ -371,3 +371,17 @@ def test_a_relay_beyond_loopback_needs_curve_or_the_insecure_flag():
         Receiver(receiver_model(), "tcp://127.0.0.1:1", CONFIGS["patch"], relay_endpoint="tcp://0.0.0.0:0")
     allowed = Receiver(receiver_model(), "tcp://127.0.0.1:1", CONFIGS["patch"], relay_endpoint="tcp://0.0.0.0:0", insecure_plaintext=True)
     assert allowed.relay is not None
+
+
+async def test_a_relay_serves_a_trainer_that_has_no_version_yet():
+    """A sender started without a version (``start(model)``): the relay and its leaf are
+    bootstrapped to the unversioned weights, then follow the first versions."""
+    async with tree("patch") as t:
+        t.sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **DAEMON_KW)
+        await asyncio.wait_for(t.sender.start(t.trainer.model), T)
+        relay = await t.start_receiver(t.sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.version is None
+        leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
+        assert leaf.version is None
+        for _ in range(2):
+            await t.step(relay, leaf)
