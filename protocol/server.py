@@ -25,6 +25,7 @@ from .buffers import Buffer
 from .errors import ConfigError, WeightSyncError
 from .framing import Message, MessageType, Stamper, decode_message, error_message
 from .limits import Limits
+from .metadata import ModelMetadata
 from .peers import Peer
 from .router import PeerGone, RouterSocket
 from .security import CurveServer, check_transport
@@ -106,6 +107,12 @@ class VersionServer:
         raise NotImplementedError
 
     def _welcome(self, version: int | None, bootstrap_parts: int) -> Message:
+        raise NotImplementedError
+
+    def _describe(self) -> ModelMetadata | None:
+        """The keys and shapes a receiver must declare in HELLO, with the dtypes held here
+        (None before there is a model). A receiver that derives its own layout from the
+        trainer's names asks for them first (``receiver.vllm``)."""
         raise NotImplementedError
 
     # -- public API -----------------------------------------------------------------
@@ -286,6 +293,8 @@ class VersionServer:
                 if previous is not None:
                     previous.cancel()
                 self._greeting[identity] = self._spawn(self._on_hello(identity, msg), f"hello-{identity!r}")
+            elif peer is None and msg.type is MessageType.DIGEST_REQUEST and msg.body.get("metadata") is True:
+                self._describe_to(identity, msg)  # before HELLO: what a receiver must declare
             elif peer is None:
                 if identity in self._greeting:
                     continue  # its HELLO is being answered: heartbeats meanwhile are expected
@@ -313,6 +322,14 @@ class VersionServer:
                 await self._drop(peer, "said goodbye")
             elif msg.type is MessageType.ERROR:
                 log.error("receiver %s reported: %s", peer.name, msg.body.get("message"))
+
+    def _describe_to(self, identity: bytes, request: Message) -> None:
+        metadata = self._describe()
+        body = {"nonce": request.body.get("nonce"), "digest": None, "metadata": None if metadata is None else metadata.to_body()}
+        try:
+            self._try_send(Peer(identity), self.stamp(Message(MessageType.DIGEST, version=self.version, body=body)))
+        except PeerGone:
+            pass
 
     async def _answer_digest(self, peer: Peer, request: Message) -> None:
         """Tell a receiver the current version and, when asked, its state digest: what a

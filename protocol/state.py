@@ -23,7 +23,49 @@ from torch import nn
 
 from .errors import ConfigError
 
-StateLike = nn.Module | Mapping[str, torch.Tensor]
+
+class Placed:
+    """A tensor a receiver holds scattered over other tensors, not as one storage.
+
+    An inference engine keeps a checkpoint tensor fused into a bigger parameter, split
+    across tensor-parallel ranks, padded, or in a copy it re-packs (``receiver.vllm``).
+    Such a state declares each checkpoint tensor's shape and dtype through this
+    interface, and the receiver reads and writes its elements by flat index; no
+    checkpoint-shaped copy exists. Elements not held here read as zero and writes to
+    them are dropped (another rank holds them).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self, flat: torch.Tensor) -> torch.Tensor:
+        """The elements at the (sorted, in-bounds) flat indices, as one 1-D tensor."""
+        raise NotImplementedError
+
+    def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the elements at the flat indices; those not held here are dropped."""
+        raise NotImplementedError
+
+    def assign(self, values: torch.Tensor) -> None:
+        """Set every element from a whole tensor of this shape."""
+        raise NotImplementedError
+
+    def materialize(self) -> torch.Tensor | None:
+        """The whole tensor, for digests; None when part of it is held elsewhere."""
+        raise NotImplementedError
+
+
+StateLike = nn.Module | Mapping[str, "torch.Tensor | Placed"]
 
 
 @dataclass
@@ -45,7 +87,7 @@ def resolve_state(model: StateLike, trainable_keys: Iterable[str] | None = None)
     else:
         raise ConfigError(f"expected an nn.Module or a state dict, got {type(model).__name__}")
     for k, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor | Placed):
             raise ConfigError(f"state dict entry {k!r} is a {type(t).__name__}, not a tensor")
     if trainable_keys is None:
         tracked = default_tracked
@@ -74,6 +116,8 @@ def find_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _identity(t: torch.Tensor) -> tuple[object, ...] | None:
+    if isinstance(t, Placed):
+        return None  # its own placement says where it lives; no storage to share
     local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
     if local.numel() == 0:
         return None

@@ -12,17 +12,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import entropy, rans
 from .buffers import Buffer, buffer_tensor, tensor_view
 from .checksum import checksum
 from .compress import Codec, compress, decompress, shuffle, unshuffle
 from .dtypes import UNSIGNED_INDEX_DTYPES, bits_dtype, dtype_code, dtype_from_code, itemsize
 from .errors import ProtocolError
 from .framing import BufferSpec, Encoding, Role, TensorEntry, ValueEncoding
+from .lazy import lazy_module
 from .positions import decode_positions, encode_positions, gaps_of, positions_nbytes
+
+if TYPE_CHECKING:
+    from . import entropy, rans
+else:  # numba loads on first use (protocol/lazy.py)
+    entropy, rans = lazy_module("protocol.entropy"), lazy_module("protocol.rans")
 
 _POSITION_ROLES = {
     Encoding.DENSE: frozenset(),

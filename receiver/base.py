@@ -29,7 +29,7 @@ from protocol.parallel import map_ordered
 from protocol.state import StateLike, find_aliases, resolve_state
 from protocol.tensorcodec import decode_entry
 
-from .commit import StagedUpdate, commit
+from .commit import StagedUpdate, Target, commit
 from .stats import ApplyStats
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,9 @@ class ReceiverBase:
         # A relay keeps each version's messages and is told of each commit, inside the guard.
         self.keep_messages = False
         self.on_commit: Callable[[PendingVersion], None] | None = None
+        # Awaited before a handshake's bootstrap is written: a daemon that commits only
+        # when asked (Receiver(hold=True)) holds a resync there until then.
+        self.commit_gate: Callable[[PendingVersion], Awaitable[None]] | None = None
 
     # -- handshake --------------------------------------------------------------------
     async def init_receiver(
@@ -121,6 +124,8 @@ class ReceiverBase:
                     f"bootstrap of {pending.stats.messages} parts at v{pending.version} does not match "
                     f"WELCOME's {parts} parts at v{welcome.version}"
                 )
+            if self.commit_gate is not None:
+                await self.commit_gate(pending)
             await self.commit(model, pending)
         self.version = welcome.version
         return self.version
@@ -224,11 +229,11 @@ class ReceiverBase:
         self.last_stats = pending.stats
         log.debug("applied %s", pending.stats)
 
-    def targets(self, model: StateLike) -> list[torch.Tensor]:
+    def targets(self, model: StateLike) -> list[Target]:
         """The model's tensors in metadata order; a model that changed shape is an error."""
         assert self.metadata is not None
         tensors = resolve_state(model).tensors
-        out = []
+        out: list[Target] = []
         for key, shape in zip(self.metadata.keys, self.metadata.shapes):
             t = tensors.get(key)
             if t is None or tuple(t.shape) != shape:
@@ -273,7 +278,7 @@ class ReceiverBase:
         if (msg.type, msg.version, msg.base_version, msg.parts) != (first.type, first.version, first.base_version, first.parts):
             raise ProtocolError(f"{msg.describe()} arrived while {first.describe()} was incomplete")
 
-    async def _stage(self, msg: Message, targets: list[torch.Tensor], pending: PendingVersion) -> None:
+    async def _stage(self, msg: Message, targets: list[Target], pending: PendingVersion) -> None:
         started = time.perf_counter()
         updates = await asyncio.to_thread(self._decode, msg, targets)
         pending.updates.extend(updates)
@@ -281,7 +286,7 @@ class ReceiverBase:
         pending.stats.changed_elements += sum(u.values.numel() for u in updates)
         pending.stats.decode_seconds += time.perf_counter() - started
 
-    def _decode(self, msg: Message, targets: list[torch.Tensor]) -> list[StagedUpdate]:
+    def _decode(self, msg: Message, targets: list[Target]) -> list[StagedUpdate]:
         assert self.metadata is not None
         metadata = self.metadata
         exact = msg.type is MessageType.PATCH  # buckets and bootstraps may carry a float dtype to convert

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocol.errors import ProtocolError
 from protocol.framing import ValueEncoding
+from protocol.lazy import lazy_module
+from protocol.state import Placed
 from protocol.tensorcodec import DecodedTensor
 
-from . import kernels
+if TYPE_CHECKING:
+    from . import kernels
+else:  # numba loads on first use (protocol/lazy.py)
+    kernels = lazy_module("receiver.kernels")
+
+
+Target = torch.Tensor | Placed  # a model tensor, or one an engine holds scattered (protocol.state.Placed)
 
 
 @dataclass
@@ -23,9 +32,14 @@ class StagedUpdate:
     values: torch.Tensor  # final values at the target's dtype (sparse) or the whole tensor (dense)
 
     @classmethod
-    def stage(cls, decoded: DecodedTensor, target: torch.Tensor) -> StagedUpdate:
+    def stage(cls, decoded: DecodedTensor, target: Target) -> StagedUpdate:
         """Resolve XOR and ulp values against ``target`` and move everything to its device."""
-        if decoded.flat is None:
+        if isinstance(target, Placed):  # it reads and writes by flat index itself
+            if decoded.flat is None:
+                update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
+            else:
+                update = cls(decoded.key, decoded.flat, decoded.new_values(target.read(decoded.flat).cpu()).to(target.device))
+        elif decoded.flat is None:
             update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
         else:
             flat = decoded.flat.to(target.device)
@@ -45,8 +59,13 @@ def read_flat(target: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def write(target: torch.Tensor, update: StagedUpdate) -> None:
-    if update.flat is None:
+def write(target: Target, update: StagedUpdate) -> None:
+    if isinstance(target, Placed):
+        if update.flat is None:
+            target.assign(update.values)
+        else:
+            target.write(update.flat, update.values)
+    elif update.flat is None:
         target.copy_(update.values)
     elif kernels.supported(target) and update.values.dtype == target.dtype:
         kernels.scatter(target, update.flat, update.values)
@@ -56,7 +75,7 @@ def write(target: torch.Tensor, update: StagedUpdate) -> None:
         target[torch.unravel_index(update.flat, target.shape)] = update.values
 
 
-def commit(targets: Sequence[torch.Tensor], updates: Sequence[StagedUpdate], aliases: dict[int, list[int]]) -> None:
+def commit(targets: Sequence[Target], updates: Sequence[StagedUpdate], aliases: dict[int, list[int]]) -> None:
     """Write every update, and the same into untied aliases of its tensor."""
     for update in updates:
         target = targets[update.ordinal]
@@ -67,5 +86,7 @@ def commit(targets: Sequence[torch.Tensor], updates: Sequence[StagedUpdate], ali
                 write(other, update)
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_storage(a: Target, b: Target) -> bool:
+    if isinstance(a, Placed) or isinstance(b, Placed):
+        return a is b
     return a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from protocol.buffers import Buffer
 from protocol.errors import ConfigError, IntegrityError, StaleVersionError, StateError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message, encode_message
-from protocol.state import StateLike, resolve_state
+from protocol.state import Placed, StateLike, resolve_state
 
 from . import memory
 from .engine import KV_CACHE, WEIGHT, EngineHooks, Hook, call_hook, parse_tags, parse_version
@@ -49,6 +49,7 @@ class Controls:
         connected: bool
         _control: asyncio.Lock
         _engine: EngineHooks
+        hold: bool
         _paused: bool
         _asleep: set[str]
         _released: memory.ReleasedWeights | None
@@ -68,7 +69,7 @@ class Controls:
         async def _wait(self, predicate: Callable[[], bool], timeout: float | None, *, fail: bool = True, what: str = "") -> None: ...
         async def _notify(self) -> None: ...
         async def _leave_session(self) -> None: ...
-        async def _digest(self) -> str: ...
+        async def _digest(self) -> str | None: ...
         def _nack(self, reason: str, message: str) -> None: ...
         def _state(self) -> StateLike: ...
 
@@ -117,6 +118,8 @@ class Controls:
         (tensor objects, shapes and dtypes stay; non-persistent buffers are not touched).
         ``tags`` default to both. Returns the tags asleep and the weight bytes freed."""
         wanted = parse_tags(tags)
+        if WEIGHT in wanted and any(isinstance(t, Placed) for t in resolve_state(self._state()).tensors.values()):
+            raise ConfigError("sleep cannot release weights an engine holds in its own layout; use the engine's own sleep mode")
         if WEIGHT in wanted and self.strategy.write_guard != self.lock.writing:  # wrap_write: shared with an engine
             raise ConfigError("sleep cannot release weights whose writes are wrapped (shared memory an engine maps); use tags=kv_cache")
         async with self._control:
@@ -179,7 +182,9 @@ class Controls:
             self._rejoin = True  # if the connection is down, reconnect even though paused
             await self._notify()
             try:
-                latest, digest = await self._ask_sender(verify_checksum, left())
+                latest, digest = None, None
+                if target is None or verify_checksum:
+                    latest, digest = await self._ask_sender(verify_checksum, left())
                 target = latest if target is None else target
                 if target is not None:
                     if self.version is not None and target < self.version:
@@ -205,6 +210,8 @@ class Controls:
         log.info("receiver %s paused at v%s", self.identity, self.version)
 
     async def _resume(self) -> None:
+        if self.hold:
+            raise StateError("a held receiver (hold=True) commits only in update_weights; it cannot resume")
         if self._asleep:
             raise StateError(f"{sorted(self._asleep)} asleep: wakeup first")
         if not self._paused:
@@ -272,7 +279,10 @@ class Controls:
         """The sender's current version and, if asked, its state digest (one round trip)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        await self._wait(lambda: self.connected, timeout, what="a connection to the sender")
+        # A held receiver's resync waits for update_weights inside its handshake: the
+        # sender has welcomed it and answers on that socket already.
+        await self._wait(lambda: self.connected or (self.hold and self._handshaking and self._socket is not None), timeout,
+                         what="a connection to the sender")
         sock = self._socket
         if sock is None:
             raise WeightSyncError("not connected to the sender")
@@ -306,6 +316,8 @@ class Controls:
         if latest != self.version or digest is None:
             raise StateError(f"cannot verify v{self.version}: the sender is at v{latest} and has only its current version's digest")
         ours = await self._digest()
+        if ours is None:
+            raise StateError("this receiver holds only part of the model (tensor parallel): its digest cannot be compared with the sender's")
         if ours != digest:
             message = f"state digest of v{self.version} differs from the sender's (receiver {ours[:16]}, sender {digest[:16]}); resync requested"
             log.error("receiver %s: %s", self.identity, message)
@@ -315,7 +327,7 @@ class Controls:
     def _may_connect(self) -> bool:
         if self._leaving or WEIGHT in self._asleep:
             return False
-        return not self._paused or self._rejoin
+        return not self._paused or self._rejoin or self.hold
 
     def _may_commit(self, version: int | None) -> bool:
         if self._leaving:

@@ -47,7 +47,7 @@ def _owners(model: StateLike) -> Iterator[torch.Tensor]:
         yield from (t for _, t in model.named_parameters(remove_duplicate=False))
         yield from (t for _, t in model.named_buffers(remove_duplicate=False))
     else:
-        yield from model.values()
+        yield from (t for t in model.values() if isinstance(t, torch.Tensor))
 
 
 @torch.no_grad()

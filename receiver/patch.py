@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol import entropy
 from protocol.compress import Codec
 from protocol.framing import MessageType
+from protocol.lazy import lazy_module
 
-from . import kernels
 from .base import ReceiverBase
+
+if TYPE_CHECKING:
+    from protocol import entropy
+
+    from . import kernels
+else:  # numba loads on first use (protocol/lazy.py)
+    entropy, kernels = lazy_module("protocol.entropy"), lazy_module("receiver.kernels")
 
 
 class PatchReceiver(ReceiverBase):

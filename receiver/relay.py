@@ -128,6 +128,9 @@ class Relay(VersionServer):
         async with self._model_lock.reading():
             return await asyncio.to_thread(state_digest, tensors, list(tensors))
 
+    def _describe(self) -> ModelMetadata | None:
+        return self._strategy.metadata
+
     def _welcome(self, version: int | None, bootstrap_parts: int) -> Message:
         aliases = [[a, c] for c, group in self._strategy.aliases.items() for a in group]
         body = {"strategy": self._strategy.strategy, "aliases": aliases, "bootstrap": bootstrap_parts}

@@ -23,10 +23,11 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
+import torch
 import zmq
 import zmq.asyncio
 
@@ -44,9 +45,10 @@ from protocol.errors import (
 from protocol.framing import Message, MessageType, decode_message, encode_message, peek_type
 from protocol.limits import LimitError, Limits
 from protocol.security import CurveClient, CurveServer, check_transport
-from protocol.state import StateLike, resolve_state
+from protocol.state import Placed, StateLike, resolve_state
 
 from . import memory
+from .base import PendingVersion
 from .controls import Controls
 from .engine import EngineHooks
 from .factory import make_receiver
@@ -105,6 +107,7 @@ class Receiver(Controls):
         control_token: str | None = None,
         relay_endpoint: str | None = None,
         relay_curve: CurveServer | None = None,
+        hold: bool = False,
     ) -> None:
         """``control_address`` (``HOST:PORT``, port 0 for any) serves the control API over
         HTTP from ``start()``; ``name_mapping`` renames this model's names to the trainer's
@@ -122,7 +125,14 @@ class Receiver(Controls):
         address changes when it restarts (a Ray actor, a Kubernetes pod). ``relay_endpoint`` makes this
         receiver a relay (``receiver/relay.py``): from ``start()`` it serves the versions it
         has applied there, to receivers connecting as to a sender; ``relay_curve`` (a
-        ``CurveServer``) secures that side."""
+        ``CurveServer``) secures that side.
+
+        ``hold``: write only when asked. Versions (resyncs included) are received,
+        validated and staged in the background, and committed only inside
+        ``update_weights``; only the first bootstrap, into a model that holds no version
+        yet, commits in ``start()``. For an engine that has its own weight-update window
+        (vLLM: ``receiver.vllm``). A held receiver is paused for good: ``resume`` is a
+        ``StateError``; unlike a paused one it stays connected."""
         self._resolver = endpoint if callable(endpoint) else None
         self.endpoints = [] if callable(endpoint) else [endpoint] if isinstance(endpoint, str) else list(endpoint)
         if not self.endpoints and self._resolver is None:
@@ -153,6 +163,10 @@ class Receiver(Controls):
             )
             write = self.relay.guard(write)
         self.strategy.write_guard = write
+        if hold:
+            if relay_endpoint is not None:
+                raise ConfigError("a held receiver (hold=True) cannot relay: it commits only when asked")
+            self.strategy.commit_gate = self._hold_bootstrap
         self.stats: collections.OrderedDict[int, ApplyStats] = collections.OrderedDict()
         self._stats_history = stats_history
         self.version: int | None = None
@@ -171,7 +185,8 @@ class Receiver(Controls):
         # -- control state (see pause / sleep / update_weights)
         self._control = asyncio.Lock()  # one control call at a time
         self._engine = EngineHooks()
-        self._paused = False
+        self.hold = hold
+        self._paused = hold
         self._asleep: set[str] = set()
         self._released: memory.ReleasedWeights | None = None
         self._apply_until: int | None = None  # while paused: update_weights lets versions through up to here
@@ -479,16 +494,59 @@ class Receiver(Controls):
         self._resolved = found
         return found
 
-    async def _digest(self) -> str:
+    async def _digest(self) -> str | None:
+        """The state digest, or None when this receiver holds only part of the model
+        (an engine's tensor-parallel rank: ``protocol.state.Placed``)."""
         tensors = resolve_state(self._state()).tensors
         async with self.lock.reading():
-            return await asyncio.to_thread(state_digest, tensors, list(tensors))
+            if not any(isinstance(t, Placed) for t in tensors.values()):
+                return await asyncio.to_thread(state_digest, tensors, list(tensors))
+            whole = await asyncio.to_thread(self._materialize, tensors)
+            return None if whole is None else await asyncio.to_thread(state_digest, whole, list(whole))
+
+    def _materialize(self, tensors: Mapping[str, torch.Tensor | Placed]) -> dict[str, torch.Tensor] | None:
+        """Every tensor whole; a tied one the engine keeps only once is read from its twin."""
+        twins: dict[str, list[str]] = {}
+        meta = self.strategy.metadata
+        if meta is not None:
+            for canonical, group in self.strategy.aliases.items():
+                names = [meta.keys[canonical], *(meta.keys[a] for a in group)]
+                for name in names:
+                    twins[name] = names
+        out: dict[str, torch.Tensor] = {}
+        for key, t in tensors.items():
+            whole = t.materialize() if isinstance(t, Placed) else t
+            for twin in twins.get(key, ()):
+                if whole is not None:
+                    break
+                other = tensors[twin]
+                whole = other.materialize() if isinstance(other, Placed) else other
+            if whole is None:
+                return None
+            out[key] = whole
+        return out
+
+    async def _hold_bootstrap(self, pending: PendingVersion) -> None:
+        """A resync of a held receiver waits, staged, for ``update_weights``."""
+        if self.version is None:
+            return  # the first bootstrap: the model holds no version to keep serving
+        self.pending_version = pending.version
+        await self._notify()
+        try:
+            await self._wait(functools.partial(self._may_commit, pending.version), None, fail=False)
+        finally:
+            self.pending_version = None
+        if self._leaving:
+            raise _Leave("asked to leave")
 
     async def _handshake(self, sock: DealerSocket, recv: Callable[[], Any], digest: str | None) -> None:
+        # A held receiver's resync may wait for update_weights for as long as it takes;
+        # a silent sender meanwhile still ends the session (the heartbeat task).
+        limit = None if self.hold and self.version is not None else self.peer_timeout + 60.0
         try:
             version = await asyncio.wait_for(
                 self.strategy.init_receiver(self._state(), recv, sock.send, receiver_id=self.identity, digest=digest),
-                self.peer_timeout + 60.0,
+                limit,
             )
         except MetadataMismatchError as e:
             if self._names is None:

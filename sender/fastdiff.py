@@ -24,7 +24,7 @@ import torch
 try:
     import numba
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps a broken install usable
-    numba = None  # type: ignore[assignment]
+    numba = None  # type: ignore[assignment, unused-ignore]
 
 CHUNK_WORDS = 1024  # 65536 elements per parallel task
 PARALLEL_MIN = 1 << 22  # elements from which the kernels run on all cores

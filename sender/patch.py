@@ -5,25 +5,31 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol import entropy
 from protocol.compress import Codec
 from protocol.config import PatchConfig
 from protocol.dtypes import bits_dtype
 from protocol.errors import MetadataMismatchError
 from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding
+from protocol.lazy import lazy_module
 from protocol.parallel import map_ordered
 from protocol.state import ModelState, StateLike, materialize, resolve_state
 from protocol.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sparse_buffers
 
-from . import fastdiff
 from .base import Send, SenderBase
 from .plan import Source, SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
+
+if TYPE_CHECKING:
+    from protocol import entropy
+
+    from . import fastdiff
+else:  # numba loads on first use (protocol/lazy.py)
+    entropy, fastdiff = lazy_module("protocol.entropy"), lazy_module("sender.fastdiff")
 
 
 @dataclass

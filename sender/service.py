@@ -218,6 +218,11 @@ class Sender(VersionServer):
         assert self._plan is not None
         return self._plan.welcome(self.strategy, version, bootstrap_parts)
 
+    def _describe(self) -> ModelMetadata | None:
+        if self._plan is not None:
+            return self._plan.metadata
+        return None if self._state is None else ModelMetadata.of(self._state.tensors)
+
     async def _admit(self, hello: Message) -> None:
         """The first receiver fixes the plan; later ones must match it exactly."""
         assert self._state is not None

@@ -1,0 +1,204 @@
+"""A vLLM engine kept on a training model's weights by the ``weightsync`` backend.
+
+The trainer is a Hugging Face ``Qwen2ForCausalLM`` (fp32, real AdamW steps) behind a
+weightsync ``Sender``; the rollout is an offline ``vllm.LLM`` (bf16) started with
+``weight_transfer_config=WeightTransferConfig(backend="weightsync")`` from
+``--load-format dummy``: it holds random weights until ``init_weight_transfer_engine``
+bootstraps it from the trainer. Async RL: the trainer runs on a thread and syncs every
+step; versions reach the engine and stage in the background while it generates; between
+batches the engine takes the newest one (``start_weight_update`` / ``update_weights``
+with version None / ``finish_weight_update``). Every sample is tagged with the version it
+was generated under. Everything is built from a config in code; nothing is downloaded.
+
+``--check`` then saves the trainer's weights (bf16) and starts a fresh vLLM engine from
+them: its greedy tokens, top-k logprobs and vLLM's own weight checksums must equal the
+weightsync engine's at that version. Prints one JSON line per batch and a summary.
+
+    python examples/vllm_rollout.py --steps 4 --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a tiny model needs little
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sender import Sender  # at the top, as a user would: vLLM's spawned processes re-import this script
+
+CONFIG = str(Path(__file__).resolve().parent / "config" / "weight_syncer" / "patch_syncer.yaml")
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [42, 43, 44, 45, 46]]
+
+
+def tiny_config(tie: bool) -> Any:
+    """A Qwen2 with grouped-query attention (4 query heads, 2 kv heads), qkv bias and a
+    vocabulary vLLM pads (500 -> 512); head_dim 32, the smallest vLLM's CPU kernels take."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, torch_dtype="bfloat16",
+    )
+
+
+class Trainer:
+    """The model, its optimizer and the Sender, on an event loop of their own."""
+
+    def __init__(self, tie: bool, lr: float, seed: int = 0) -> None:
+        from transformers import Qwen2ForCausalLM
+
+        torch.manual_seed(seed)
+        self.config = tiny_config(tie)
+        self.model = Qwen2ForCausalLM(self.config)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.batch = torch.randint(3, 500, (4, 24), generator=torch.Generator().manual_seed(seed))
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.sender = Sender("tcp://127.0.0.1:0", CONFIG)
+        self.version = 0
+        self.run(self._start())
+
+    def run(self, coro: Any, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self) -> None:
+        await self.sender.__aenter__()
+        await self.sender.start(self.model, version=0)
+
+    def step(self) -> dict[str, Any]:
+        loss = self.model(input_ids=self.batch, labels=self.batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.version += 1
+        stats = self.run(self.sender.sync(self.model, version=self.version))
+        return {"version": self.version, "loss": round(float(loss), 4), "changed_fraction": round(stats.changed_fraction, 4)}
+
+    def save(self, directory: str) -> None:
+        """The weights as vLLM would load them: a bf16 checkpoint with this config."""
+        import copy
+
+        copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(directory)
+
+    def close(self) -> None:
+        self.run(self.sender.__aexit__(None, None, None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def engine(model_dir: str, *, weightsync: bool, tp: int, dummy: bool) -> Any:
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if weightsync:
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend="weightsync")
+    if dummy:
+        kwargs["load_format"] = "dummy"
+    return LLM(
+        model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128, max_num_seqs=4,
+        tensor_parallel_size=tp, seed=0, **kwargs,
+    )
+
+
+def generate(llm: Any, max_tokens: int = 8) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3)
+    out = []
+    for request in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False):
+        completion = request.outputs[0]
+        logprobs = [{str(t): lp.logprob for t, lp in sorted(step.items())} for step in completion.logprobs or []]
+        out.append({"tokens": list(completion.token_ids), "logprobs": logprobs})
+    return out
+
+
+def checksums(llm: Any) -> list[dict[str, str]]:
+    return llm.collective_rpc("compute_weight_checksums")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate (2e-6: a few percent of bf16 elements change a step)")
+    parser.add_argument("--step-interval", type=float, default=0.3, help="seconds between trainer steps")
+    parser.add_argument("--untied", action="store_true", help="untied embeddings (lm_head is its own tensor)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism of the engine")
+    parser.add_argument("--check", action="store_true", help="compare with a fresh engine loaded from the trainer's weights")
+    args = parser.parse_args(argv)
+
+    trainer = Trainer(tie=not args.untied, lr=args.lr)
+    workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
+    trainer.config.save_pretrained(workdir)  # a config only: the engine starts from dummy weights
+    started = time.perf_counter()
+    llm = engine(workdir, weightsync=True, tp=args.tp, dummy=True)
+    up = time.perf_counter() - started
+    started = time.perf_counter()
+    llm.init_weight_transfer_engine({"init_info": {"endpoint": trainer.sender.endpoint, "config": CONFIG, "timeout": 120}})
+    print(json.dumps({"engine_up_s": round(up, 2), "init_s": round(time.perf_counter() - started, 3)}), flush=True)
+
+    # The trainer steps on its own thread; its versions stage in the engine while it generates.
+    steps: list[dict[str, Any]] = []
+    def train() -> None:
+        for _ in range(args.steps):
+            time.sleep(args.step_interval)
+            steps.append(trainer.step())
+
+    training = threading.Thread(target=train)
+    training.start()
+    samples: list[dict[str, Any]] = []
+    outputs_by_version: dict[int, list[dict[str, Any]]] = {}
+    held = 0  # init_weight_transfer_engine bootstrapped the trainer's v0
+    while True:
+        finished = not training.is_alive()
+        batch = generate(llm)
+        outputs_by_version[held] = batch
+        samples.extend({"version": held, "tokens": b["tokens"]} for b in batch)
+        version = trainer.version  # what the trainer has synced so far; its patches are staged already
+        started = time.perf_counter()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": version, "timeout": 60}})
+        llm.finish_weight_update(str(version))
+        print(json.dumps({"generated_under": held, "now_at": version, "update_s": round(time.perf_counter() - started, 4)}), flush=True)
+        held = version
+        if finished and version == trainer.version:
+            break
+    training.join()
+    final = generate(llm)
+    outputs_by_version[trainer.version] = final
+    distinct = {json.dumps(out) for out in outputs_by_version.values()}  # tokens and logprobs
+    summary: dict[str, Any] = {
+        "steps": steps, "versions_generated_under": sorted(outputs_by_version), "samples": len(samples),
+        "weight_version": llm.get_weight_version(), "outputs_changed": len(distinct) > 1,
+    }
+    if args.check:
+        ours = checksums(llm)
+        del llm
+        reference_dir = tempfile.mkdtemp(prefix="weightsync-vllm-ref-")
+        trainer.save(reference_dir)
+        fresh = engine(reference_dir, weightsync=False, tp=args.tp, dummy=False)
+        expected = generate(fresh)
+        summary["tokens_equal"] = [a["tokens"] for a in final] == [b["tokens"] for b in expected]
+        summary["logprobs_equal"] = [a["logprobs"] for a in final] == [b["logprobs"] for b in expected]
+        summary["checksums_equal"] = ours == checksums(fresh)
+        summary["final_tokens"] = [a["tokens"] for a in final]
+    trainer.close()
+    print(json.dumps({"summary": summary}), flush=True)
+    ok = not args.check or (summary["tokens_equal"] and summary["logprobs_equal"] and summary["checksums_equal"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""The ``weightsync`` weight-transfer engine, run by every vLLM worker.
+
+vLLM drives it through its own API (offline ``LLM.init_weight_transfer_engine`` /
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, or the same as
+``vllm serve`` routes). Each worker runs a weightsync ``Receiver`` on its own thread and
+event loop, over the worker's model as ``layout.derive_layout`` maps it: versions are
+received, validated and staged in the background while vLLM generates (``hold=True``),
+and written only inside ``update_weights``, at a cost proportional to what changed.
+
+What a caller can rely on, beyond vLLM's contract for a backend:
+
+- ``init_weight_transfer_engine`` returns once the worker holds the trainer's current
+  version (bootstrapped), so an engine may start from ``--load-format dummy``.
+- ``update_weights`` commits every staged version up to ``update_info["version"]`` in
+  order, each all or nothing, and returns with the weights at that version or later
+  (a resync may land past it); every worker of the engine ends at the same version.
+  vLLM's ``sparse_nccl`` documents that a failed update leaves a worker half-written;
+  here a failure (timeout, a corrupted patch, a lost trainer) raises through vLLM and
+  the weights stay at the last fully applied version.
+- ``start_weight_update`` and ``finish_weight_update`` hold nothing: patches land in place.
+- Calls come from vLLM's worker thread one at a time (vLLM serialises its RPCs);
+  a second ``init_weight_transfer_engine`` is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from protocol.errors import ConfigError, WeightSyncError
+from protocol.metadata import ModelMetadata
+from protocol.security import CurveClient, KeyPair, z85_key
+
+from ..base import PendingVersion
+from ..describe import ask_metadata
+from ..engine import parse_version
+from ..naming import AGENT_PREFIX
+from ..service import Receiver
+from .layout import Layout, derive_layout
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """``init_info`` of ``init_weight_transfer_engine``.
+
+    ``endpoint``: the trainer's ``Sender`` (or a list tried in turn: relays, failover).
+    ``config``: the sync YAML's content as a dict, or its path. ``curve``: ``{"public",
+    "secret", "server_key"}`` (Z85) for CURVE beyond loopback. ``name_mapping``: this
+    engine's checkpoint name -> the trainer's name (a dict), or ``"is_agent"``.
+    ``timeout``: seconds for the handshake and bootstrap."""
+
+    endpoint: str | list[str]
+    config: dict[str, Any] | str | None = None
+    curve: dict[str, str] | None = None
+    name_mapping: dict[str, str] | str | None = None
+    timeout: float = 120.0
+    insecure_plaintext: bool = False
+
+    def __post_init__(self) -> None:
+        endpoints = [self.endpoint] if isinstance(self.endpoint, str) else self.endpoint
+        if not isinstance(endpoints, list) or not endpoints or not all(isinstance(e, str) and e for e in endpoints):
+            raise ValueError(f"init_info.endpoint must be an address or a non-empty list of them, got {self.endpoint!r}")
+        if self.config is not None and not isinstance(self.config, dict | str):
+            raise ValueError(f"init_info.config must be a dict or a path, got {type(self.config).__name__}")
+        if self.curve is not None and (not isinstance(self.curve, dict) or set(self.curve) != {"public", "secret", "server_key"}):
+            raise ValueError("init_info.curve must have exactly the keys public, secret and server_key")
+        if self.name_mapping is not None and not (isinstance(self.name_mapping, dict) or self.name_mapping == "is_agent"):
+            raise ValueError("init_info.name_mapping must be a dict (checkpoint name -> trainer name) or 'is_agent'")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or self.timeout <= 0:
+            raise ValueError(f"init_info.timeout must be a positive number of seconds, got {self.timeout!r}")
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [self.endpoint] if isinstance(self.endpoint, str) else list(self.endpoint)
+
+    def curve_client(self) -> CurveClient | None:
+        if self.curve is None:
+            return None
+        keys = KeyPair(z85_key(self.curve["public"], "curve.public"), z85_key(self.curve["secret"], "curve.secret"))
+        return CurveClient(keys, z85_key(self.curve["server_key"], "curve.server_key"))
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of ``update_weights``: ``version`` an int, a string ending in
+    digits (``"global_step_12"``) or None for the sender's current version; ``timeout``
+    in seconds; ``verify_checksum`` compares the state digest with the trainer's."""
+
+    version: int | str | None = None
+    timeout: float | None = 60.0
+    verify_checksum: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            parse_version(self.version)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or self.timeout <= 0):
+            raise ValueError(f"update_info.timeout must be a positive number of seconds or null, got {self.timeout!r}")
+        if type(self.verify_checksum) is not bool:
+            raise ValueError(f"update_info.verify_checksum must be true or false, got {self.verify_checksum!r}")
+
+
+@dataclass
+class UpdateReport:
+    """What the last ``update_weights`` did on this worker."""
+
+    version: int | None
+    seconds: float
+    commit_seconds: float
+    repack_seconds: float
+    layers_repacked: int
+    versions: list[int] = field(default_factory=list)
+
+
+class _LoopThread:
+    """An event loop on its own daemon thread: the worker's thread hands it coroutines."""
+
+    def __init__(self, name: str) -> None:
+        self.loop: asyncio.AbstractEventLoop
+        try:
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str = "") -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"weightsync: {what or 'the call'} did not finish within {timeout:.3g}s") from None
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    """vLLM's weight-transfer engine over a weightsync ``Receiver`` (see the module doc)."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.receiver: Receiver | None = None
+        self.layout: Layout | None = None
+        self.last_update: UpdateReport | None = None
+        self._thread: _LoopThread | None = None
+        self._touched: set[str] = set()
+        self._keys: tuple[str, ...] = ()
+
+    # -- vLLM's API ---------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        if self.receiver is not None:
+            raise RuntimeError("the weightsync engine is already initialised; shut it down first")
+        started = time.perf_counter()
+        thread = self._thread = _LoopThread(f"weightsync-{self._rank()}")
+        try:
+            curve = init_info.curve_client()
+            trainer = thread.run(
+                ask_metadata(init_info.endpoints, curve=curve, insecure_plaintext=init_info.insecure_plaintext, timeout=init_info.timeout),
+                init_info.timeout + 5, "asking the trainer for its checkpoint names",
+            )
+            names = self._checkpoint_names(trainer, init_info.name_mapping)
+            dtype = self.model_config.dtype  # what the engine's weights are in: every float tensor is declared so
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError(f"the engine's model dtype is {dtype!r}, not a torch dtype")
+            declared = [(names[k], shape, dtype if d.is_floating_point else d) for k, shape, d in zip(trainer.keys, trainer.shapes, trainer.dtypes)]
+            layout = self.layout = derive_layout(self.model, declared)
+            state = {k: layout.tensors[names[k]] for k in trainer.keys}  # under the trainer's names
+            self._keys = trainer.keys
+            receiver = Receiver(
+                state, init_info.endpoints, init_info.config, hold=True, identity=self._identity(),
+                curve=curve, insecure_plaintext=init_info.insecure_plaintext,
+            )
+            receiver.strategy.on_commit = self._committed
+            self.receiver = receiver
+            thread.run(receiver.start(init_info.timeout), init_info.timeout + 5, "the handshake and bootstrap")
+            self._names = names
+            layers = layout.repack(layout.layers_of(names.values()))
+            self._touched.clear()
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info(
+            "weightsync: worker %s at v%s after %.2fs (%d tensors, %d placed elsewhere, %d layers re-packed)",
+            self._rank(), receiver.version, time.perf_counter() - started, len(state), len(layout.unmapped), layers,
+        )
+
+    def start_weight_update(self) -> None:
+        self._receiver()
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        receiver, thread = self._receiver(), self._thread
+        assert thread is not None and self.layout is not None
+        started = time.perf_counter()
+        before = receiver.version
+        target = self._agree_on_target(parse_version(update_info.version), update_info)
+        limit = None if update_info.timeout is None else update_info.timeout + 5
+        for _ in range(3):  # workers may land on different versions (a resync past the target): even them out
+            if receiver.version is None or target is None or receiver.version < target:
+                thread.run(receiver.update_weights(target, False, update_info.timeout), limit, f"update_weights to v{target}")
+            versions = self._gather(receiver.version)
+            if len(set(versions)) == 1:
+                break
+            target = max(v for v in versions if v is not None)
+        else:
+            raise WeightSyncError(f"the workers did not converge on one version: {versions}")
+        committed = time.perf_counter()
+        layers = self.layout.layers_of(self._names[k] for k in self._touched)
+        count = self.layout.repack(layers)
+        self._touched.clear()
+        if update_info.verify_checksum:
+            thread.run(receiver.update_weights(receiver.version, True, update_info.timeout), limit)
+        done = time.perf_counter()
+        applied = [v for v in receiver.stats if before is None or v > before]
+        self.last_update = UpdateReport(receiver.version, done - started, committed - started, done - committed, count, applied)
+
+    def finish_weight_update(self) -> None:
+        self._receiver()
+
+    def shutdown(self) -> None:
+        receiver, thread = self.receiver, self._thread
+        self.receiver = self._thread = None
+        if thread is None:
+            return
+        try:
+            if receiver is not None:
+                thread.run(receiver.close(), 15)
+        finally:
+            thread.stop()
+
+    # -- internals ----------------------------------------------------------------------
+    def _receiver(self) -> Receiver:
+        if self.receiver is None:
+            raise RuntimeError("the weightsync engine is not initialised: call init_weight_transfer_engine first")
+        if not self.receiver.healthy:
+            raise WeightSyncError(f"the weightsync receiver has stopped: {self.receiver.status()['error']}")
+        return self.receiver
+
+    def _committed(self, pending: PendingVersion) -> None:
+        """Inside the commit: remember which tensors changed, to re-pack their layers."""
+        receiver = self.receiver
+        assert receiver is not None
+        aliases = receiver.strategy.aliases
+        for update in pending.updates:
+            self._touched.add(self._keys[update.ordinal])
+            for alias in aliases.get(update.ordinal, ()):
+                self._touched.add(self._keys[alias])
+
+    def _checkpoint_names(self, trainer: ModelMetadata, mapping: dict[str, str] | str | None) -> dict[str, str]:
+        """Trainer name -> the checkpoint name this engine's load_weights takes."""
+        if mapping is None:
+            return {k: k for k in trainer.keys}
+        if mapping == "is_agent":
+            return {k: k.removeprefix(AGENT_PREFIX) for k in trainer.keys}
+        assert isinstance(mapping, dict)
+        inverse = {v: k for k, v in mapping.items()}
+        if len(inverse) != len(mapping):
+            raise ConfigError("name_mapping maps two checkpoint names to one trainer name")
+        unknown = sorted(set(inverse) - set(trainer.keys))
+        if unknown:
+            raise ConfigError(f"name_mapping names the trainer key {unknown[0]!r}, which the trainer does not have")
+        return {k: inverse.get(k, k) for k in trainer.keys}
+
+    def _agree_on_target(self, target: int | None, update_info: WeightsyncUpdateInfo) -> int | None:
+        """One version for every worker: "the sender's current one" is asked once."""
+        if target is None and self._world() > 1:
+            receiver, thread = self._receiver(), self._thread
+            assert thread is not None
+            if self._group_rank() == 0:
+                target, _ = thread.run(receiver._ask_sender(False, update_info.timeout), update_info.timeout)
+            target = self._broadcast(target)
+        return target
+
+    def _world(self) -> int:
+        try:
+            from vllm.distributed.parallel_state import get_world_group
+
+            return int(get_world_group().world_size)
+        except (ImportError, AssertionError):
+            return 1
+
+    def _group_rank(self) -> int:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+
+    def _broadcast(self, value: Any) -> Any:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+        return box[0]
+
+    def _gather(self, value: Any) -> list[Any]:
+        if self._world() == 1:
+            return [value]
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        out: list[Any] = [None] * group.world_size
+        torch.distributed.all_gather_object(out, value, group=group.cpu_group)
+        return out
+
+    def _rank(self) -> int:
+        return self._group_rank() if self._world() > 1 else 0
+
+    def _identity(self) -> str:
+        return f"vllm-{socket.gethostname()}-{os.getpid()}-rank{self._rank()}"
+
+    def status(self) -> Mapping[str, Any]:
+        """The receiver's status, for a worker RPC (``collective_rpc``)."""
+        return {} if self.receiver is None else self.receiver.status()

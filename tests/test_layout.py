@@ -1,0 +1,160 @@
+"""The runtime map recorded from a model's own load_weights (receiver/vllm/layout.py).
+
+These models load like vLLM's layers do (fused q/k/v and gate/up rows, a padded
+vocabulary, a column slice as tensor parallelism takes it), written here so that the
+map's arithmetic is checked element by element without starting an engine; tests/
+test_vllm.py runs the same code in real vLLM workers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from protocol.errors import ConfigError, MetadataMismatchError
+from protocol.state import Placed
+from receiver.vllm.layout import LayoutError, MappedTensor, derive_layout
+
+Q, KV, H, INTER, V, VPAD = 8, 4, 6, 10, 7, 8  # query rows, key/value rows, hidden, intermediate, vocab (padded)
+
+
+class FusedModel(nn.Module):
+    """q/k/v fused into qkv, gate/up into gate_up, vocab padded, and (``rank`` of 2) the
+    down projection split by columns as a row-parallel layer is."""
+
+    def __init__(self, rank: int | None = None, transform: str = "") -> None:
+        super().__init__()
+        self.rank, self.transform = rank, transform
+        self.qkv = nn.Parameter(torch.zeros(Q + 2 * KV, H, dtype=torch.bfloat16), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.zeros(2 * INTER, H, dtype=torch.bfloat16), requires_grad=False)
+        cols = H if rank is None else H // 2
+        self.down = nn.Parameter(torch.zeros(H, cols, dtype=torch.bfloat16), requires_grad=False)
+        self.embed = nn.Parameter(torch.zeros(VPAD, H, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        rows = {"q": (0, Q), "k": (Q, KV), "v": (Q + KV, KV), "gate": (0, INTER), "up": (INTER, INTER)}
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                start, n = rows[name]
+                if self.transform == "scale" and name == "k":
+                    w = w * 2  # a transform: the copy's source is not the checkpoint tensor
+                self.qkv.data.narrow(0, start, n).copy_(w)
+            elif name in ("gate", "up"):
+                start, n = rows[name]
+                self.gate_up.data.narrow(0, start, n).copy_(w)
+            elif name == "down":
+                if self.rank is not None:
+                    w = w.narrow(1, self.rank * (H // 2), H // 2)
+                self.down.data.copy_(w)
+                if self.transform == "inplace":
+                    self.down.data.mul_(-1)  # after the copy: the values no longer equal the source
+            elif name == "embed":
+                self.embed.data[:V].copy_(w)
+                self.embed.data[V:].fill_(0)
+            elif name == "lm_head":
+                pass  # tied: the engine keeps it once, as embed
+            else:
+                raise KeyError(name)
+
+
+META = [
+    ("q", (Q, H)), ("k", (KV, H)), ("v", (KV, H)), ("gate", (INTER, H)), ("up", (INTER, H)),
+    ("down", (H, H)), ("embed", (V, H)), ("lm_head", (V, H)),
+]
+
+
+def metadata() -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(k, s, torch.bfloat16) for k, s in META]
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g).to(torch.bfloat16) for k, s in META}
+
+
+def load_reference(rank: int | None, weights: dict[str, torch.Tensor]) -> FusedModel:
+    ref = FusedModel(rank)
+    ref.load_weights(list(weights.items()))
+    return ref
+
+
+def write_whole(tensor: torch.Tensor | Placed, values: torch.Tensor) -> None:
+    if isinstance(tensor, Placed):
+        tensor.assign(values)
+    else:
+        tensor.copy_(values)
+
+
+@pytest.mark.parametrize("rank", [None, 0, 1])
+def test_map_places_every_element_as_load_weights_does(rank: int | None) -> None:
+    model = FusedModel(rank)
+    layout = derive_layout(model, metadata())
+    weights = checkpoint(3)
+    for key, tensor in layout.tensors.items():
+        write_whole(tensor, weights[key])
+    ref = load_reference(rank, weights)
+    for name in ("qkv", "gate_up", "down", "embed"):
+        assert torch.equal(getattr(model, name)[: V if name == "embed" else None], getattr(ref, name)[: V if name == "embed" else None]), name
+    assert layout.unmapped == ["lm_head"]
+    # Whole single copies are plain views of the parameter; a column slice is mapped.
+    assert isinstance(layout.tensors["q"], torch.Tensor) and layout.tensors["q"].data_ptr() == model.qkv.data_ptr()
+    assert isinstance(layout.tensors["down"], MappedTensor if rank is not None else torch.Tensor)
+
+
+@pytest.mark.parametrize("rank", [None, 1])
+def test_sparse_writes_and_reads_go_through_the_map(rank: int | None) -> None:
+    model = FusedModel(rank)
+    layout = derive_layout(model, metadata())
+    base, new = checkpoint(4), checkpoint(5)
+    for key, tensor in layout.tensors.items():
+        write_whole(tensor, base[key])
+    g = torch.Generator().manual_seed(6)
+    expected = {k: v.clone() for k, v in base.items()}
+    for key, tensor in layout.tensors.items():
+        flat = torch.randperm(base[key].numel(), generator=g)[: base[key].numel() // 3].sort().values
+        expected[key].view(-1)[flat] = new[key].view(-1)[flat]
+        if isinstance(tensor, Placed):
+            if tensor.held == tensor.numel():
+                assert torch.equal(tensor.read(flat), base[key].view(-1)[flat])
+            tensor.write(flat, new[key].view(-1)[flat])
+        else:
+            tensor.view(-1)[flat] = new[key].view(-1)[flat]
+    ref = load_reference(rank, expected)
+    assert torch.equal(model.qkv, ref.qkv) and torch.equal(model.gate_up, ref.gate_up) and torch.equal(model.down, ref.down)
+    down = layout.tensors["down"]
+    if isinstance(down, MappedTensor):  # half the columns live on the other rank
+        assert down.held == H * H // 2 and down.materialize() is None
+        flat = torch.arange(H * H)
+        held_cols = (flat % H >= H // 2) if rank == 1 else (flat % H < H // 2)
+        assert torch.equal(down.read(flat)[held_cols], expected["down"].view(-1)[held_cols])
+
+
+def test_a_loader_that_transforms_before_the_copy_is_refused_by_name() -> None:
+    with pytest.raises(LayoutError, match="'k'"):
+        derive_layout(FusedModel(transform="scale"), metadata())
+
+
+def test_a_loader_that_transforms_after_the_copy_is_refused_by_name() -> None:
+    with pytest.raises(LayoutError, match="'down'"):
+        derive_layout(FusedModel(transform="inplace"), metadata())
+
+
+def test_a_name_the_loader_does_not_know_is_a_metadata_mismatch() -> None:
+    with pytest.raises(MetadataMismatchError, match="value_head"):
+        derive_layout(FusedModel(), [*metadata(), ("value_head", (1, H), torch.bfloat16)])
+    assert issubclass(LayoutError, ConfigError)
+
+
+def test_importing_weightsync_loads_no_jit_compiler() -> None:
+    """vLLM's CPU worker dies at start when llvmlite was imported first, and it re-imports
+    the user's main script: importing weightsync must not import numba."""
+    code = (
+        "import sys; import protocol, sender, receiver; from sender import Sender; from receiver import Receiver; "
+        "import receiver.vllm, receiver.service, protocol.server; "
+        "bad = [m for m in ('numba', 'llvmlite') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
