@@ -85,7 +85,7 @@ class Trainer:
         self.opt.zero_grad()
         self.version += 1
         stats = self.run(self.sender.sync(self.model, version=self.version))
-        return {"version": self.version, "loss": round(float(loss), 4), "changed_fraction": round(stats.changed_fraction, 4)}
+        return {"version": self.version, "loss": round(float(loss.detach()), 4), "changed_fraction": round(stats.changed_fraction, 4)}
 
     def save(self, directory: str) -> None:
         """The weights as vLLM would load them: a bf16 checkpoint with this config."""

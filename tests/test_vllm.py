@@ -64,3 +64,79 @@ def test_tensor_parallel_two_with_untied_embeddings() -> None:
     gate/up rows, o_proj/down_proj columns, half the vocabulary); untied lm_head."""
     summary, _ = run_example("--steps", "3", "--check", "--tp", "2", "--untied", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     check_summary(summary, 3)
+
+
+def _http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    data = None if method == "GET" else json.dumps(body or {}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def test_vllm_serve_driven_over_http_only(tmp_path: Path) -> None:
+    """The OpenAI server with the RL routes (VLLM_SERVER_DEV_MODE=1), as its own process:
+    init, then per version pause(mode=keep) / start / update / finish / resume, with
+    /is_paused, /weight_info and /weight_checker. (vllm-cpu 0.32.0's ``vllm`` CLI looks up
+    the distribution "vllm" and fails, so the server module is started directly.)"""
+    sys.path.insert(0, str(ROOT))
+    from daemon_helpers import free_port
+
+    from examples.vllm_rollout import CONFIG, Trainer
+
+    trainer = Trainer(tie=True, lr=2e-6)
+    trainer.config.save_pretrained(tmp_path)
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path), "--load-format", "dummy",
+        "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128", "--port", str(port),
+        "--weight-transfer-config", json.dumps({"backend": "weightsync"}),
+    ]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        import time
+
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                if _http("GET", base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm server did not come up"
+            time.sleep(0.5)
+        assert _http("POST", base + "/init_weight_transfer_engine", {"init_info": {"endpoint": trainer.sender.endpoint, "config": CONFIG}})[0] == 200
+        code, text = _http("POST", base + "/init_weight_transfer_engine", {"init_info": {"endpoint": trainer.sender.endpoint}})
+        assert code == 500 and "already initialised" in text  # a second init is refused, the first keeps working
+        before = _http("POST", base + "/weight_checker", {"action": "checksum"})[1]["checksums"]
+        for version in (1, 2):
+            trainer.step()
+            assert _http("POST", base + "/pause?mode=keep")[0] == 200
+            assert _http("GET", base + "/is_paused")[1] == {"is_paused": True}
+            assert _http("POST", base + "/start_weight_update")[0] == 200
+            assert _http("POST", base + "/update_weights", {"update_info": {"version": f"global_step_{version}"}})[0] == 200
+            assert _http("POST", base + "/finish_weight_update", {"weight_version": str(version)})[0] == 200
+            assert _http("POST", base + "/resume")[0] == 200
+            assert _http("GET", base + "/weight_info")[1] == {"weight_version": str(version)}
+        code, text = _http("POST", base + "/update_weights", {"update_info": {"version": "latest"}})
+        assert code >= 400  # a bad version is refused (outside start/finish too)
+        after = _http("POST", base + "/weight_checker", {"action": "checksum"})[1]["checksums"]
+        changed = sorted(k for k in before if before[k] != after[k])
+        assert any(k.endswith("model.embed_tokens.weight") for k in changed), changed
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+        trainer.close()
