@@ -13,6 +13,7 @@ gathers through a hook that enforces it (see ``sender.fsdp``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -40,10 +41,7 @@ class Placed:
     device: torch.device
 
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()

@@ -34,13 +34,10 @@ class StagedUpdate:
     @classmethod
     def stage(cls, decoded: DecodedTensor, target: Target) -> StagedUpdate:
         """Resolve XOR and ulp values against ``target`` and move everything to its device."""
-        if isinstance(target, Placed):  # it reads and writes by flat index itself
-            if decoded.flat is None:
-                update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
-            else:
-                update = cls(decoded.key, decoded.flat, decoded.new_values(target.read(decoded.flat).cpu()).to(target.device))
-        elif decoded.flat is None:
+        if decoded.flat is None:
             update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
+        elif isinstance(target, Placed):  # it reads and writes by flat index itself
+            update = cls(decoded.key, decoded.flat, decoded.new_values(target.read(decoded.flat).cpu()).to(target.device))
         else:
             flat = decoded.flat.to(target.device)
             if decoded.encoding is ValueEncoding.ULP and kernels.supported(target):

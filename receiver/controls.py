@@ -199,6 +199,12 @@ class Controls:
                 await self._verify(latest, digest, left())
             return self.version
 
+    async def sender_version(self, timeout: float | None = 30.0) -> int | None:
+        """The sender's current version (one round trip). Safe beside any other call; a
+        held receiver can ask while a resync waits for ``update_weights``."""
+        version, _ = await self._ask_sender(False, timeout)
+        return version
+
     async def _pause(self) -> None:
         if self._paused:
             return

@@ -187,6 +187,7 @@ class Receiver(Controls):
         self._engine = EngineHooks()
         self.hold = hold
         self._paused = hold
+        self._at_gate = False  # a held resync waits, staged, for update_weights
         self._asleep: set[str] = set()
         self._released: memory.ReleasedWeights | None = None
         self._apply_until: int | None = None  # while paused: update_weights lets versions through up to here
@@ -530,28 +531,32 @@ class Receiver(Controls):
         """A resync of a held receiver waits, staged, for ``update_weights``."""
         if self.version is None:
             return  # the first bootstrap: the model holds no version to keep serving
-        self.pending_version = pending.version
+        self.pending_version, self._at_gate = pending.version, True
         await self._notify()
         try:
             await self._wait(functools.partial(self._may_commit, pending.version), None, fail=False)
         finally:
-            self.pending_version = None
+            self.pending_version, self._at_gate = None, False
         if self._leaving:
             raise _Leave("asked to leave")
 
     async def _handshake(self, sock: DealerSocket, recv: Callable[[], Any], digest: str | None) -> None:
-        # A held receiver's resync may wait for update_weights for as long as it takes;
-        # a silent sender meanwhile still ends the session (the heartbeat task).
-        limit = None if self.hold and self.version is not None else self.peer_timeout + 60.0
+        handshake = asyncio.create_task(self.strategy.init_receiver(self._state(), recv, sock.send, receiver_id=self.identity, digest=digest))
         try:
-            version = await asyncio.wait_for(
-                self.strategy.init_receiver(self._state(), recv, sock.send, receiver_id=self.identity, digest=digest),
-                limit,
-            )
+            done, _ = await asyncio.wait({handshake}, timeout=self.peer_timeout + 60.0)
+            if not done and self._at_gate:  # a held resync, staged: it waits for update_weights as long as it takes
+                done, _ = await asyncio.wait({handshake})
+            if not done:
+                raise asyncio.TimeoutError(f"no complete handshake from the sender within {self.peer_timeout + 60.0:.3g}s")
+            version = handshake.result()
         except MetadataMismatchError as e:
             if self._names is None:
                 raise
             raise MetadataMismatchError(self._names.explain(str(e))) from e
+        finally:
+            if not handshake.done():
+                handshake.cancel()
+                await asyncio.gather(handshake, return_exceptions=True)
         self.connected = True
         self._handshakes += 1
         boot = self.strategy.last_stats

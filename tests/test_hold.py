@@ -26,6 +26,7 @@ async def test_held_receiver_stages_versions_and_commits_only_in_update_weights(
             v1 = await trainer.step_and_sync(sender)
             v2 = await trainer.step_and_sync(sender)
             await wait_until(lambda: receiver.pending_version == v1)  # staged while "generating"
+            assert await receiver.sender_version(T) == v2
             await asyncio.sleep(0.3)
             await assert_matches(receiver, trainer, 0)  # nothing written outside update_weights
 

@@ -48,6 +48,20 @@ def check_summary(summary: dict[str, Any], steps: int) -> None:
     assert summary["checksums_equal"]
 
 
+def test_init_and_update_info_are_checked_at_the_boundary() -> None:
+    from receiver.vllm.engine import WeightsyncInitInfo, WeightsyncUpdateInfo
+
+    assert WeightsyncInitInfo(endpoint="tcp://127.0.0.1:5555").endpoints == ["tcp://127.0.0.1:5555"]
+    for bad in ({"endpoint": []}, {"endpoint": "tcp://x:1", "timeout": 0}, {"endpoint": "tcp://x:1", "curve": {"public": "k"}},
+                {"endpoint": "tcp://x:1", "name_mapping": "guess"}):
+        with pytest.raises(ValueError):
+            WeightsyncInitInfo(**bad)
+    assert WeightsyncUpdateInfo(version="global_step_12").version == "global_step_12"
+    for bad_update in ({"version": "latest"}, {"version": -1}, {"timeout": True}, {"verify_checksum": "yes"}):
+        with pytest.raises(ValueError):
+            WeightsyncUpdateInfo(**bad_update)
+
+
 def test_engine_follows_the_trainer_and_equals_a_fresh_engine() -> None:
     """Tied embeddings (lm_head is embed_tokens), grouped-query attention with qkv bias,
     gate_up, a padded vocabulary; TP=1. Versions stage while the engine generates."""

@@ -25,13 +25,14 @@ What a caller can rely on, beyond vLLM's contract for a backend:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -114,18 +115,6 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"update_info.verify_checksum must be true or false, got {self.verify_checksum!r}")
 
 
-@dataclass
-class UpdateReport:
-    """What the last ``update_weights`` did on this worker."""
-
-    version: int | None
-    seconds: float
-    commit_seconds: float
-    repack_seconds: float
-    layers_repacked: int
-    versions: list[int] = field(default_factory=list)
-
-
 class _LoopThread:
     """An event loop on its own daemon thread: the worker's thread hands it coroutines."""
 
@@ -144,7 +133,7 @@ class _LoopThread:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             future.cancel()
             raise TimeoutError(f"weightsync: {what or 'the call'} did not finish within {timeout:.3g}s") from None
 
@@ -166,10 +155,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         super().__init__(config, vllm_config, device, model)
         self.receiver: Receiver | None = None
         self.layout: Layout | None = None
-        self.last_update: UpdateReport | None = None
         self._thread: _LoopThread | None = None
         self._touched: set[str] = set()
-        self._keys: tuple[str, ...] = ()
+        self._keys: tuple[str, ...] = ()  # the trainer's names, in the receiver's ordinal order
+        self._names: dict[str, str] = {}  # trainer name -> this engine's checkpoint name
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -215,8 +204,6 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         receiver, thread = self._receiver(), self._thread
         assert thread is not None and self.layout is not None
-        started = time.perf_counter()
-        before = receiver.version
         target = self._agree_on_target(parse_version(update_info.version), update_info)
         limit = None if update_info.timeout is None else update_info.timeout + 5
         for _ in range(3):  # workers may land on different versions (a resync past the target): even them out
@@ -228,15 +215,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             target = max(v for v in versions if v is not None)
         else:
             raise WeightSyncError(f"the workers did not converge on one version: {versions}")
-        committed = time.perf_counter()
-        layers = self.layout.layers_of(self._names[k] for k in self._touched)
-        count = self.layout.repack(layers)
+        self.layout.repack(self.layout.layers_of(self._names[k] for k in self._touched))
         self._touched.clear()
         if update_info.verify_checksum:
-            thread.run(receiver.update_weights(receiver.version, True, update_info.timeout), limit)
-        done = time.perf_counter()
-        applied = [v for v in receiver.stats if before is None or v > before]
-        self.last_update = UpdateReport(receiver.version, done - started, committed - started, done - committed, count, applied)
+            thread.run(receiver.update_weights(receiver.version, True, update_info.timeout), limit, "verify_checksum")
 
     def finish_weight_update(self) -> None:
         self._receiver()
@@ -291,7 +273,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             receiver, thread = self._receiver(), self._thread
             assert thread is not None
             if self._group_rank() == 0:
-                target, _ = thread.run(receiver._ask_sender(False, update_info.timeout), update_info.timeout)
+                target = thread.run(receiver.sender_version(update_info.timeout), update_info.timeout, "asking the sender's version")
             target = self._broadcast(target)
         return target
 
@@ -331,7 +313,3 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def _identity(self) -> str:
         return f"vllm-{socket.gethostname()}-{os.getpid()}-rank{self._rank()}"
-
-    def status(self) -> Mapping[str, Any]:
-        """The receiver's status, for a worker RPC (``collective_rpc``)."""
-        return {} if self.receiver is None else self.receiver.status()
