@@ -57,17 +57,18 @@ def tiny_config(tie: bool) -> Any:
 class Trainer:
     """The model, its optimizer and the Sender, on an event loop of their own."""
 
-    def __init__(self, tie: bool, lr: float, seed: int = 0) -> None:
+    def __init__(self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0") -> None:
         from transformers import Qwen2ForCausalLM
 
         torch.manual_seed(seed)
-        self.config = tiny_config(tie)
+        self.config = tiny_config(tie) if config is None else config
         self.model = Qwen2ForCausalLM(self.config)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.batch = torch.randint(3, 500, (4, 24), generator=torch.Generator().manual_seed(seed))
+        self.batch = torch.randint(3, self.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(seed))
+        self.last_stats: Any = None  # the SyncStats of the last step (wire_bytes once flushed)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.sender = Sender("tcp://127.0.0.1:0", CONFIG)
+        self.sender = Sender(endpoint, CONFIG)
         self.version = 0
         self.run(self._start())
 
@@ -76,7 +77,14 @@ class Trainer:
 
     async def _start(self) -> None:
         await self.sender.__aenter__()
-        await self.sender.start(self.model, version=0)
+        await self.sender.start(self.model, version=self.version)
+
+    def restart_sender(self) -> None:
+        """Close the Sender and bind a new one (a new session) at the same address."""
+        endpoint = self.sender.endpoint
+        self.run(self.sender.close())
+        self.sender = Sender(endpoint, CONFIG)
+        self.run(self._start())
 
     def step(self) -> dict[str, Any]:
         loss = self.model(input_ids=self.batch, labels=self.batch).loss
@@ -84,7 +92,7 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad()
         self.version += 1
-        stats = self.run(self.sender.sync(self.model, version=self.version))
+        stats = self.last_stats = self.run(self.sender.sync(self.model, version=self.version))
         return {"version": self.version, "loss": round(float(loss.detach()), 4), "changed_fraction": round(stats.changed_fraction, 4)}
 
     def save(self, directory: str) -> None:

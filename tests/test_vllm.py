@@ -154,3 +154,39 @@ def test_vllm_serve_driven_over_http_only(tmp_path: Path) -> None:
             server.kill()
         log.close()
         trainer.close()
+
+
+def test_hold_benchmark_runs_and_reports_every_path(tmp_path: Path) -> None:
+    """benchmarks/vllm_hold.py on a small model, one version: every path measured, and the
+    weightsync update really is split into its commit and re-pack."""
+    out = tmp_path / "hold.json"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.vllm_hold", "--json", str(out), "--steps", "1", "--hidden", "128", "--layers", "1", "--vocab", "512"],
+        cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, check=True, capture_output=True, timeout=300,
+    )
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["changed_elements"] > 0 and row["weightsync_wire_bytes"] > 0
+    for key in ("weightsync_s", "weightsync_commit_s", "weightsync_repack_s", "dense_reload_s", "full_copy_s"):
+        assert row[key] > 0, key
+    assert row["weightsync_commit_s"] + row["weightsync_repack_s"] <= row["weightsync_s"]
+    assert row["weightsync_layers_repacked"] > 0
+    assert row["sparse_nccl_bytes"] == row["changed_elements"] * 6  # int32 index + bf16 value
+
+
+def test_corrupted_patch_and_killed_trainer_under_vllm() -> None:
+    """tests/vllm_faults.py: a patch corrupted in transit is refused and resynced while
+    vLLM's checksums stay put until update_weights; a trainer killed with SIGKILL and
+    replaced at its address is followed; the engine then equals a fresh one."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_faults.py")], cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        capture_output=True, text=True, timeout=420,
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    out = lines[-1]
+    assert out["corrupt_checksums_unchanged"], "something was written outside update_weights"
+    assert out["resync_bootstraps"] >= 1
+    assert out["checksums_moved_after_update"]
+    assert out["followed_to"] == 3
+    assert out["tokens_equal"] and out["logprobs_equal"] and out["checksums_equal"], out

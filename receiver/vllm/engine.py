@@ -159,6 +159,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._touched: set[str] = set()
         self._keys: tuple[str, ...] = ()  # the trainer's names, in the receiver's ordinal order
         self._names: dict[str, str] = {}  # trainer name -> this engine's checkpoint name
+        self.last_timing: dict[str, float] = {}  # the last update: commit and re-pack seconds (benchmarks/vllm_hold.py)
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -204,6 +205,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         receiver, thread = self._receiver(), self._thread
         assert thread is not None and self.layout is not None
+        started = time.perf_counter()
         target = self._agree_on_target(parse_version(update_info.version), update_info)
         limit = None if update_info.timeout is None else update_info.timeout + 5
         for _ in range(3):  # workers may land on different versions (a resync past the target): even them out
@@ -215,8 +217,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             target = max(v for v in versions if v is not None)
         else:
             raise WeightSyncError(f"the workers did not converge on one version: {versions}")
-        self.layout.repack(self.layout.layers_of(self._names[k] for k in self._touched))
+        committed = time.perf_counter()
+        layers = self.layout.repack(self.layout.layers_of(self._names[k] for k in self._touched))
         self._touched.clear()
+        self.last_timing = {"commit_s": committed - started, "repack_s": time.perf_counter() - committed, "layers_repacked": layers}
         if update_info.verify_checksum:
             thread.run(receiver.update_weights(receiver.version, True, update_info.timeout), limit, "verify_checksum")
 
