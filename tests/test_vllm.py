@@ -190,3 +190,21 @@ def test_corrupted_patch_and_killed_trainer_under_vllm() -> None:
     assert out["checksums_moved_after_update"]
     assert out["followed_to"] == 3
     assert out["tokens_equal"] and out["logprobs_equal"] and out["checksums_equal"], out
+
+
+def test_async_engine_keeps_sampling_across_updates() -> None:
+    """examples/vllm_async_rl.py on AsyncLLM: requests in flight survive pause(mode=keep)
+    and every update, every version reaches the engine, samples come from several versions."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "vllm_async_rl.py"), "--steps", "3"], cwd=ROOT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    summaries = [line["summary"] for line in lines if "summary" in line]
+    assert proc.returncode == 0 and summaries, proc.stderr[-4000:]
+    summary = summaries[-1]
+    assert summary["failures"] == []
+    assert summary["weight_version"] == "3" and 1 <= summary["updates"] <= 3
+    assert summary["tags_ordered"]
+    assert len(summary["samples_by_version"]) >= 2, summary  # sampled under more than one version
+    assert summary["samples_by_version"].get("3", 0) > 0  # and under the last one
