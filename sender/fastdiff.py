@@ -71,15 +71,19 @@ if numba is not None:
             chunk_end = min(n, (c + 1) * CHUNK_WORDS * 64)
             for start in range(c * CHUNK_WORDS * 64, chunk_end, BLOCK):
                 end = min(chunk_end, start + BLOCK)
+                # Indexed from 0 on block views: an index the compiler knows is not
+                # negative needs no wraparound check, and the compare loop vectorizes.
+                size = end - start
+                c_block, s_block = cur[start:end], snap[start:end]
                 if rounding:
-                    for i in range(start, end):
-                        flags[i - start] = _bf16(cur[i]) != snap[i]
+                    for i in range(size):
+                        flags[i] = _bf16(c_block[i]) != s_block[i]
                 else:
-                    for i in range(start, end):
-                        flags[i - start] = cur[i] != snap[i]
-                for i in range(end - start, BLOCK):  # a partial last block: no stale flags
+                    for i in range(size):
+                        flags[i] = c_block[i] != s_block[i]
+                for i in range(size, BLOCK):  # a partial last block: no stale flags
                     flags[i] = 0
-                for w in range((end - start + 63) >> 6):
+                for w in range((size + 63) >> 6):
                     m = np.uint64(0)
                     for q in range(8):
                         m |= ((words[w * 8 + q] * _PACK) >> np.uint64(56)) << np.uint64(8 * q)

@@ -1,0 +1,209 @@
+"""Micro-benchmarks of the codec's hot kernels, one process, no sockets.
+
+    python -m benchmarks.micro [--only mark collect ...] [--repeat 30] [--json OUT.json]
+
+Each case reports the median and the best of ``--repeat`` timed calls (after one
+untimed call that compiles or loads the kernels). ``mark_serial`` / ``mark_parallel``
+call the compare kernel of ``sender.fastdiff`` directly (it does not write the
+snapshot); ``diff`` is ``diff_and_update`` on a fresh snapshot copy (mark, collect and
+the snapshot update); ``encode_tensor`` / ``decode_tensor`` are one entropy-coded
+tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``rice_parameter``,
+``pack_entry`` and the rANS kernels their parts. Absolute times depend on the machine
+and its load; compare figures taken in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> dict[str, float]:
+    """Median and best wall time of ``fn`` in seconds; ``setup`` runs untimed before each call."""
+    if setup is not None:
+        setup()
+    fn()  # compile / load from numba's cache, fault the pages in
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) * 1e-9)
+    return {"median_s": statistics.median(times), "best_s": min(times)}
+
+
+def ulp_step(old: torch.Tensor, density: float, seed: int = 0) -> torch.Tensor:
+    """``old`` (bf16) with a fraction ``density`` of its elements moved by +-1 ulp."""
+    g = torch.Generator().manual_seed(seed)
+    bits = old.view(torch.int16).clone()
+    mask = torch.rand(old.shape, generator=g) < density
+    sign = torch.where(torch.rand(old.shape, generator=g) < 0.5, 1, -1).to(torch.int16)
+    bits[mask] += sign[mask]
+    return bits.view(torch.bfloat16)
+
+
+def mark_cases(n: int, repeat: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, Any] = {}
+    for label, cur in (("fp32->bf16", torch.randn(n, generator=g)), ("bf16->bf16", torch.randn(n, generator=g).to(torch.bfloat16))):
+        out.update(_mark_case(label, cur, repeat))
+    return out
+
+
+def _mark_case(label: str, cur: torch.Tensor, repeat: int) -> dict[str, Any]:
+    from sender import fastdiff
+
+    n = cur.numel()
+    snapshot = ulp_step(cur.to(torch.bfloat16), 0.02)
+    rounding = cur.dtype != snapshot.dtype
+    cur_u, snap_u = fastdiff._bits(cur), fastdiff._bits(snapshot)
+    marks = np.empty(-(-n // 64), dtype=np.uint64)
+    counts = np.empty(-(-marks.size // fastdiff.CHUNK_WORDS), dtype=np.int64)
+    out: dict[str, Any] = {}
+    for parallel in (False, True):
+        mark = fastdiff._KERNELS[parallel][0]
+        r = timed(functools.partial(mark, cur_u, snap_u, rounding, marks, counts), repeat)
+        r["ns_per_element"] = r["median_s"] * 1e9 / n
+        out[f"mark_{'parallel' if parallel else 'serial'} {label} n={n}"] = r
+    # the whole diff (mark, collect, snapshot update) through the public entry point
+    work = snapshot.clone()
+    r = timed(lambda: fastdiff.diff_and_update(cur, work), repeat, setup=lambda: work.copy_(snapshot))
+    r["ns_per_element"] = r["median_s"] * 1e9 / n
+    out[f"diff {label} n={n} (dispatch {'parallel' if n >= fastdiff.PARALLEL_MIN else 'serial'})"] = r
+    return out
+
+
+def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
+    from protocol import entropy, rans
+    from protocol.framing import Message, MessageType, decode_message, encode_message
+    from protocol.positions import gaps_of
+    from protocol.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse, pack_entry, sparse_buffers
+
+    g = torch.Generator().manual_seed(2)
+    old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+    new = ulp_step(old, density, seed=3)
+    flat = torch.nonzero(new.view(torch.int16) != old.view(torch.int16)).squeeze(1)
+    nnz = flat.numel()
+    newv, oldv = new[flat], old[flat]
+    options = PatchOptions()
+    shape = (n,)
+    out: dict[str, Any] = {}
+
+    def case(name: str, fn: Callable[[], Any]) -> None:
+        r = timed(fn, repeat)
+        r["nnz"] = nnz
+        out[f"{name} n={n} nnz={nnz}"] = r
+
+    gaps = gaps_of(flat)
+    case("rice_parameter", lambda: entropy.rice_parameter(gaps))
+    case("encode_gaps", lambda: entropy.encode_gaps(gaps))
+    diffs = entropy.ulp_differences(newv, oldv)
+    case("encode_values", lambda: entropy.encode_values(diffs))
+    enc, vals, buffers = sparse_buffers(flat, newv, oldv, shape, options)
+    case("sparse_buffers", lambda: sparse_buffers(flat, newv, oldv, shape, options))
+    case("pack_entry", lambda: pack_entry(0, enc, vals, nnz, buffers, options.codec))
+    case("encode_tensor", lambda: encode_sparse(0, flat, newv, oldv, shape, options))
+    symbols = np.random.default_rng(4).integers(0, 3, nnz).astype(np.uint8)
+    counts = np.bincount(symbols, minlength=3).astype(np.int64)
+    words = rans.encode(symbols, counts)
+    case("rans_encode", lambda: rans.encode(symbols, counts))
+    freq = rans.quantize(counts)
+    cum, lut = rans.tables(freq)
+    dec = np.empty(nnz, dtype=np.uint8)
+    case("rans_decode_into", lambda: rans.decode_into(words, freq, cum, lut, dec))
+    entry = encode_sparse(0, flat, newv, oldv, shape, options)
+    specs, frames = assemble([entry])
+    wire = encode_message(Message(MessageType.PATCH, version=1, base_version=0, tensors=specs, frames=frames))
+    msg = decode_message(wire)
+    case("decode_tensor", lambda: decode_entry(msg.tensors[0], msg.frames, shape, torch.bfloat16, torch.device("cpu")))
+    return out
+
+
+def compress_cases(repeat: int) -> dict[str, Any]:
+    from protocol.compress import Codec, compress
+
+    out: dict[str, Any] = {}
+    rng = np.random.default_rng(5)
+    for size in (256, 4096, 1 << 16):
+        data = torch.from_numpy(rng.integers(0, 4, size).astype(np.uint8))
+        out[f"zstd_compress {size}B"] = timed(functools.partial(compress, data, Codec.ZSTD), repeat)
+    return out
+
+
+def pool_cases(n_tensors: int, n: int, density: float, repeat: int) -> dict[str, Any]:
+    """The per-tensor codec pool over one message's worth of entropy-coded tensors."""
+    from protocol import parallel
+    from protocol.framing import Message, MessageType, decode_message, encode_message
+    from protocol.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse
+
+    g = torch.Generator().manual_seed(6)
+    options = PatchOptions()
+    items = []
+    for i in range(n_tensors):
+        old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        new = ulp_step(old, density, seed=10 + i)
+        flat = torch.nonzero(new.view(torch.int16) != old.view(torch.int16)).squeeze(1)
+        items.append((i, flat, new[flat], old[flat]))
+    entries = [encode_sparse(k, f, nv, ov, (n,), options) for k, f, nv, ov in items]
+    specs, frames = assemble(entries)
+    msg = decode_message(encode_message(Message(MessageType.PATCH, version=1, base_version=0, tensors=specs, frames=frames)))
+    cpu = torch.device("cpu")
+    out: dict[str, Any] = {}
+    saved = parallel.WORKERS
+    try:
+        for workers in sorted({1, 2, saved}):
+            parallel.WORKERS = workers
+            out[f"encode {n_tensors} tensors n={n} workers={workers}"] = timed(
+                lambda: parallel.map_ordered(lambda it: encode_sparse(it[0], it[1], it[2], it[3], (n,), options), items), repeat)
+            out[f"decode {n_tensors} tensors n={n} workers={workers}"] = timed(
+                lambda: parallel.map_ordered(lambda e: decode_entry(e, msg.frames, (n,), torch.bfloat16, cpu), msg.tensors), repeat)
+    finally:
+        parallel.WORKERS = saved
+    return out
+
+
+CASES = ("mark", "codec", "compress", "pool")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.micro", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=CASES, default=list(CASES))
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--mark-n", type=int, default=1 << 23, help="elements of the compared tensor (default 8M)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    results: dict[str, Any] = {}
+    if "mark" in args.only:
+        results.update(mark_cases(args.mark_n, args.repeat))
+        results.update(mark_cases(1 << 20, args.repeat))
+    if "codec" in args.only:
+        results.update(codec_cases(1 << 20, 0.024, args.repeat))
+        results.update(codec_cases(1 << 16, 0.024, args.repeat))
+    if "compress" in args.only:
+        results.update(compress_cases(args.repeat))
+    if "pool" in args.only:
+        results.update(pool_cases(24, 1 << 16, 0.024, max(5, args.repeat // 3)))
+    for name, r in results.items():
+        extra = f"  {r['ns_per_element']:.3f} ns/elem" if "ns_per_element" in r else ""
+        print(f"{name:70s} median {r['median_s'] * 1e6:10.1f} us  best {r['best_s'] * 1e6:10.1f} us{extra}")
+    if args.json:
+        doc = {"command": "python -m benchmarks.micro " + " ".join(sys.argv[1:] if argv is None else argv),
+               "cpus": os.cpu_count(), "load_average": os.getloadavg(), "results": results}
+        args.json.write_text(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
