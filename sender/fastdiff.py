@@ -16,6 +16,7 @@ fp32 -> bf16 rounds exactly as torch's CPU cast does: to nearest even, NaN to 0x
 
 from __future__ import annotations
 
+from types import FunctionType
 from typing import NamedTuple
 
 import numpy as np
@@ -42,6 +43,14 @@ class Diff(NamedTuple):
     flat: torch.Tensor | None
     new: torch.Tensor | None
     old: torch.Tensor | None
+
+
+def _named_copy(fn: FunctionType, suffix: str) -> FunctionType:
+    """``fn`` under another name: numba caches it apart from ``fn`` and its other copies."""
+    copy = FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = fn.__qualname__ + suffix
+    copy.__doc__ = fn.__doc__
+    return copy
 
 
 if numba is not None:
@@ -110,10 +119,16 @@ if numba is not None:
 
     # Each kernel twice: threads pay off on large tensors only. Waking a thread team costs
     # microseconds on an idle host and milliseconds on a busy one (a trainer's), which
-    # would dominate a model's many small tensors.
+    # would dominate a model's many small tensors. The two builds must be two functions:
+    # numba's on-disk cache keys an entry by the function's name, line and signature,
+    # not by ``parallel``, so one function compiled both ways would load whichever build
+    # was cached first for both. Each copy gets its own name (so its own cache file); the
+    # names are new, so no index written by the old one-function layout is ever read.
     _KERNELS = {
-        parallel: (numba.njit(parallel=parallel, cache=True, nogil=True)(_mark),
-                   numba.njit(parallel=parallel, cache=True, nogil=True)(_collect))
+        parallel: tuple(
+            numba.njit(parallel=parallel, cache=True, nogil=True)(_named_copy(fn, "_parallel" if parallel else "_serial"))
+            for fn in (_mark, _collect)
+        )
         for parallel in (False, True)
     }
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sender import fastdiff
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SPECIALS = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 3.4e38, 1.0]
 BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -99,3 +107,72 @@ def test_large_tensors_take_the_threaded_kernels(pair: tuple[torch.dtype, torch.
     assert changed == expect_flat.numel() and flat is not None and new is not None and old is not None
     assert torch.equal(flat, expect_flat) and same_bits(new, expect_new) and same_bits(old, expect_old)
     assert same_bits(snapshot, cur.to(pair[1]))
+
+
+def _kernel_outputs(parallel: bool, cur: torch.Tensor, snapshot: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """Marks, counts and collected changes from one build of the kernels (``snapshot`` is moved)."""
+    mark, collect = fastdiff._KERNELS[parallel]
+    n = cur.numel()
+    cur_u, snap_u = fastdiff._bits(cur), fastdiff._bits(snapshot)
+    rounding = cur.dtype != snapshot.dtype
+    marks = np.empty(-(-n // 64), dtype=np.uint64)
+    counts = np.empty(-(-marks.size // fastdiff.CHUNK_WORDS), dtype=np.int64)
+    mark(cur_u, snap_u, rounding, marks, counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    total = int(offsets[-1])
+    flat, new, old = np.empty(total, dtype=np.int64), np.empty(total, dtype=snap_u.dtype), np.empty(total, dtype=snap_u.dtype)
+    collect(cur_u, snap_u, rounding, marks, offsets, flat, new, old)
+    return marks, counts, flat, new, old, snap_u.copy()
+
+
+@pytest.mark.parametrize("pair", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("n", [1, 4095, 4097, 3 * 65536 + 5])
+def test_parallel_and_serial_kernels_agree_bit_for_bit(pair: tuple[torch.dtype, torch.dtype], n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    cur = torch.randn(n, generator=g).to(pair[0])
+    snapshot = cur.to(pair[1])
+    snapshot.view(BITS[snapshot.element_size()])[torch.rand(n, generator=g) < 0.05] += 1
+    expected = (cur.to(pair[1]).view(BITS[snapshot.element_size()]) != snapshot.view(BITS[snapshot.element_size()])).numpy()
+    packed = np.packbits(np.concatenate([expected, np.zeros(-n % 64, dtype=bool)]), bitorder="little").view(np.uint64)
+    serial = _kernel_outputs(False, cur, snapshot.clone())
+    threaded = _kernel_outputs(True, cur, snapshot.clone())
+    assert np.array_equal(serial[0], packed)  # bit i of the marks is element i
+    for a, b in zip(serial, threaded):
+        assert np.array_equal(a, b)
+
+
+def test_the_two_builds_are_distinct_functions() -> None:
+    """numba's cache does not key on ``parallel``: one function compiled twice would load
+    one build for both. The threaded dispatch must hold its own, parallel, functions."""
+    serial, threaded = fastdiff._KERNELS[False], fastdiff._KERNELS[True]
+    for s, t in zip(serial, threaded):
+        assert s is not t and s.py_func is not t.py_func
+        assert s.py_func.__qualname__ != t.py_func.__qualname__  # so separate cache files
+        assert s.targetoptions["parallel"] is False and t.targetoptions["parallel"] is True
+
+
+_PROBE = """
+import sys, numba, torch
+from sender import fastdiff
+cur = torch.randn(fastdiff.PARALLEL_MIN if sys.argv[1] == "large" else 1000)
+fastdiff.diff_and_update(cur, torch.zeros(cur.numel(), dtype=torch.bfloat16))
+try:
+    print(numba.threading_layer())
+except ValueError:
+    print("no threads")
+"""
+
+
+def test_threaded_dispatch_runs_threaded_code_after_a_serial_cache(tmp_path: Path) -> None:
+    """A fresh cache filled by a process that ran only the serial build must not hand
+    that build to the next process's threaded dispatch: there the thread pool starts."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+
+    def probe(size: str) -> str:
+        done = subprocess.run([sys.executable, "-c", _PROBE, size], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert probe("small") == "no threads"  # serial only: cached under the serial functions' names
+    assert any(tmp_path.rglob("*.nbi"))
+    assert probe("large") != "no threads"
