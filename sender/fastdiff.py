@@ -16,8 +16,9 @@ fp32 -> bf16 rounds exactly as torch's CPU cast does: to nearest even, NaN to 0x
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import FunctionType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -45,8 +46,9 @@ class Diff(NamedTuple):
     old: torch.Tensor | None
 
 
-def _named_copy(fn: FunctionType, suffix: str) -> FunctionType:
+def _named_copy(fn: Callable[..., Any], suffix: str) -> FunctionType:
     """``fn`` under another name: numba caches it apart from ``fn`` and its other copies."""
+    assert isinstance(fn, FunctionType)
     copy = FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
     copy.__qualname__ = fn.__qualname__ + suffix
     copy.__doc__ = fn.__doc__
