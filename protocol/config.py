@@ -9,12 +9,17 @@
               init_sync: {enabled, prefixes, bucket_size}}
       bucket: {bucket_size, bucket_dtype, bucket_device, is_agent, load_instant, init_sync}
 
-Unknown keys are errors, so a typo never silently falls back to a default.
+Unknown keys are errors, so a typo never silently falls back to a default. RLinf's own
+``weight_syncer`` group loads unchanged: its aliases (``patch.compression_algorithm``,
+``init_sync.buckets_size``) read as weightsync's names, and its NCCL broadcast options
+(``use_ring_sync``, ``nccl_max_ctas``, ``nccl_min_ctas``), which have no effect over
+ZeroMQ, are checked and, when set, warned about once per process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +32,8 @@ from .dtypes import parse_float_dtype
 from .errors import ConfigError
 from .framing import Encoding, ValueEncoding
 from .tensorcodec import PatchOptions
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEVICES = ("cpu", "cuda")
@@ -71,7 +78,7 @@ class BucketConfig:
     bucket_size: int = 512 * MiB
     bucket_dtype: str | None = None  # None keeps dtypes; a float dtype converts floating tensors only
     bucket_device: str = "auto"  # where buckets are assembled: cpu, cuda, or auto (the tensor's device)
-    is_agent: bool = False  # accepted for seed-config compatibility; no effect (name maps are explicit)
+    is_agent: bool = False  # RLinf's sender-side rename; only false is accepted (name maps are explicit)
     load_instant: bool = True  # decode each bucket on arrival; False keeps frames until the last one
     init_sync: InitSyncConfig = field(default_factory=lambda: InitSyncConfig(enabled=False))
 
@@ -112,6 +119,12 @@ class SyncConfig:
         ):
             if type(flag) is not bool:  # "false" is a true string: never guess
                 raise ConfigError(f"{name} must be true or false, got {flag!r}")
+        if b.is_agent:
+            raise ConfigError(
+                "bucket.is_agent: true is RLinf's sender-side rename of 'model.language_model.<x>' to 'model.<x>' "
+                "(vision-language agents); weightsync renames on the receiver only, explicitly: leave is_agent false "
+                "and give the receiver name_mapping={'model.<x>': 'model.language_model.<x>', ...} (or a callable)"
+            )
         if type(p.dense_above) not in (int, float) or not 0 <= p.dense_above <= 1:
             raise ConfigError(f"patch.dense_above must be a number in [0, 1], got {p.dense_above!r}")
         if self.type == "patch":
@@ -127,6 +140,23 @@ class SyncConfig:
             ):
                 raise ConfigError(f"{name}.init_sync.prefixes must be null or a list of non-empty strings")
         return self
+
+
+# RLinf's names for weightsync's keys, per section: {section: {alias: key}}. Both at once
+# must agree (RLinf would silently prefer one).
+ALIASES: dict[type, dict[str, str]] = {
+    PatchConfig: {"compression_algorithm": "compression"},
+    InitSyncConfig: {"buckets_size": "bucket_size"},
+}
+
+# RLinf's top-level NCCL broadcast options (CollectiveGroupOptions): weightsync sends over
+# ZeroMQ, so they cannot apply. Key -> (the value meaning "not set", a check of a set value).
+NO_EFFECT: dict[str, tuple[Any, str]] = {
+    "use_ring_sync": (False, "true or false"),
+    "nccl_max_ctas": (None, "a positive integer or null"),
+    "nccl_min_ctas": (None, "a positive integer or null"),
+}
+_warned: set[str] = set()  # keys already warned about in this process
 
 
 def load_config(source: SyncConfig | Mapping[str, Any] | str | Path | object | None = None) -> SyncConfig:
@@ -149,7 +179,24 @@ def load_config(source: SyncConfig | Mapping[str, Any] | str | Path | object | N
         data = data["weight_syncer"] or {}
         if not isinstance(data, dict):
             raise ConfigError(f"weight_syncer must be a mapping, got {type(data).__name__}")
-    return _build(SyncConfig, data, "").validate()
+    return _build(SyncConfig, _drop_no_effect(data), "").validate()
+
+
+def _drop_no_effect(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the keys in ``NO_EFFECT``: each is type-checked, and one set to
+    anything but its default is warned about once per process (both sides load the file)."""
+    kept = dict(data)
+    for key, (unset, expected) in NO_EFFECT.items():
+        if key not in kept:
+            continue
+        value = kept.pop(key)
+        ok = type(value) is bool if unset is False else value is None or (type(value) is int and value > 0)
+        if not ok:
+            raise ConfigError(f"{key} must be {expected}, got {value!r}")
+        if value != unset and key not in _warned:
+            _warned.add(key)
+            log.warning("config key %r (%r) is an RLinf NCCL broadcast option; weightsync sends over ZeroMQ and ignores it", key, value)
+    return kept
 
 
 def _plain(obj: Any) -> Any:
@@ -165,7 +212,21 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def _unalias(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out = dict(data)
+    for alias, key in ALIASES.get(cls, {}).items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if key in out and out[key] != value:
+            raise ConfigError(f"config keys {where + alias!r} ({value!r}) and {where + key!r} ({out[key]!r}) name one setting "
+                              "and disagree; keep one")
+        out[key] = value
+    return out
+
+
 def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    data = _unalias(cls, data, where)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
