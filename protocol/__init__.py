@@ -12,6 +12,7 @@ from .errors import (
     LayoutError,
     MetadataMismatchError,
     ProtocolError,
+    ResyncLimitError,
     StaleVersionError,
     WeightSyncError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "ModelState",
     "PatchConfig",
     "ProtocolError",
+    "ResyncLimitError",
     "Role",
     "StaleVersionError",
     "SyncConfig",

@@ -4,7 +4,8 @@ Callers catch ``WeightSyncError`` for everything, or one of the narrower classes
 for what they can act on: a bad message (``ProtocolError``), corrupted bytes
 (``IntegrityError``), two models that do not match (``MetadataMismatchError``),
 an update that does not apply on top of the current version
-(``StaleVersionError``), or a setting that cannot work here (``ConfigError``).
+(``StaleVersionError``), a setting that cannot work here (``ConfigError``), or a
+receiver that kept refusing its resyncs and was given up on (``ResyncLimitError``).
 """
 
 from __future__ import annotations
@@ -54,3 +55,10 @@ class SharedMemoryError(WeightSyncError):
 class StateError(WeightSyncError):
     """A control call does not fit the receiver's state (``update_weights`` while not
     paused, waking the weights while the KV cache sleeps): change the state, then retry."""
+
+
+class ResyncLimitError(WeightSyncError):
+    """A receiver refused every resync of a run of them (each NACKed, no ACK between): the
+    server stopped serving it rather than send whole models forever. Something on that
+    receiver's side (its limits, its wire, a version it holds that the server has not)
+    needs a look: reconnecting would only start the same run again."""

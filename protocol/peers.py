@@ -14,6 +14,8 @@ class Peer:
     ``acked`` is the version it confirmed; ``sent`` the version it will be at once
     everything already queued for it is applied; ``inflight`` the versions sent but not
     yet acknowledged, which bounds how far ahead of it the sender runs (credits).
+    ``refused`` counts the resyncs it was sent since it last NACKed without an ACK
+    between: the server spaces them out and gives up past its ``max_resyncs``.
     A relay also reports the receivers below it: how many (``below``) and the lowest
     version any of them has applied (``below_acked``; None until all have one).
     """
@@ -27,6 +29,7 @@ class Peer:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     resyncs: int = 0
+    refused: int = 0  # resyncs sent since it NACKed, with no ACK between (bounded by the server)
     below: int = 0
     below_acked: int | None = None
 

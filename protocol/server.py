@@ -7,12 +7,18 @@ the current version (``_bootstrap``), and what is its state digest (``_compute_d
 The server does the rest: handshakes, one pump task per receiver bounded by credits
 (versions in flight), so a slow or dead receiver never blocks the others, a ring of
 recent patches to catch receivers up, resyncs by bootstrap, heartbeats, and timeouts.
+
+A receiver that refuses a version (NACK) is resynced; one that refuses the resyncs too
+gets each next one later (``resync_backoff``), and after ``max_resyncs`` in a row with no
+ACK between, it is dropped with a ``ResyncLimitError`` (logged, and sent to it as an
+ERROR): whole models are not sent forever to a receiver that will not take them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -22,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from .buffers import Buffer
-from .errors import ConfigError, WeightSyncError
+from .errors import ConfigError, ResyncLimitError, WeightSyncError
 from .framing import Message, MessageType, Stamper, decode_message, error_message
 from .limits import Limits
 from .metadata import ModelMetadata
@@ -50,6 +56,10 @@ class VersionServer:
     receivers whose public key it allows; a refused key is logged and counted in
     ``rejected_handshakes``. Without it, binding beyond loopback is a ``ConfigError``
     unless ``insecure_plaintext``.
+
+    ``resync_backoff`` (first, largest; seconds, doubling) spaces the resyncs of a receiver
+    that NACKs them one after another, and ``max_resyncs`` caps how many it is sent in a
+    row (no ACK between) before it is dropped with a ``ResyncLimitError``.
     """
 
     role = "sender"  # in log lines and errors
@@ -65,9 +75,16 @@ class VersionServer:
         context: zmq.asyncio.Context | None = None,
         curve: CurveServer | None = None,
         insecure_plaintext: bool = False,
+        resync_backoff: tuple[float, float] = (0.05, 2.0),
+        max_resyncs: int = 8,
     ) -> None:
         if ring_size < 1 or max_inflight < 1:
             raise ConfigError("ring_size and max_inflight must be at least 1")
+        if type(max_resyncs) is not int or max_resyncs < 1:
+            raise ConfigError(f"max_resyncs must be an int of at least 1, got {max_resyncs!r}")
+        if len(resync_backoff) != 2 or not 0 <= resync_backoff[0] <= resync_backoff[1]:
+            raise ConfigError(f"resync_backoff must be (first, largest) seconds with 0 <= first <= largest, got {resync_backoff!r}")
+        self.resync_backoff, self.max_resyncs = (float(resync_backoff[0]), float(resync_backoff[1])), max_resyncs
         check_transport(endpoint, curve, insecure_plaintext, role=self.role)
         self.curve = curve
         self.rejected_handshakes = 0  # CURVE handshakes refused: key not in the allowlist
@@ -308,6 +325,8 @@ class VersionServer:
                     await self._notify()
                 elif msg.type is MessageType.ACK:
                     peer.ack(msg.version)
+                if msg.type is MessageType.ACK:  # it applied something: its resyncs start afresh
+                    peer.refused = 0
                 if below_changed:
                     await self._notify()
                 self._release_resync()
@@ -406,6 +425,11 @@ class VersionServer:
                 peer.wake.clear()
         except PeerGone:
             await self._drop(peer, "disconnected")
+        except ResyncLimitError as e:
+            log.error("%s: %s", self.role, e)
+            with contextlib.suppress(PeerGone):
+                self._try_send(peer, self.stamp(error_message(e)))
+            await self._drop(peer, str(e))
 
     async def _next_for(self, peer: Peer) -> tuple[int | None, list[list[Buffer]]] | None:
         if not peer.needs_resync:
@@ -418,6 +442,16 @@ class VersionServer:
                 return None  # its next patch is being prepared; _add_patch wakes it
             if self._bucket_frames is not None and (peer.sent is None or peer.sent < self._bucket_frames[0]):
                 return self._bucket_frames
+        if peer.needs_resync:  # it NACKed: resync, later each time it refuses again, and not forever
+            if peer.refused >= self.max_resyncs:
+                raise ResyncLimitError(
+                    f"receiver {peer.name} refused {peer.refused} resyncs in a row (this {self.role} is at v{self.version}); "
+                    "dropped, see its log for why it rejects them"
+                )
+            if peer.refused:
+                first, largest = self.resync_backoff
+                await asyncio.sleep(min(first * 2 ** (peer.refused - 1), largest))
+            peer.refused += 1
         peer.needs_resync = False
         peer.resyncs += 1
         log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version)

@@ -20,6 +20,7 @@ from protocol.errors import (
     ConfigError,
     MetadataMismatchError,
     ProtocolError,
+    ResyncLimitError,
     StaleVersionError,
     WeightSyncError,
 )
@@ -41,6 +42,7 @@ _ERRORS: dict[str, type[WeightSyncError]] = {
     "metadata_mismatch": MetadataMismatchError,
     "protocol": ProtocolError,
     "config": ConfigError,
+    "resync_limit": ResyncLimitError,
 }
 
 

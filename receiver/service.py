@@ -39,6 +39,7 @@ from protocol.errors import (
     IntegrityError,
     MetadataMismatchError,
     ProtocolError,
+    ResyncLimitError,
     StaleVersionError,
     WeightSyncError,
 )
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 
 STALL_GRACE = 0.5  # seconds a heartbeat tick may be late before the loop counts as stalled
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
-_FATAL = (MetadataMismatchError, ConfigError)  # reconnecting would not help
+_FATAL = (MetadataMismatchError, ConfigError, ResyncLimitError)  # reconnecting would not help
 Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's address before each session
 _EARLIER_CONNECTION = frozenset({MessageType.PATCH, MessageType.BUCKET, MessageType.BOOTSTRAP})
 

@@ -50,6 +50,10 @@ class Sender(VersionServer):
     ``rejected_handshakes``. Without it, binding beyond loopback is a ``ConfigError``
     unless ``insecure_plaintext``. ``limits`` bounds what receivers may send (default:
     derived from the model at ``start``).
+
+    A receiver that NACKs its resyncs one after another is resynced later each time
+    (``resync_backoff``: first and largest delay, doubling) and, after ``max_resyncs`` in a
+    row with no ACK between, dropped with a ``ResyncLimitError`` sent to it and logged.
     """
 
     def __init__(
@@ -67,10 +71,13 @@ class Sender(VersionServer):
         curve: CurveServer | None = None,
         insecure_plaintext: bool = False,
         limits: Limits | None = None,
+        resync_backoff: tuple[float, float] = (0.05, 2.0),
+        max_resyncs: int = 8,
     ) -> None:
         super().__init__(
             endpoint, ring_size=ring_size, max_inflight=max_inflight, heartbeat_interval=heartbeat_interval,
             peer_timeout=peer_timeout, context=context, curve=curve, insecure_plaintext=insecure_plaintext,
+            resync_backoff=resync_backoff, max_resyncs=max_resyncs,
         )
         self._limits = limits
         self.config = load_config(config)
@@ -108,12 +115,18 @@ class Sender(VersionServer):
         or the buckets are built (bucket): the model may change again. Encoding and
         sending go on in the background; ``stats.wire_bytes`` and ``encode_seconds`` are
         filled in once the patch is encoded (``await sender.flush()`` waits for that).
+
+        Versions must increase: a version not above the current one (also when another
+        ``sync`` of a later version got there first) is a ``StaleVersionError`` and
+        changes nothing.
         """
         self._check_running()
-        check_next_version(self.version, version)
         tensors = resolve_state(model).tensors
-        self._model = model
         async with self._lock:
+            # Checked under the lock: of two syncs racing, the one that waited for the other
+            # sees its version, and a stale one (sync(5) after sync(6)) is refused here.
+            check_next_version(self.version, version)
+            self._model = model
             stats = await self._build(tensors, version)
             self._moved(version)
         self.stats[version] = stats

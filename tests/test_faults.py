@@ -47,6 +47,7 @@ from daemon_helpers import (
     Processes,
     T,
     Trainer,
+    assert_matches,
     free_port,
     mismatches,
     receiver_model,
@@ -55,9 +56,11 @@ from daemon_helpers import (
 from proxy import Corrupt, Duplicate, Proxy, Reorder, Replay, Stall, Tamper, Wire, of_type
 
 from protocol.checksum import state_digest
+from protocol.errors import ResyncLimitError, StaleVersionError, WeightSyncError
 from protocol.framing import MessageType
 from receiver import Receiver
 from sender import Sender
+from sender.stats import SyncStats
 
 MODEL = "examples.tiny_model:build"
 TIMING = ["--heartbeat", str(HEARTBEAT), "--peer-timeout", str(PEER_TIMEOUT)]
@@ -304,6 +307,73 @@ def _resync_selector(data: int) -> Any:
         return False
 
     return select
+
+
+@pytest.mark.timeout(90)
+async def test_resyncs_refused_again_and_again_are_bounded(rig: Rig, reliability: Any) -> None:
+    """v2's patch is corrupted, and so is every resync bootstrap after it (its last
+    bucket, so each resync costs one NACK): the sender spaces the resyncs out and sends
+    ``max_resyncs`` of them, then drops the receiver with a ``ResyncLimitError``, which the
+    receiver stops with, holding v1 whole. The sender serves the next receiver as usual."""
+    sender = await rig.start_sender(max_resyncs=3, resync_backoff=(0.01, 0.04))
+    tamper = Corrupt(_refused_forever(PATCH), limit=None)
+    proxy = await rig.start_proxy(tamper)
+    r = await rig.receiver("r0", proxy.endpoint)
+    await rig.converged(0)
+    await rig.step()
+    await rig.trainer.step_and_sync(sender)
+    with pytest.raises(WeightSyncError) as stopped:  # unbounded, this waits for v2 until T
+        await r.wait_for_version(2, timeout=T)
+    figures = in_process_figures(rig.trainer, sender, rig.watches)
+    figures.update(corrupted_messages=tamper.hits, nacks_by_reason=nacks(r))
+    reliability.record(**figures)
+    assert isinstance(stopped.value.__cause__, ResyncLimitError), stopped.value
+    assert tamper.hits == 1 + 3 and nacks(r) == {"IntegrityError": 4}, figures  # the patch, then 3 resyncs
+    assert "r0" not in sender.receivers and not r.healthy
+    assert str(r.status()["error"]).startswith("ResyncLimitError: sender reported: receiver r0 refused 3 resyncs in a row")
+    assert r.version == 1 and state_digest(r.model.state_dict()) == rig.trainer.digests[1]
+    assert figures["wrong_versions_published"] == 0, figures
+    other = await rig.receiver("r1", rig.endpoint)  # straight to the sender: it carries on
+    await other.wait_for_version(2, timeout=T)
+    await assert_matches(other, rig.trainer, 2)
+
+
+def _refused_forever(data: int) -> Any:
+    """v2's data message, and the last bucket of every resync bootstrap after it, per connection."""
+    after: set[int] = set()
+
+    def select(w: Wire) -> bool:
+        if len(w.frames) < 2 or w.header is None:
+            return False
+        if w.type == data and w.version == 2:
+            after.add(w.connection)
+            return True
+        return w.type == BOOTSTRAP and w.connection in after and w.header.get("part") == w.header.get("parts", 0) - 1
+
+    return select
+
+
+@pytest.mark.timeout(60)
+async def test_racing_syncs_the_stale_one_is_refused(rig: Rig) -> None:
+    """``sync(6)`` and ``sync(5)`` at once: the one that waited for the lock is checked
+    under it, so ``sync(5)`` is a ``StaleVersionError`` and changes nothing. (Checked
+    before the lock, both succeeded and the sender ended at v5, sending "v5 on base v6",
+    which the receiver NACKed and the resync to v5 too, in a loop.)"""
+    sender = await rig.start_sender()
+    r = await rig.receiver("r0", rig.endpoint)
+    for _ in range(4):
+        await rig.step()
+    rig.trainer.step()
+    rig.trainer.step()  # the model is at v6
+    model = rig.trainer.model
+    first, second = await asyncio.wait_for(asyncio.gather(sender.sync(model, 6), sender.sync(model, 5), return_exceptions=True), T)
+    assert isinstance(first, SyncStats) and first.version == 6, first
+    assert isinstance(second, StaleVersionError) and (second.current, second.got) == (6, 5), second
+    assert sender.version == 6
+    await rig.converged(6)
+    await rig.step()  # v7 follows as a patch on v6
+    assert rig.watches["r0"].log[-2:] == [(6, "patch"), (7, "patch")], rig.watches["r0"].log
+    assert sender.receivers["r0"]["resyncs"] == 0 and not nacks(r)
 
 
 # -- duplicated, replayed, reordered messages on the wire -------------------------------------
