@@ -8,6 +8,7 @@ the header announced, so a hostile frame cannot make the receiver allocate more.
 
 from __future__ import annotations
 
+import threading
 from enum import IntEnum
 from typing import Protocol
 
@@ -110,13 +111,34 @@ class _Lz4:
 
 
 class _Zstd:
+    """zstd with one compression and one decompression context per thread, reused.
+
+    Creating a ``ZstdCompressor`` costs more than compressing a small buffer, and an
+    instance must not be used by two threads at once (zstandard's rule), so each codec
+    thread keeps its own."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._local, "compressor", None)
+        if c is None:
+            c = self._local.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        return c
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._local, "decompressor", None)
+        if d is None:
+            d = self._local.decompressor = zstandard.ZstdDecompressor()
+        return d
+
     def compress(self, data: torch.Tensor) -> Buffer:
-        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(tensor_view(data.cpu()))
+        return self._compressor().compress(tensor_view(data.cpu()))
 
     def decompress(self, data: Buffer, nbytes: int, device: torch.device) -> torch.Tensor:
         try:
             # Read at most one byte more than announced: a lying frame cannot inflate us.
-            with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+            with self._decompressor().stream_reader(data) as reader:
                 raw = reader.read(nbytes + 1)
         except zstandard.ZstdError as e:
             raise IntegrityError(f"zstd buffer does not decompress: {e}") from None

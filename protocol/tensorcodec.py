@@ -45,6 +45,9 @@ _VALUE_ROLES = {
 }
 # Entropy-coded buffers are already dense: compressing them again only costs time.
 _ENTROPY_CODED = frozenset({Role.LOW_BITS, Role.VALUE_EXTRA})
+# zstd costs ~13 us a call here even on 256 bytes (``python -m benchmarks.micro --only
+# compress``) and saves at most what the buffer holds: smaller buffers travel as they are.
+ZSTD_MIN_BYTES = 4096
 ANS_MIN_CHANGES = 512  # below this, counts tables and per-call overhead cost more than they save
 
 
@@ -85,6 +88,8 @@ def pack_buffer(role: Role, t: torch.Tensor, codec: Codec) -> tuple[BufferSpec, 
     size = itemsize(t.dtype)
     wire: Buffer | None = None
     shuffled = False
+    if codec is Codec.ZSTD and raw.numel() < ZSTD_MIN_BYTES:
+        codec = Codec.NONE
     if codec is not Codec.NONE and raw.numel():
         shuffled = size > 1
         wire = compress(shuffle(raw, size) if shuffled else raw, codec)

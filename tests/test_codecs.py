@@ -20,7 +20,7 @@ from protocol.dtypes import bits_dtype, dtype_code, itemsize, smallest_unsigned
 from protocol.errors import ConfigError, LayoutError, ProtocolError, WeightSyncError
 from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
 from protocol.positions import decode_positions, downscale, encode_positions
-from protocol.tensorcodec import DecodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_buffer
+from protocol.tensorcodec import ZSTD_MIN_BYTES, DecodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_buffer
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
@@ -429,14 +429,52 @@ def test_compressors_roundtrip(codec, raw, repeat):
 
 @pytest.mark.parametrize("codec", [Codec.LZ4, Codec.ZSTD], ids=lambda c: c.name)
 def test_pack_buffer_compresses_when_it_pays(codec):
-    spec, w = pack_buffer(Role.VALUES, torch.zeros(1000, dtype=torch.float32), codec)
-    assert spec.codec is codec and spec.shuffle and spec.nbytes == 4000 and spec.wire_nbytes == len(w) < 4000
+    spec, w = pack_buffer(Role.VALUES, torch.zeros(1024, dtype=torch.float32), codec)
+    assert spec.codec is codec and spec.shuffle and spec.nbytes == 4096 and spec.wire_nbytes == len(w) < 4096
     gen = torch.Generator().manual_seed(0)
-    noise = torch.randint(0, 256, (4000,), dtype=torch.uint8, generator=gen)
+    noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
     spec, w = pack_buffer(Role.VALUES, noise, codec)
-    assert spec.codec is Codec.NONE and not spec.shuffle and len(w) == 4000  # incompressible: sent as is
+    assert spec.codec is Codec.NONE and not spec.shuffle and len(w) == 4096  # incompressible: sent as is
     spec, w = pack_buffer(Role.VALUES, torch.zeros(0), codec)
     assert spec.codec is Codec.NONE and len(w) == 0
+
+
+def test_zstd_skips_buffers_under_its_minimum():
+    """A zstd call costs more than it can save on a few hundred bytes: those go raw."""
+    small = torch.zeros(ZSTD_MIN_BYTES // 4 - 1, dtype=torch.float32)  # 4092 bytes of zeros, very compressible
+    spec, w = pack_buffer(Role.VALUES, small, Codec.ZSTD)
+    assert spec.codec is Codec.NONE and not spec.shuffle and len(w) == small.numel() * 4
+    spec, _ = pack_buffer(Role.VALUES, small, Codec.LZ4)  # lz4 is cheap: still used
+    assert spec.codec is Codec.LZ4
+    options = PatchOptions(Encoding.GAPS, ValueEncoding.RAW, Codec.ZSTD)
+    entry = encode_sparse(0, torch.tensor([1, 5, 9]), torch.ones(3), torch.zeros(3), (10,), options)
+    assert {s.codec for s, _ in entry.buffers} == {Codec.NONE}
+    tensors, frames = assemble([entry])
+    msg = decode_message(encode_message(Message(MessageType.PATCH, version=1, base_version=0, tensors=tensors, frames=frames)))
+    decoded = decode_entry(msg.tensors[0], msg.frames, (10,), torch.float32, CPU)
+    assert decoded.flat is not None and decoded.flat.tolist() == [1, 5, 9] and torch.equal(decoded.values, torch.ones(3))
+
+
+def test_zstd_contexts_are_per_thread():
+    """zstandard's compressor and decompressor objects must not be used by two threads at
+    once: each thread gets its own, reused across its calls, and concurrent use round-trips."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from protocol import compress as compress_module
+
+    zstd = compress_module._CPU[Codec.ZSTD]
+    assert zstd._compressor() is zstd._compressor()  # reused within a thread
+    seen: dict[int, object] = {}
+
+    def round_trip(seed: int) -> bool:
+        seen[threading.get_ident()] = zstd._compressor()
+        data = torch.randint(0, 4, (50_000 + seed,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        return all(torch.equal(decompress(bytes(compress(data, Codec.ZSTD)), Codec.ZSTD, data.numel(), CPU), data) for _ in range(5))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(round_trip, range(32)))
+    assert len({id(c) for c in seen.values()}) == len(seen)  # no two threads shared one
 
 
 @pytest.mark.parametrize(("name", "codec"), [("none", Codec.NONE), ("lz4", Codec.LZ4), ("zstd", Codec.ZSTD)])

@@ -56,7 +56,7 @@ from models import Trainer, make_model, mismatches, snapshot
 
 import receiver
 import sender
-from protocol import entropy
+from protocol import entropy, tensorcodec
 from protocol.checksum import checksum
 from protocol.compress import Codec
 from protocol.dtypes import dtype_code
@@ -381,8 +381,14 @@ def corpus() -> Corpus:
     if _CORPUS is None:
         runner = asyncio.Runner()
         exchanges = control_exchanges()
-        for name, config in CONFIGS.items():
-            exchanges += runner.run(build_pair(name, config))
+        # The fuzz model's buffers are all under the size zstd starts at: lower it while
+        # the corpus is built, so zstd frames are there to mutate.
+        zstd_min, tensorcodec.ZSTD_MIN_BYTES = tensorcodec.ZSTD_MIN_BYTES, 0
+        try:
+            for name, config in CONFIGS.items():
+                exchanges += runner.run(build_pair(name, config))
+        finally:
+            tensorcodec.ZSTD_MIN_BYTES = zstd_min
         pool = sorted({f for e in exchanges for m in e.messages for f in m[1:]}, key=lambda f: (len(f), f))
         headers = sorted({m[0] for e in exchanges for m in e.messages}, key=lambda f: (len(f), f))
         _CORPUS = Corpus(runner, exchanges, pool, headers)
