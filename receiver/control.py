@@ -1,18 +1,27 @@
 """The control API: the receiver's control calls over HTTP, in the shape of the seed's
-rollout server (FastDeploy's ``/v1/*`` weight-control endpoints).
+rollout server (FastDeploy's ``/v1/*`` weight-control endpoints), so FastDeploy's own
+clients work against it unchanged.
 
-Every endpoint calls one ``Receiver`` method; this module only parses requests and maps
-errors to status codes. Bodies are JSON, ``{"status": "success", ...}`` or
-``{"status": "error", "error": <type>, "message": <text>}``:
+Every endpoint calls one ``Receiver`` method; this module parses requests and maps
+results and errors to FastDeploy's ``ControlResponse`` body::
 
-    400 bad parameters or body (ConfigError)     409 wrong state (StateError, StaleVersionError)
-    404 / 405 unknown path / method              500 integrity or internal error
-    503 the receiver failed or is not running    504 a wait timed out
+    {"request_id": "control-<uuid>", "status": "success" | "error",
+     "error_message": null | <text>, "result": ...}
 
-It listens on localhost by default. With a token, every request must carry
-``Authorization: Bearer <token>`` (401 otherwise, compared in constant time); a token is
-required to listen anywhere but loopback. The token authenticates, it does not encrypt:
-beyond a trusted network, put TLS in front.
+``result`` is null for pause and resume, ``{"is_paused": bool}`` for is_paused, and a list
+with one entry per worker (this receiver is one) for update_weights, sleep and wakeup.
+An error adds ``error_type`` (the exception's class: ``StateError``, ``IntegrityError``,
+``TimeoutError``, ...), weightsync's precise reason. Codes are FastDeploy's:
+
+    400 bad parameters or body (ConfigError)     500 a control call failed (any other error)
+    404 / 405 unknown path / method              401 missing or wrong token
+
+Parameters an endpoint does not take are ignored, as FastDeploy does, and listed in an
+``ignored`` field (and logged once per endpoint and name), so a misspelt ``?tag=`` shows.
+It listens on localhost by default. With a token, every request but ``/health`` must
+carry ``Authorization: Bearer <token>`` (401 otherwise, compared in constant time); a
+token is required to listen anywhere but loopback. The token authenticates, it does not
+encrypt: beyond a trusted network, put TLS in front.
 """
 
 from __future__ import annotations
@@ -21,12 +30,13 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from protocol.errors import ConfigError, IntegrityError, MetadataMismatchError, StaleVersionError, StateError, WeightSyncError
+from protocol.errors import ConfigError, WeightSyncError
 from protocol.security import is_local_host
 
 if TYPE_CHECKING:
@@ -34,10 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-UPDATE_FIELDS = {"version", "verify_checksum", "timeout"}
 MAX_BODY = 64 << 10
 MIN_TOKEN = 16  # characters; secrets.token_urlsafe() gives 43
 TOKEN_ENV = "WEIGHTSYNC_CONTROL_TOKEN"
+OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no token; it changes nothing
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -51,50 +61,58 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def status_of(error: BaseException) -> int:
-    """The HTTP status for an error a control call raised."""
-    if isinstance(error, ConfigError):
-        return 400
-    if isinstance(error, (StateError, StaleVersionError)):
-        return 409
-    if isinstance(error, (IntegrityError, MetadataMismatchError)):
-        return 500
-    if isinstance(error, TimeoutError):
-        return 504
-    if isinstance(error, WeightSyncError):
-        return 503
-    return 500
+    """The HTTP status for an error a control call raised: FastDeploy's 400 for bad
+    parameters, 500 for a call that failed (the body's ``error_type`` says why)."""
+    return 400 if isinstance(error, ConfigError) else 500
 
 
-def success(status: int = 200, **fields: Any) -> web.Response:
-    return web.json_response({"status": "success", **fields}, status=status)
+def control_response(
+    status: int = 200, result: Any = None, *, error: str | None = None, error_type: str | None = None,
+    ignored: Iterable[str] = (),
+) -> web.Response:
+    """FastDeploy's ``ControlResponse`` body, plus weightsync's ``error_type`` and ``ignored``."""
+    body: dict[str, Any] = {
+        "request_id": f"control-{uuid.uuid4()}",
+        "status": "success" if error is None else "error",
+        "error_message": error,
+        "result": result,
+    }
+    if error_type is not None:
+        body["error_type"] = error_type
+    ignored = list(ignored)
+    if ignored:
+        body["ignored"] = ignored
+    return web.json_response(body, status=status)
 
 
-def failure(status: int, error: str, message: str) -> web.Response:
-    return web.json_response({"status": "error", "error": error, "message": message}, status=status)
+def failure(status: int, error_type: str, message: str) -> web.Response:
+    return control_response(status, error=message, error_type=error_type)
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error becomes a JSON body with a meaningful status, never a traceback."""
+    """Every error becomes a ControlResponse with FastDeploy's status, never a traceback."""
     try:
         return await handler(request)
     except web.HTTPException as e:  # routing (404, 405) and aiohttp's own limits (413)
         if e.status < 400:
             raise
-        return failure(e.status, e.reason.lower().replace(" ", "_"), f"{request.method} {request.path}: {e.reason}")
+        return failure(e.status, type(e).__name__, f"{request.method} {request.path}: {e.reason}")
     except Exception as e:
-        status = status_of(e)
-        if status == 500 and not isinstance(e, WeightSyncError):
+        if not isinstance(e, (WeightSyncError, TimeoutError, asyncio.TimeoutError)):
             log.exception("control call %s %s failed", request.method, request.path)
-        return failure(status, type(e).__name__, str(e) or type(e).__name__)
+        return failure(status_of(e), type(e).__name__, str(e) or type(e).__name__)
 
 
 def bearer_auth(token: str) -> Any:
-    """A middleware admitting only requests with ``Authorization: Bearer <token>``."""
+    """A middleware admitting only requests with ``Authorization: Bearer <token>``, on
+    every path but ``OPEN_PATHS``."""
     expected = token.encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
             log.warning("control API: refused %s %s from %s: missing or wrong token", request.method, request.path, request.remote)
@@ -122,6 +140,7 @@ class ControlServer:
                               f"Receiver(control_token=...), --control-token or ${TOKEN_ENV}")
         self.token = token
         self._runner: web.AppRunner | None = None
+        self._warned: set[tuple[str, str]] = set()  # (path, ignored parameter) already logged
         self.url: str | None = None
 
     async def start(self) -> str:
@@ -135,9 +154,10 @@ class ControlServer:
             web.post("/v1/sleep", self._sleep),
             web.post("/v1/wakeup", self._wakeup),
             web.post("/v1/update_weights", self._update_weights),
+            web.post("/v1/abort_requests", self._abort_requests),
             web.get("/v1/version", self._version),
-            web.get("/clear_load_weight", self._sleep),  # legacy: sleep every tag
-            web.get("/update_model_weight", self._wakeup),  # legacy: wake every tag
+            web.get("/clear_load_weight", self._clear_load_weight),  # legacy: sleep every tag
+            web.get("/update_model_weight", self._update_model_weight),  # legacy: wake every tag
             web.get("/health", self._health),
             web.get("/metrics", self._metrics),
         ])
@@ -164,51 +184,65 @@ class ControlServer:
             runner, self._runner = self._runner, None
             await runner.cleanup()
 
+    def _ok(self, request: web.Request, result: Any = None, body: Mapping[str, Any] | None = None, reads: Iterable[str] = ()) -> web.Response:
+        """A success answer; the query and body names the endpoint does not read are
+        ignored (FastDeploy's behaviour), listed in the answer and logged once."""
+        names = sorted((set(request.query) | set(body or ())) - set(reads))
+        for name in names:
+            if (request.path, name) not in self._warned:
+                self._warned.add((request.path, name))
+                log.warning("control API: %s ignores the parameter %r (it takes %s)", request.path, name, sorted(reads) or "none")
+        return control_response(200, result, ignored=names)
+
     # -- endpoints --------------------------------------------------------------------------
     async def _pause(self, request: web.Request) -> web.Response:
-        _only_query(request)
         await self.receiver.pause()
-        return success(is_paused=True)
+        return self._ok(request)
 
     async def _resume(self, request: web.Request) -> web.Response:
-        _only_query(request)
         await self.receiver.resume()
-        return success(is_paused=False)
+        return self._ok(request)
 
     async def _is_paused(self, request: web.Request) -> web.Response:
-        _only_query(request)
-        return success(is_paused=self.receiver.is_paused)
+        return self._ok(request, {"is_paused": self.receiver.is_paused})
 
     async def _sleep(self, request: web.Request) -> web.Response:
-        _only_query(request, "tags")
-        return success(**await self.receiver.sleep(request.query.get("tags")))
+        body = await _json_object(request)
+        return self._ok(request, [await self.receiver.sleep(_tags(request, body))], body, ("tags",))
 
     async def _wakeup(self, request: web.Request) -> web.Response:
-        _only_query(request, "tags")
-        return success(**await self.receiver.wakeup(request.query.get("tags")))
+        body = await _json_object(request)
+        return self._ok(request, [await self.receiver.wakeup(_tags(request, body), require_resume=True)], body, ("tags",))
+
+    async def _clear_load_weight(self, request: web.Request) -> web.Response:
+        return self._ok(request, [await self.receiver.sleep()])
+
+    async def _update_model_weight(self, request: web.Request) -> web.Response:
+        return self._ok(request, [await self.receiver.wakeup(require_resume=True)])
 
     async def _update_weights(self, request: web.Request) -> web.Response:
-        _only_query(request)
         body = await _json_object(request)
-        unknown = sorted(set(body) - UPDATE_FIELDS)
-        if unknown:
-            raise ConfigError(f"unknown field {unknown[0]!r}; update_weights takes {sorted(UPDATE_FIELDS)}")
         timeout = body.get("timeout", 60.0)
         if type(timeout) not in (int, float) or not timeout > 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        version = await self.receiver.update_weights(body.get("version"), body.get("verify_checksum", False), timeout=timeout)
-        return success(version=version, is_paused=self.receiver.is_paused, verified=body.get("verify_checksum", False))
+        verify = body.get("verify_checksum", False)
+        version = await self.receiver.update_weights(body.get("version"), verify, timeout=timeout)
+        result = {"version": version, "is_paused": self.receiver.is_paused, "verified": verify}
+        return self._ok(request, [result], body, ("version", "verify_checksum", "timeout"))
+
+    async def _abort_requests(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        result = await self.receiver.abort_requests(body.get("abort_all", False), body.get("req_ids"))
+        return self._ok(request, result, body, ("abort_all", "req_ids"))
 
     async def _version(self, request: web.Request) -> web.Response:
-        _only_query(request)
-        return success(**self.receiver.status())
+        return self._ok(request, self.receiver.status())
 
     async def _health(self, request: web.Request) -> web.Response:
-        _only_query(request)
         status = self.receiver.status()
         if not self.receiver.healthy:
             return failure(503, "Unhealthy", status["error"] or "the receiver is not running")
-        return success(**status)
+        return self._ok(request, status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body, content_type = await asyncio.to_thread(self.receiver.metrics.render)
@@ -217,14 +251,20 @@ class ControlServer:
         return response
 
 
-def _only_query(request: web.Request, *allowed: str) -> None:
-    """A misspelt parameter (``?tag=weight``) is an error, not silently the default."""
-    unknown = sorted(set(request.query) - set(allowed))
-    if unknown:
-        raise ConfigError(f"unknown query parameter {unknown[0]!r} for {request.path}" + (f"; it takes {list(allowed)}" if allowed else ""))
+def _tags(request: web.Request, body: Mapping[str, Any]) -> str | list[str] | None:
+    """sleep / wakeup tags as FastDeploy reads them: the body's ``tags`` (a string or a
+    list) when it has them, else the query's ``?tags=``; neither: every tag."""
+    tags = body.get("tags")
+    if tags is None:
+        return request.query.get("tags")
+    if isinstance(tags, str) or (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+        return tags
+    raise ConfigError(f"tags must be a string (weight,kv_cache) or a list of strings, got {tags!r}")
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object, whatever its Content-Type (curl -d sends a form type);
+    an empty body is ``{}``."""
     raw = await request.read()
     if not raw.strip():
         return {}

@@ -5,7 +5,12 @@ received and staged, in front of the commit) and tells the engine to stop genera
 update_weights applies received versions while paused and never resumes by itself;
 sleep pauses, then releases the KV cache (the engine's hook) and the weights' memory;
 wakeup brings the KV cache back first, then the weights as the sender's *current*
-version, then resumes. ``receiver/control.py`` serves these over HTTP.
+version, then resumes. abort_requests only forwards to the engine's hook.
+``receiver/control.py`` serves these over HTTP.
+
+Concurrency: pause, resume, sleep, wakeup and update_weights are serialised by one lock
+(a second call waits for the first, then sees its result: each is idempotent);
+abort_requests, is_paused and sender_version do not take it.
 
 A mixin of ``Receiver``: the state it reads and the session machinery it drives (leave
 the session, wait, ask the sender) are the daemon's, declared below for type checking.
@@ -20,12 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protocol.buffers import Buffer
-from protocol.errors import ConfigError, IntegrityError, StaleVersionError, StateError, WeightSyncError
+from protocol.errors import ConfigError, IntegrityError, StateError, WeightSyncError
 from protocol.framing import Message, MessageType, decode_message, encode_message
 from protocol.state import Placed, StateLike, resolve_state
 
 from . import memory
-from .engine import KV_CACHE, WEIGHT, EngineHooks, Hook, call_hook, parse_tags, parse_version
+from .engine import KV_CACHE, WEIGHT, AbortHook, EngineHooks, Hook, call_hook, parse_tags, parse_version
 
 if TYPE_CHECKING:
     from .base import ReceiverBase
@@ -90,10 +95,12 @@ class Controls:
         on_resume: Hook | None = None,
         on_sleep_kv_cache: Hook | None = None,
         on_wakeup_kv_cache: Hook | None = None,
+        on_abort_requests: AbortHook | None = None,
     ) -> None:
-        """Connect the rollout engine: these hooks (sync or async, no arguments) are called
-        by the control calls. Replaces hooks registered before."""
-        self._engine = EngineHooks(on_pause, on_resume, on_sleep_kv_cache, on_wakeup_kv_cache)
+        """Connect the rollout engine: these hooks (sync or async) are called by the control
+        calls, with no arguments except ``on_abort_requests(abort_all, req_ids)``, whose
+        return value ``abort_requests`` returns. Replaces hooks registered before."""
+        self._engine = EngineHooks(on_pause, on_resume, on_sleep_kv_cache, on_wakeup_kv_cache, on_abort_requests)
 
     async def pause(self) -> None:
         """Stop generating (the engine's ``on_pause``) and stop applying new versions.
@@ -133,13 +140,23 @@ class Controls:
             await self._notify()
             return {"asleep": sorted(self._asleep), "freed_bytes": freed}
 
-    async def wakeup(self, tags: str | Sequence[str] | None = None, timeout: float | None = 60.0) -> dict[str, Any]:
+    async def wakeup(
+        self, tags: str | Sequence[str] | None = None, timeout: float | None = 60.0, *, require_resume: bool = False,
+    ) -> dict[str, Any]:
         """Undo ``sleep`` for ``tags`` (default both), the KV cache first, then resume once
         nothing is asleep. Weights come back as the sender's *current* version: storages
         are reallocated and the receiver rejoins as a new one, so the sender bootstraps it.
-        Waking the weights while the KV cache sleeps and stays asleep is a ``StateError``."""
+        Waking the weights while the KV cache sleeps and stays asleep is a ``StateError``.
+
+        ``require_resume`` (the HTTP API's: FastDeploy resumes after every wakeup) refuses,
+        with a ``StateError`` and nothing changed, a wakeup that would leave a tag asleep:
+        the engine cannot generate on freed memory, so it could not resume."""
         wanted = parse_tags(tags)
         async with self._control:
+            left = sorted(self._asleep - wanted)
+            if require_resume and left:
+                raise StateError(f"wakeup of {sorted(wanted)} would leave {left} asleep, and generating on freed memory is unsafe, "
+                                 f"so the engine would stay paused: wake {sorted(self._asleep)} together (or give no tags)")
             if WEIGHT in wanted and KV_CACHE not in wanted and KV_CACHE in self._asleep:
                 raise StateError("the KV cache is asleep: wake it before or with the weights (tags=kv_cache,weight)")
             if KV_CACHE in wanted and KV_CACHE in self._asleep:
@@ -160,10 +177,11 @@ class Controls:
         ``version`` None means the sender's current version, asked of the sender now; a
         string's trailing digits are the version (``"global_step_12"``). Versions apply
         in order until the applied one is at least ``version`` (a resync may land past
-        it). ``verify_checksum`` then compares the whole-state digest with the sender's,
-        which it has for its current version only; a mismatch requests a resync and
-        raises ``IntegrityError``. Not paused, or asleep: ``StateError``. Returns the
-        applied version.
+        it); a receiver already at or past it applies nothing (in a stream of versions,
+        "at least this one" is what a caller needs). ``verify_checksum`` then compares
+        the whole-state digest with the sender's, which it has for its current version
+        only; a mismatch requests a resync and raises ``IntegrityError``. Not paused, or
+        asleep: ``StateError``. Returns the version held, which may be past ``version``.
         """
         target = parse_version(version)
         if type(verify_checksum) is not bool:
@@ -176,7 +194,7 @@ class Controls:
 
         async with self._control:
             if not self._paused:
-                raise StateError("update_weights needs a paused receiver: pause first (it never resumes by itself)")
+                raise StateError("Pause LLM Engine first: update_weights needs a paused receiver (it never resumes by itself)")
             if self._asleep:
                 raise StateError(f"{sorted(self._asleep)} asleep: wakeup first")
             self._rejoin = True  # if the connection is down, reconnect even though paused
@@ -186,9 +204,7 @@ class Controls:
                 if target is None or verify_checksum:
                     latest, digest = await self._ask_sender(verify_checksum, left())
                 target = latest if target is None else target
-                if target is not None:
-                    if self.version is not None and target < self.version:
-                        raise StaleVersionError(f"the receiver is at v{self.version}, already past v{target}", current=self.version, got=target)
+                if target is not None:  # already at or past it: the wait below returns at once
                     self._apply_until = target
                     await self._notify()
                     await self._wait(lambda: self.version is not None and self.version >= target, left(), what=f"v{target}")
@@ -198,6 +214,23 @@ class Controls:
             if verify_checksum:  # under the control lock: no new version commits meanwhile
                 await self._verify(latest, digest, left())
             return self.version
+
+    async def abort_requests(self, abort_all: bool = False, req_ids: Sequence[str] | None = None) -> Any:
+        """Abort the engine's requests, all of them or ``req_ids``, through its
+        ``on_abort_requests`` hook; returns what the hook returned. Weights and the paused
+        state are untouched, and the control lock is not taken: an abort does not wait
+        behind a running update_weights. No hook registered: ``StateError``."""
+        if type(abort_all) is not bool:
+            raise ConfigError(f"abort_all must be true or false, got {abort_all!r}")
+        ids = [] if req_ids is None else req_ids
+        if isinstance(ids, str) or not isinstance(ids, Sequence) or not all(isinstance(i, str) and i for i in ids):
+            raise ConfigError(f"req_ids must be a list of request id strings, got {req_ids!r}")
+        if not abort_all and not ids:
+            raise ConfigError("must provide abort_all=true or req_ids")
+        hook = self._engine.on_abort_requests
+        if hook is None:
+            raise StateError("no engine hook aborts requests: Receiver.register_engine(on_abort_requests=...)")
+        return await call_hook(hook, abort_all, list(ids))
 
     async def sender_version(self, timeout: float | None = 30.0) -> int | None:
         """The sender's current version (one round trip). Safe beside any other call; a

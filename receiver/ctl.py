@@ -4,9 +4,12 @@
     python -m receiver ctl update-weights --version 12 --verify-checksum --url ...
     python -m receiver ctl resume --url ...
 
-Prints the JSON response; exits 0 on success, 1 when the receiver answered with an
-error, 2 on bad usage, 3 when it could not be reached. ``--url`` defaults to
-``$WEIGHTSYNC_CONTROL_URL``. Standard library only: no event loop, no torch work.
+Prints the receiver's JSON answer (FastDeploy's ControlResponse: ``request_id``,
+``status``, ``error_message``, ``result``, and ``error_type`` on an error); exits 0 on
+success, 1 when the receiver answered with an error, 2 on bad usage, 3 when it could
+not be reached (the answer printed is then made here, ``error_type`` "Unreachable").
+``--url`` defaults to ``$WEIGHTSYNC_CONTROL_URL``. Standard library only: no event loop,
+no torch work.
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def local_error(error_type: str, message: str) -> dict[str, Any]:
+    """An error answer in the receiver's shape, for what did not come from it."""
+    return {"request_id": None, "status": "error", "error_message": message, "result": None, "error_type": error_type}
+
+
 def request(args: argparse.Namespace) -> tuple[int, Any]:
     """Send the command; returns the HTTP status and the decoded JSON body."""
     method, path, _ = COMMANDS[args.command]
@@ -79,7 +87,7 @@ def request(args: argparse.Namespace) -> tuple[int, Any]:
         try:
             return e.code, json.loads(body)
         except ValueError:
-            return e.code, {"status": "error", "message": body.decode(errors="replace")}
+            return e.code, local_error(f"HTTP{e.code}", body.decode(errors="replace"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status, body = request(args)
     except (urllib.error.URLError, OSError) as e:
-        print(json.dumps({"status": "error", "error": "Unreachable", "message": f"{args.url}: {e}"}), file=sys.stderr)
+        print(json.dumps(local_error("Unreachable", f"{args.url}: {e}")), file=sys.stderr)
         return 3
     print(json.dumps(body))
-    return 0 if status < 400 and body.get("status", "success") == "success" else 1
+    return 0 if status < 400 and isinstance(body, dict) and body.get("status") == "success" else 1
 
 
 if __name__ == "__main__":

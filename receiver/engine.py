@@ -21,6 +21,7 @@ KV_CACHE = "kv_cache"
 TAGS = (WEIGHT, KV_CACHE)
 
 Hook = Callable[[], Any]
+AbortHook = Callable[[bool, list[str]], Any]  # (abort_all, request ids) -> what was aborted, or None
 
 
 @dataclass
@@ -29,14 +30,17 @@ class EngineHooks:
     on_resume: Hook | None = None  # generate again (weights are current)
     on_sleep_kv_cache: Hook | None = None  # release the KV cache's memory
     on_wakeup_kv_cache: Hook | None = None  # reallocate it (before the weights come back)
+    on_abort_requests: AbortHook | None = None  # abort every request, or those ids (/v1/abort_requests)
 
 
-async def call_hook(hook: Hook | None) -> None:
+async def call_hook(hook: Callable[..., Any] | None, *args: Any) -> Any:
+    """Call a sync or async hook; returns what it returned (awaited)."""
     if hook is None:
-        return
-    result = hook()
+        return None
+    result = hook(*args)
     if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-        await result
+        result = await result
+    return result
 
 
 def parse_tags(tags: str | Iterable[str] | None) -> frozenset[str]:

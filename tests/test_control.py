@@ -5,7 +5,8 @@ tcp:// loopback and serves its control API on a free localhost port. Every endpo
 called with aiohttp's client (the ``ctl`` CLI as a real subprocess): pause really holds
 versions back, update_weights applies them bit for bit, sleep frees the weights and
 wakeup brings back the trainer's latest version, verify_checksum catches a corrupted
-model, and bad requests get clear 4xx answers.
+model, and bad requests get clear 400 answers. Bodies are FastDeploy's ControlResponse
+(``tests/test_fastdeploy_api.py`` drives the API exactly as FastDeploy's clients do).
 """
 
 from __future__ import annotations
@@ -77,10 +78,24 @@ class Rig:
             assert resp.content_type == "application/json", await resp.text()
             return resp.status, await resp.json()
 
-    async def ok(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    async def ok(self, method: str, path: str, **kw: Any) -> Any:
+        """The ``result`` of a successful call (a ControlResponse with no error)."""
         status, body = await self.call(method, path, **kw)
-        assert status == 200 and body["status"] == "success", (status, body)
-        return body
+        assert status == 200 and body["status"] == "success" and body["error_message"] is None, (status, body)
+        assert body["request_id"].startswith("control-"), body
+        return body["result"]
+
+    async def one(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        """The single worker's entry of a list ``result`` (update_weights, sleep, wakeup)."""
+        result = await self.ok(method, path, **kw)
+        assert isinstance(result, list) and len(result) == 1, result
+        return result[0]
+
+    async def error(self, method: str, path: str, code: int, error_type: str, **kw: Any) -> str:
+        """The ``error_message`` of a call expected to fail with ``code`` and ``error_type``."""
+        status, body = await self.call(method, path, **kw)
+        assert (status, body["status"], body["error_type"], body["result"]) == (code, "error", error_type, None), (status, body)
+        return str(body["error_message"])
 
     async def sync(self) -> int:
         return await self.trainer.step_and_sync(self.sender)
@@ -123,9 +138,9 @@ async def sync_renamed(r: Rig, rename: Callable[[str], str]) -> int:
 async def test_pause_holds_versions_until_update_weights_then_resume(mode: str) -> None:
     async with rig(mode) as r:
         await assert_matches(r.receiver, r.trainer, 0)
-        assert (await r.ok("GET", "/v1/is_paused"))["is_paused"] is False
-        assert (await r.ok("POST", "/v1/pause"))["is_paused"] is True
-        assert (await r.ok("GET", "/v1/is_paused"))["is_paused"] is True
+        assert await r.ok("GET", "/v1/is_paused") == {"is_paused": False}
+        assert await r.ok("POST", "/v1/pause") is None
+        assert await r.ok("GET", "/v1/is_paused") == {"is_paused": True}
         await r.ok("POST", "/v1/pause")  # idempotent: the engine is paused once
         assert r.engine.events == ["pause"]
 
@@ -136,17 +151,18 @@ async def test_pause_holds_versions_until_update_weights_then_resume(mode: str) 
         assert (status["version"], status["pending_version"], status["is_paused"], status["connected"]) == (0, v1, True, True)
         await assert_matches(r.receiver, r.trainer, 0)
 
-        body = await r.ok("POST", "/v1/update_weights", json={"version": v1})
+        body = await r.one("POST", "/v1/update_weights", json={"version": v1})
         assert (body["version"], body["is_paused"]) == (v1, True)
         await assert_matches(r.receiver, r.trainer, v1)
         await wait_until(lambda: r.receiver.pending_version == v2)
         await assert_matches(r.receiver, r.trainer, v1)  # still paused: v2 waits
 
-        body = await r.ok("POST", "/v1/update_weights")  # no body: the sender's current version
+        body = await r.one("POST", "/v1/update_weights")  # no body: the sender's current version
         assert body["version"] == v2
         await assert_matches(r.receiver, r.trainer, v2)
 
-        assert (await r.ok("POST", "/v1/resume"))["is_paused"] is False
+        assert await r.ok("POST", "/v1/resume") is None
+        assert await r.ok("GET", "/v1/is_paused") == {"is_paused": False}
         await r.ok("POST", "/v1/resume")
         assert r.engine.events == ["pause", "resume"]
         v3 = await r.sync()
@@ -156,8 +172,8 @@ async def test_pause_holds_versions_until_update_weights_then_resume(mode: str) 
 
 async def test_wrong_state_and_bad_requests() -> None:
     async with rig() as r:
-        status, body = await r.call("POST", "/v1/update_weights", json={})
-        assert status == 409 and body["status"] == "error" and body["error"] == "StateError" and "paused" in body["message"]
+        message = await r.error("POST", "/v1/update_weights", 500, "StateError", json={})
+        assert message.startswith("Pause LLM Engine first")  # FastDeploy's words, which its clients look for
         assert not r.receiver.is_paused  # a refused update never pauses or resumes
         await r.ok("POST", "/v1/pause")
 
@@ -165,7 +181,6 @@ async def test_wrong_state_and_bad_requests() -> None:
             (b"{not json", "not valid JSON"),
             (b"[1, 2]", "JSON object"),
             (b"\xff\xfe", "not valid JSON"),
-            (json.dumps({"version": 1, "verify": True}).encode(), "unknown field 'verify'"),
             (json.dumps({"version": True}).encode(), "version"),
             (json.dumps({"version": -1}).encode(), "non-negative"),
             (json.dumps({"version": 1.5}).encode(), "version"),
@@ -174,22 +189,23 @@ async def test_wrong_state_and_bad_requests() -> None:
             (json.dumps({"timeout": 0}).encode(), "timeout"),
         ]
         for raw, text in bad:
-            status, body = await r.call("POST", "/v1/update_weights", data=raw)
-            assert status == 400 and body["error"] == "ConfigError" and text in body["message"], (raw, status, body)
+            message = await r.error("POST", "/v1/update_weights", 400, "ConfigError", data=raw)
+            assert text in message, (raw, message)
 
         v1 = await r.sync()
         await wait_until(lambda: r.receiver.pending_version == v1)
-        body = await r.ok("POST", "/v1/update_weights", json={"version": f"global_step_{v1}"})  # the seed's string versions
+        body = await r.one("POST", "/v1/update_weights", json={"version": f"global_step_{v1}"})  # the seed's string versions
         assert body["version"] == v1
-        status, body = await r.call("POST", "/v1/update_weights", json={"version": 0})
-        assert status == 409 and body["error"] == "StaleVersionError"
+        body = await r.one("POST", "/v1/update_weights", json={"version": 0})  # at least v0: already past it
+        assert body["version"] == v1
 
-        for method, path, code in [("GET", "/v1/nope", 404), ("GET", "/v1/pause", 405), ("POST", "/v1/version", 405)]:
-            status, body = await r.call(method, path)
-            assert status == code and body["status"] == "error", (method, path, status, body)
-        for path in ["/v1/sleep?tags=bogus", "/v1/sleep?tags=", "/v1/sleep?tags=weight,", "/v1/wakeup?tags=kv", "/v1/sleep?tag=weight"]:
-            status, body = await r.call("POST", path)
-            assert status == 400 and body["error"] == "ConfigError", (path, body)
+        for method, path, code, error_type in [
+            ("GET", "/v1/nope", 404, "HTTPNotFound"), ("GET", "/v1/pause", 405, "HTTPMethodNotAllowed"),
+            ("POST", "/v1/version", 405, "HTTPMethodNotAllowed"),
+        ]:
+            await r.error(method, path, code, error_type)
+        for path in ["/v1/sleep?tags=bogus", "/v1/sleep?tags=", "/v1/sleep?tags=weight,", "/v1/wakeup?tags=kv"]:
+            await r.error("POST", path, 400, "ConfigError")
         assert r.receiver.asleep == frozenset()
         await assert_matches(r.receiver, r.trainer, v1)
 
@@ -241,7 +257,7 @@ async def test_sleep_frees_weights_and_wakeup_restores_the_latest_version() -> N
     async with rig() as r:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in r.receiver.model.state_dict().values()}
         nbytes = sum(s.nbytes() for s in storages.values())
-        body = await r.ok("POST", "/v1/sleep")
+        body = await r.one("POST", "/v1/sleep")
         assert body["asleep"] == ["kv_cache", "weight"] and body["freed_bytes"] == nbytes
         assert released(r.receiver) and r.receiver.is_paused and r.receiver.version is None
         await wait_until(lambda: not r.receiver.connected)
@@ -249,16 +265,15 @@ async def test_sleep_frees_weights_and_wakeup_restores_the_latest_version() -> N
         await r.ok("POST", "/v1/sleep")  # idempotent
 
         v1 = await r.sync()  # the trainer moves on while the rollout sleeps
-        for method, path, error in [
-            ("POST", "/v1/wakeup?tags=weight", "StateError"),  # the KV cache sleeps: it wakes first
-            ("POST", "/v1/resume", "StateError"),
-            ("POST", "/v1/update_weights", "StateError"),
+        for method, path in [
+            ("POST", "/v1/wakeup?tags=weight"),  # the KV cache sleeps: it wakes first
+            ("POST", "/v1/resume"),
+            ("POST", "/v1/update_weights"),
         ]:
-            status, body = await r.call(method, path)
-            assert status == 409 and body["error"] == error, (path, body)
+            await r.error(method, path, 500, "StateError")
         assert released(r.receiver)
 
-        body = await r.ok("POST", "/v1/wakeup")
+        body = await r.one("POST", "/v1/wakeup")
         assert (body["version"], body["asleep"], body["is_paused"]) == (v1, [], False)
         assert r.engine.events == ["pause", "sleep_kv_cache", "wakeup_kv_cache", "resume"]
         assert r.engine.weights_released_at_kv_wakeup == [True]  # the KV cache woke before the weights
@@ -267,13 +282,13 @@ async def test_sleep_frees_weights_and_wakeup_restores_the_latest_version() -> N
         await r.ok("POST", "/v1/sleep?tags=weight")  # one tag only; the kv_cache hook is not called
         assert r.receiver.asleep == {"weight"} and r.engine.events[-1] == "pause"
         v2 = await r.sync()
-        assert (await r.ok("POST", "/v1/wakeup?tags=weight"))["version"] == v2
+        assert (await r.one("POST", "/v1/wakeup?tags=weight"))["version"] == v2
         await assert_matches(r.receiver, r.trainer, v2)
 
-        assert (await r.ok("GET", "/clear_load_weight"))["asleep"] == ["kv_cache", "weight"]  # legacy = sleep
+        assert (await r.one("GET", "/clear_load_weight"))["asleep"] == ["kv_cache", "weight"]  # legacy = sleep
         assert released(r.receiver)
         v3 = await r.sync()
-        assert (await r.ok("GET", "/update_model_weight"))["version"] == v3  # legacy = wakeup
+        assert (await r.one("GET", "/update_model_weight"))["version"] == v3  # legacy = wakeup
         await assert_matches(r.receiver, r.trainer, v3)
         v4 = await r.sync()  # and it follows again
         await r.receiver.wait_for_version(v4, timeout=T)
@@ -285,14 +300,14 @@ async def test_verify_checksum_passes_and_detects_a_corrupted_model() -> None:
     async with rig() as r:
         await r.ok("POST", "/v1/pause")
         v1 = await r.sync()
-        body = await r.ok("POST", "/v1/update_weights", json={"version": None, "verify_checksum": True})
+        body = await r.one("POST", "/v1/update_weights", json={"version": None, "verify_checksum": True})
         assert (body["version"], body["verified"]) == (v1, True)
 
         async with r.receiver.lock.writing():  # a bit flip the sync did not cause
             w = r.receiver.model.blocks[0].mlp[0].weight
             w.view(torch.int16)[3, 5] ^= 1 << 3
-        status, body = await r.call("POST", "/v1/update_weights", json={"verify_checksum": True})
-        assert status == 500 and body["error"] == "IntegrityError" and "resync" in body["message"], body
+        message = await r.error("POST", "/v1/update_weights", 500, "IntegrityError", json={"verify_checksum": True})
+        assert "resync" in message, message
 
         async def repaired() -> bool:  # the resync of the same version repairs it, even while paused
             async with r.receiver.reading():
@@ -304,11 +319,11 @@ async def test_verify_checksum_passes_and_detects_a_corrupted_model() -> None:
             await asyncio.sleep(0.05)
         await assert_matches(r.receiver, r.trainer, v1)
         assert r.receiver.is_paused
-        assert (await r.ok("POST", "/v1/update_weights", json={"verify_checksum": True}))["version"] == v1
+        assert (await r.one("POST", "/v1/update_weights", json={"verify_checksum": True}))["version"] == v1
 
         v2 = await r.sync()  # the sender moves on: it has no digest of v1 any more
-        status, body = await r.call("POST", "/v1/update_weights", json={"version": v1, "verify_checksum": True})
-        assert status == 409 and body["error"] == "StateError" and f"the sender is at v{v2}" in body["message"], body
+        message = await r.error("POST", "/v1/update_weights", 500, "StateError", json={"version": v1, "verify_checksum": True})
+        assert f"the sender is at v{v2}" in message, message
 
         families = {f.name: f for f in text_string_to_metric_families(await (await r.http.get(r.url + "/metrics")).text())}
         nacks = {s.labels["reason"]: s.value for s in families["weightsync_receiver_nacks"].samples if s.name.endswith("_total")}
@@ -320,7 +335,7 @@ async def test_version_health_and_metrics() -> None:
     async with rig() as r:
         v1 = await r.sync()
         await r.receiver.wait_for_version(v1, timeout=T)
-        health = await r.ok("GET", "/health")
+        health = await r.ok("GET", "/health")  # the status, under result
         assert health["healthy"] is True and health["version"] == v1
         status = await r.ok("GET", "/v1/version")
         assert status["identity"] == "rollout-0" and status["endpoint"] == r.sender.endpoint and status["asleep"] == []
@@ -351,7 +366,8 @@ async def test_health_reports_a_failed_receiver() -> None:
                 await receiver.start(timeout=T)
             async with http.get(f"{receiver.control_url}/health") as resp:
                 body = await resp.json()
-                assert resp.status == 503 and body["status"] == "error" and "MetadataMismatchError" in body["message"]
+                assert (resp.status, body["status"], body["error_type"]) == (503, "error", "Unhealthy")
+                assert "MetadataMismatchError" in body["error_message"]
             async with http.post(f"{receiver.control_url}/v1/pause") as resp:
                 assert resp.status == 200  # the engine can still be paused
 
@@ -372,7 +388,7 @@ async def test_ctl_cli(capsys: pytest.CaptureFixture[str]) -> None:
         await r.ok("POST", "/v1/pause")
         v1 = await r.sync()
         rc, body = await ctl("update-weights", "--version", str(v1), "--verify-checksum", "--url", r.url)  # a real process
-        assert rc == 0 and body["status"] == "success" and body["version"] == v1 and body["verified"] is True
+        assert rc == 0 and body["status"] == "success" and body["result"] == [{"version": v1, "is_paused": True, "verified": True}]
         await assert_matches(r.receiver, r.trainer, v1)
 
         async def in_process(*args: str) -> tuple[int, dict[str, Any]]:  # the same main(), in a thread beside the loop
@@ -381,16 +397,16 @@ async def test_ctl_cli(capsys: pytest.CaptureFixture[str]) -> None:
             return code, json.loads((out or err).strip().splitlines()[-1])
 
         rc, body = await in_process("sleep", "--tags", "weights", "--url", r.url)
-        assert rc == 1 and body["error"] == "ConfigError" and "unknown tag 'weights'" in body["message"]
+        assert rc == 1 and body["error_type"] == "ConfigError" and "unknown tag 'weights'" in body["error_message"]
 
         rc, body = await in_process("status", "--url", r.url)
-        assert rc == 0 and (body["version"], body["is_paused"]) == (v1, True)
+        assert rc == 0 and (body["result"]["version"], body["result"]["is_paused"]) == (v1, True)
         rc, body = await in_process("resume", "--url", r.url + "/")
-        assert rc == 0 and body == {"status": "success", "is_paused": False}
+        assert rc == 0 and (body["status"], body["error_message"], body["result"]) == ("success", None, None)
         rc, body = await in_process("update-weights", "--url", r.url)
-        assert rc == 1 and body["error"] == "StateError"
+        assert rc == 1 and body["error_type"] == "StateError" and "Pause LLM Engine first" in body["error_message"]
     rc, body = await in_process("pause", "--url", "http://127.0.0.1:1")
-    assert rc == 3 and body["error"] == "Unreachable"
+    assert rc == 3 and (body["status"], body["error_type"]) == ("error", "Unreachable")
     with pytest.raises(SystemExit) as usage:
         receiver_ctl.parse_args(["pause", "--tags", "weight", "--url", "http://127.0.0.1:1"])
     assert usage.value.code == 2
@@ -416,7 +432,7 @@ async def test_name_mapping(kind: str) -> None:
         await assert_matches(r.receiver, r.trainer, v1)
         await r.ok("POST", "/v1/pause")
         v2 = await sync_renamed(r, lambda k: prefix + k)
-        assert (await r.ok("POST", "/v1/update_weights", json={"verify_checksum": True}))["version"] == v2  # digests agree under trainer names
+        assert (await r.one("POST", "/v1/update_weights", json={"verify_checksum": True}))["version"] == v2  # digests agree under trainer names
         await assert_matches(r.receiver, r.trainer, v2)
 
 

@@ -262,16 +262,21 @@ async def test_control_api_off_loopback_needs_a_token() -> None:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"}):
                 async with http.post(f"{url}/v1/pause", headers=headers) as resp:
                     assert resp.status == 401
-                    assert (await resp.json())["error"] == "Unauthorized"
+                    assert (await resp.json())["error_type"] == "Unauthorized"
             assert not r.is_paused
             auth = {"Authorization": f"Bearer {token}"}
             async with http.post(f"{url}/v1/pause", headers=auth) as resp:
-                assert resp.status == 200 and (await resp.json())["is_paused"] is True
+                assert resp.status == 200 and (await resp.json())["status"] == "success"
             assert r.is_paused
+            for path in ("/clear_load_weight", "/metrics"):  # beyond /v1 too: they free weights, or tell versions
+                async with http.get(f"{url}{path}") as resp:
+                    assert resp.status == 401, path
+            async with http.get(f"{url}/health") as resp:  # liveness probes carry no token (FastDeploy's too)
+                assert resp.status == 200
         from receiver.ctl import main as ctl
 
         assert await asyncio.to_thread(ctl, ["resume", "--url", url, "--token", token]) == 0
-        assert await asyncio.to_thread(ctl, ["health", "--url", url]) == 1  # no token: refused
+        assert await asyncio.to_thread(ctl, ["status", "--url", url]) == 1  # no token: refused
         assert not r.is_paused
 
 
