@@ -102,6 +102,18 @@ def library_info() -> dict[str, Any]:
     return info
 
 
+BENCH_EXTRA = "pip install -e '.[bench]'"
+
+
+def missing_packages(memory_pass: bool, plot: bool) -> list[str]:
+    """The ``bench`` extra's packages this run needs and cannot import: psutil for the
+    memory processes, matplotlib for ``--plot``."""
+    import importlib.util
+
+    wanted = (["psutil"] if memory_pass else []) + (["matplotlib"] if plot else [])
+    return [name for name in wanted if importlib.util.find_spec(name) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--suite", choices=sorted(SUITES), default="quick")
@@ -110,8 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads (by name)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-workload memory processes")
     args = p.parse_args(argv)
+    memory_pass = False if args.no_memory else SUITES[args.suite].memory_pass
+    missing = missing_packages(memory_pass, args.plot is not None)
+    if missing:  # say so now, not minutes later from a worker process
+        uses = {"psutil": "the memory pass (or pass --no-memory)", "matplotlib": "--plot"}
+        raise SystemExit(f"python -m benchmarks: {', '.join(missing)} not installed (needed for "
+                         f"{'; '.join(uses[m] for m in missing)}); install the bench extra: {BENCH_EXTRA}")
     logging.basicConfig(level=logging.WARNING)
-    doc = asyncio.run(run_suite(args.suite, args.only, False if args.no_memory else None))
+    doc = asyncio.run(run_suite(args.suite, args.only, memory_pass))
     missing = missing_keys(doc)
     if missing:
         raise SystemExit(f"result is missing keys: {missing}")

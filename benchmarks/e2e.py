@@ -29,7 +29,7 @@ import torch
 from protocol.state import StateLike
 from sender import Sender
 
-from . import memory
+from . import memory, phases
 from .floor import update_sizes
 from .peers import PeerGroup, digest, dtype_name
 from .rollout import RemoteReceivers
@@ -71,14 +71,19 @@ class Rig:
 
     async def sync(self, state: StateLike, version: int) -> dict[str, Any]:
         before = self.incidents()
+        phases.RECORDER.take()  # what happened between syncs is not this version's
+        started_ns = time.monotonic_ns()
         started = time.perf_counter()
         stats = await self.sender.sync(state, version)
         built = time.perf_counter()
         await self.sender.wait_acked(version, timeout=TIMEOUT)
         ended = time.perf_counter()
+        ended_ns = time.monotonic_ns()
+        sender_phases = phases.RECORDER.take()
         applied = await self.receivers.reports(version)  # they trail the acknowledgements (untimed)
         return {
             "stats": stats, "build_s": built - started, "e2e_s": ended - started,
+            "phases_ms": phases.breakdown(sender_phases, applied, built - started, stats.encode_seconds, ended - started, started_ns, ended_ns),
             "decode_s": max((a["decode_s"] for a in applied if a and a["decode_s"] is not None), default=None),
             "apply_s": max((a["apply_s"] for a in applied if a and a["apply_s"] is not None), default=None),
             # anything but one clean patch/bucket per receiver means the time includes a recovery
@@ -110,6 +115,7 @@ def _mean(xs: list[float]) -> float:
 
 async def run_workload(workload: Workload, peers: PeerGroup, memory_pass: bool) -> dict[str, Any]:
     """Every measured step of ``workload``; ``finish`` turns it into a result object."""
+    phases.install_sender()  # the receivers install theirs (benchmarks.rollout)
     workload.setup()
     described = workload.describe()
     rdtype = workload.receiver_dtype
@@ -165,6 +171,8 @@ async def run_workload(workload: Workload, peers: PeerGroup, memory_pass: bool) 
                 "e2e_patch_s": p["e2e_s"],
                 "patch_receiver_decode_s": p["decode_s"],
                 "patch_receiver_apply_s": p["apply_s"],
+                "patch_phases_ms": p["phases_ms"],
+                "bucket_phases_ms": b["phases_ms"],
                 "patch_applied_as": p["applied_as"],
                 "patch_incidents": p["incidents"],
                 "bucket_applied_as": b["applied_as"],
@@ -222,6 +230,15 @@ def memory_excess(mem: dict[str, Any] | None, last: dict[str, Any], model_bytes:
     return {"sender_memory_excess": sender, "receiver_memory_excess": receiver}
 
 
+def phase_medians(steps: list[dict[str, Any]], key: str) -> dict[str, float | None]:
+    """Each phase's median over ``steps`` (None where no step timed it)."""
+    out: dict[str, float | None] = {}
+    for name in (*phases.PHASES, "e2e"):
+        values = [s[key][name] for s in steps if s.get(key) and s[key].get(name) is not None]
+        out[name] = _median(values) if values else None
+    return out
+
+
 def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, Any]:
     """The workload's result object: byte figures averaged over the measured steps, times
     their median; ``read_floor_s`` from the run's copy bandwidth."""
@@ -256,6 +273,8 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "bucket_build_s": median("bucket_build_s"),
         "safetensors_bytes": mean("safetensors_bytes"),
         "gloo_bytes": mean("gloo_bytes"),
+        "patch_phases_ms": phase_medians(steps, "patch_phases_ms"),
+        "bucket_phases_ms": phase_medians(steps, "bucket_phases_ms"),
         "sender_peak_rss": mem["sender"]["peak_rss"] if mem else None,
         "receiver_peak_rss": max(r["peak_rss"] for r in mem["receivers"]) if mem else None,
         **memory_excess(mem, steps[-1], run["model_bytes"]),
@@ -282,6 +301,8 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
             "sync_peak_rss is the peak of the sync alone (VmHWM restarted after the bootstrap)",
             "sender_memory_excess / receiver_memory_excess: (sync growth - what must be held) / (model + what must be held); "
             "the sender must hold one snapshot at the receivers' dtype, a receiver one update",
+            "patch_phases_ms / bucket_phases_ms: each phase's median over the measured steps, in ms (so they need not add up "
+            "to the median e2e); the phases and how each is timed: benchmarks/phases.py; per step under steps",
             "bucket_Bps: bytes delivered (2 receivers x the dense bytes at the receivers' dtype) / e2e_bucket_s, "
             "as zmq_raw_Bps counts one ROUTER's fan-out to 2 DEALERs",
         ],

@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         results.update(compress_cases(args.repeat))
     if "pool" in args.only:
         results.update(pool_cases(24, 1 << 16, 0.024, max(5, args.repeat // 3)))
+        results.update(pool_cases(8, 1 << 20, 0.024, max(5, args.repeat // 3)))
     for name, r in results.items():
         extra = f"  {r['ns_per_element']:.3f} ns/elem" if "ns_per_element" in r else ""
         print(f"{name:70s} median {r['median_s'] * 1e6:10.1f} us  best {r['best_s'] * 1e6:10.1f} us{extra}")

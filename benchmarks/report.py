@@ -161,7 +161,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     names = [r["workload"] for r in results]
     x = list(range(len(results)))
     width = 0.8 / len(METHODS)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(results)), 9), sharex=True)
+    fig, (top, bottom, phased) = plt.subplots(3, 1, figsize=(max(8, 1.3 * len(results)), 13), sharex=True)
     for i, (label, bkey, tkey) in enumerate(METHODS):
         xs = [v - 0.4 + width * (i + 0.5) for v in x]
         top.bar(xs, [r[bkey] for r in results], width, label=label)
@@ -173,8 +173,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     bottom.set_yscale("log")
     bottom.set_ylabel("seconds per step")
     bottom.set_title("time per step, end to end to 2 receivers (median of the measured steps)", fontsize=9)
-    bottom.set_xticks(x)
-    bottom.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    plot_phases(phased, results)
+    phased.set_xticks(x)
+    phased.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     handles, labels = top.get_legend_handles_labels()
     fig.suptitle(f"weightsync benchmark, suite {doc['suite']} ({doc['machine']['cpus']} CPUs)")
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, bbox_to_anchor=(0.5, 0.965))
@@ -182,3 +183,22 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_phases(ax: Any, results: list[dict[str, Any]]) -> None:
+    """One stacked bar per workload: the patch path's phases (median ms), sender then receiver."""
+    from .phases import PHASES
+
+    colors = {name: f"C{i % 10}" for i, name in enumerate(PHASES)}
+    bottoms = [0.0] * len(results)
+    for name in PHASES:
+        heights = [max(0.0, ((r.get("patch_phases_ms") or {}).get(name) or 0.0)) for r in results]
+        hatch = "//" if name in ("receive", "validate", "decode", "stage", "commit", "ack") else None
+        ax.bar(range(len(results)), heights, 0.6, bottom=bottoms, label=name, color=colors[name] if name != "other" else "lightgrey",
+               hatch=hatch, edgecolor="white", linewidth=0.3)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.scatter(range(len(results)), [((r.get("patch_phases_ms") or {}).get("e2e") or 0.0) for r in results],
+               marker="_", s=300, color="black", zorder=3, label="e2e (median)")
+    ax.set_ylabel("ms per step")
+    ax.set_title("patch path, one version by phase (median of the measured steps; hatched: the receiver that acknowledged last)", fontsize=9)
+    ax.legend(fontsize=7, ncol=7, loc="upper left")

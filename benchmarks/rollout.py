@@ -111,6 +111,9 @@ def emit(**fields: Any) -> None:
 async def serve(args: argparse.Namespace) -> None:
     from receiver import Receiver
 
+    from . import phases
+
+    phases.install_receiver()
     state = build_receiver_state(json.loads(args.spec))
     receiver = Receiver(state, args.endpoint, json.loads(args.config), identity=args.identity, peer_timeout=TIMEOUT)
 
@@ -118,7 +121,7 @@ async def serve(args: argparse.Namespace) -> None:
         stats = receiver.stats.get(version) if version is not None else None
         emit(event="applied", version=version, kind=stats.kind if stats else None,
              decode_s=stats.decode_seconds if stats else None, apply_s=stats.apply_seconds if stats else None,
-             reconnects=receiver.reconnects)
+             reconnects=receiver.reconnects, phases=phases.RECORDER.take())
 
     receiver.on_update(on_update)
     await receiver.start(timeout=TIMEOUT)

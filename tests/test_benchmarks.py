@@ -30,6 +30,7 @@ from benchmarks.floor import (  # noqa: E402
     update_sizes,
 )
 from benchmarks.peers import digest  # noqa: E402
+from benchmarks.phases import PHASES, breakdown  # noqa: E402
 from benchmarks.report import RESULT_KEYS, TOP_KEYS, evaluate_targets, missing_keys, table  # noqa: E402
 from benchmarks.workloads import SyntheticWorkload, perturb_ulps  # noqa: E402
 
@@ -153,6 +154,60 @@ async def test_result_objects_have_every_required_key() -> None:
     assert all(isinstance(c["pass"], bool) and c["ratio"] > 0 for c in checks.values())
     json.loads(json.dumps(doc, default=str))
     assert "synthetic-tiny" in table(doc)
+    # every phase timed, for the patch path per step and as medians (receivers included)
+    for phased in (result["patch_phases_ms"], run["steps"][0]["patch_phases_ms"]):
+        assert set(PHASES) <= set(phased)
+        assert all(phased[k] is not None and phased[k] >= 0 for k in PHASES if k != "other")
+        assert phased["encode"] > 0 and phased["frame"] > 0 and phased["send"] > 0 and phased["decode"] > 0 and phased["validate"] > 0
+        assert phased["e2e"] == pytest.approx(sum(phased[k] for k in PHASES))
+
+
+def test_phase_breakdown_by_hand() -> None:
+    ms = 1_000_000
+    sender = {"sums_ns": {"mark": 2 * ms, "collect": 1 * ms, "frame": ms // 2, "send": ms}, "last_ns": {"send": 100 * ms}}
+    fast = {"decode_s": 0.004, "apply_s": 0.001,
+            "phases": {"sums_ns": {"validate": ms, "decode": 3 * ms, "stage_calls": ms}, "last_ns": {"arrived": 101 * ms, "ack": 106 * ms}}}
+    slow = {"decode_s": 0.006, "apply_s": 0.002,
+            "phases": {"sums_ns": {"validate": ms, "decode": 4 * ms, "stage_calls": 2 * ms}, "last_ns": {"arrived": 103 * ms, "ack": 110 * ms}}}
+    out = breakdown(sender, [fast, None, slow], build_s=0.005, encode_s=0.010, e2e_s=0.040, started_ns=80 * ms, ended_ns=111 * ms)
+    assert out["mark"] == 2 and out["collect"] == 1 and out["per_tensor"] == pytest.approx(2)  # 5 ms of build, less the kernels
+    assert out["encode"] == pytest.approx(10) and out["frame"] == 0.5 and out["send"] == 1
+    # the receiver that acknowledged last is the critical path
+    assert out["receive"] == 3 and out["validate"] == 1 and out["decode"] == 4 and out["stage"] == 2
+    assert out["commit"] == pytest.approx(2) and out["ack"] == 1
+    assert out["other"] == pytest.approx(40 - (2 + 1 + 2 + 10 + 0.5 + 1 + 3 + 1 + 4 + 2 + 2 + 1))
+    no_receivers = breakdown(sender, [None], 0.005, 0.010, 0.040, 80 * ms, 111 * ms)
+    assert no_receivers["decode"] is None and no_receivers["other"] == pytest.approx(40 - 16.5)
+
+
+def test_phase_timers_time_and_pass_through() -> None:
+    from benchmarks import phases
+
+    phases.RECORDER.take()
+    wrapped = phases._timed("x", lambda a, b=1: a + b)
+    assert wrapped(2, b=3) == 5 and wrapped(1) == 2
+    taken = phases.RECORDER.take()
+    assert taken["counts"] == {"x": 2} and taken["sums_ns"]["x"] >= 0 and taken["last_ns"]["x"] >= taken["first_ns"]["x"]
+    assert phases.RECORDER.take()["counts"] == {}  # take() restarts
+
+
+def test_benchmarks_without_the_bench_extra_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without psutil (the memory pass) or matplotlib (--plot) the harness says how to
+    install them before it runs anything, rather than dying later in a worker."""
+    import importlib.util
+
+    from benchmarks import __main__ as cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("psutil", "matplotlib") else real(name, *a))
+    monkeypatch.setattr(cli, "run_suite", lambda *a, **k: pytest.fail("ran without its packages"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--suite", "quick", "--json", "/nonexistent/x.json"])
+    assert "psutil" in str(e.value) and "pip install -e '.[bench]'" in str(e.value) and "--no-memory" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--suite", "quick", "--json", "/nonexistent/x.json", "--no-memory", "--plot", "/nonexistent/x.png"])
+    assert "matplotlib" in str(e.value) and "psutil" not in str(e.value)
+    assert cli.missing_packages(memory_pass=False, plot=False) == []
 
 
 # -- fan-out: direct vs a relay tree -----------------------------------------------------------
