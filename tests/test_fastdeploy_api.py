@@ -223,6 +223,7 @@ async def test_errors_have_fastdeploys_codes_and_messages() -> None:
         await assert_matches(r.receiver, r.trainer, 0)
         assert "Not Found" in await failed(r, "POST", "/v1/nope", 404, "HTTPNotFound")
         await failed(r, "GET", "/v1/update_weights", 405, "HTTPMethodNotAllowed")
+        await failed(r, "POST", "/v1/update_weights", 413, "HTTPRequestEntityTooLarge", '{"pad": "' + "x" * (70 << 10) + '"}')
 
 
 async def test_a_wakeup_that_could_not_resume_is_refused_and_changes_nothing() -> None:
