@@ -37,7 +37,7 @@ from .buffers import Buffer
 from .checksum import checksum
 from .compress import Codec
 from .dtypes import dtype_from_code, itemsize
-from .errors import ConfigError, IntegrityError, MetadataMismatchError, ProtocolError, ResyncLimitError, WeightSyncError
+from .errors import ConfigError, IntegrityError, MetadataMismatchError, ProtocolError, ResyncLimitError, StateError, WeightSyncError
 from .limits import DEFAULT_LIMITS, LimitError, Limits
 
 PROTOCOL_VERSION = 1
@@ -330,7 +330,11 @@ class Stamper:
 
 
 def error_message(error: WeightSyncError) -> Message:
-    """The ERROR a server sends a receiver it cannot serve; the code names the error type."""
-    codes = {MetadataMismatchError: "metadata_mismatch", ConfigError: "config", ProtocolError: "protocol", ResyncLimitError: "resync_limit"}
+    """The ERROR a server sends a receiver it cannot serve; the code names the error type
+    (``state``: not now, e.g. a relay asleep; the receiver tries again later)."""
+    codes = {
+        MetadataMismatchError: "metadata_mismatch", ConfigError: "config", ProtocolError: "protocol",
+        ResyncLimitError: "resync_limit", StateError: "state",
+    }
     code = codes.get(type(error), "error")
     return Message(MessageType.ERROR, body={"code": code, "message": str(error)})

@@ -85,19 +85,23 @@ def pack_buffer(role: Role, t: torch.Tensor, codec: Codec) -> tuple[BufferSpec, 
         raw = torch.empty(0, dtype=torch.uint8, device=t.device)
     else:
         raw = flat.contiguous().view(torch.uint8)
-    size = itemsize(t.dtype)
+    nbytes = raw.numel()
+    size = t.element_size()
     wire: Buffer | None = None
     shuffled = False
-    if codec is Codec.ZSTD and raw.numel() < ZSTD_MIN_BYTES:
+    if codec is Codec.ZSTD and nbytes < ZSTD_MIN_BYTES:
         codec = Codec.NONE
-    if codec is not Codec.NONE and raw.numel():
+    if codec is not Codec.NONE and nbytes:
         shuffled = size > 1
         wire = compress(shuffle(raw, size) if shuffled else raw, codec)
-        if len(wire) >= raw.numel():  # incompressible: send as is
+        if len(wire) >= nbytes:  # incompressible: send as is
             wire, shuffled = None, False
     if wire is None:
-        codec, wire = Codec.NONE, tensor_view(raw.cpu())
-    spec = BufferSpec(0, role, dtype_code(t.dtype), tuple(t.shape), raw.numel(), codec, shuffled, len(wire), checksum(wire))
+        # ``raw`` is contiguous uint8 already: its bytes as they are (tensor_view, inlined:
+        # this runs for every buffer of every tensor)
+        codec = Codec.NONE
+        wire = raw.numpy().data.toreadonly() if nbytes and raw.device.type == "cpu" else tensor_view(raw.cpu())
+    spec = BufferSpec(0, role, dtype_code(t.dtype), tuple(t.shape), nbytes, codec, shuffled, len(wire), checksum(wire))
     return spec, wire
 
 

@@ -22,6 +22,7 @@ from protocol.errors import (
     ProtocolError,
     ResyncLimitError,
     StaleVersionError,
+    StateError,
     WeightSyncError,
 )
 from protocol.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
@@ -43,6 +44,7 @@ _ERRORS: dict[str, type[WeightSyncError]] = {
     "protocol": ProtocolError,
     "config": ConfigError,
     "resync_limit": ResyncLimitError,
+    "state": StateError,
 }
 
 

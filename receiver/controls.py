@@ -64,6 +64,7 @@ class Controls:
         _handshaking: bool
         _handshakes: int
         _last_bootstrap: ApplyStats | None
+        _writes_wrapped: bool
         _socket: DealerSocket | None
         _queries: dict[str, asyncio.Future[tuple[int | None, str | None]]]
 
@@ -127,7 +128,7 @@ class Controls:
         wanted = parse_tags(tags)
         if WEIGHT in wanted and any(isinstance(t, Placed) for t in resolve_state(self._state()).tensors.values()):
             raise ConfigError("sleep cannot release weights an engine holds in its own layout; use the engine's own sleep mode")
-        if WEIGHT in wanted and self.strategy.write_guard != self.lock.writing:  # wrap_write: shared with an engine
+        if WEIGHT in wanted and self._writes_wrapped:  # wrap_write: shared with an engine
             raise ConfigError("sleep cannot release weights whose writes are wrapped (shared memory an engine maps); use tags=kv_cache")
         async with self._control:
             await self._pause()
@@ -264,14 +265,14 @@ class Controls:
         self._asleep.add(WEIGHT)  # no new session from here on
         try:
             await self._leave_session()
-            async with self.lock.writing():
+            async with self.strategy.write_guard():  # a relay's too: it serves children nothing from released storage
                 self._released = memory.release(self.model, resolve_state(self._state()).tensors)
+                # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
+                self.version = self.strategy.version = self.strategy.session = None
         except BaseException:
             self._asleep.discard(WEIGHT)
             await self._notify()
             raise
-        # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
-        self.version = self.strategy.version = self.strategy.session = None
         self.pending_version = None
         log.info("receiver %s released %d bytes of weights", self.identity, self._released.nbytes)
         return self._released.nbytes
@@ -294,9 +295,9 @@ class Controls:
             self._rejoin = False
             self._asleep.add(WEIGHT)
             await self._leave_session()
-            async with self.lock.writing():
+            async with self.strategy.write_guard():
                 self._released = memory.release(self.model, resolve_state(self._state()).tensors)
-            self.version = self.strategy.version = self.strategy.session = None
+                self.version = self.strategy.version = self.strategy.session = None
             raise
         finally:
             self._rejoin = False

@@ -13,6 +13,11 @@ behind the ring gets a bootstrap built from the relay's own model.
 
 The relay's lock is held around every commit of the receiver (``guard``): a bootstrap
 or digest served to a child is always of the version the relay announces.
+
+A relay's weights can sleep (``Receiver.sleep``, under the same guard): it goes on serving
+what it holds without them (its ring of patches, a bootstrap still cached), and refuses
+what needs them (a new bootstrap, a digest) with a ``StateError``, which makes a child
+reconnect, to its next upstream, until the relay wakes.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 from protocol.buckets import bucket_messages, plan_buckets
 from protocol.checksum import state_digest
-from protocol.errors import WeightSyncError
+from protocol.errors import StateError, WeightSyncError
 from protocol.framing import Message, MessageType
 from protocol.limits import Limits
 from protocol.metadata import ModelMetadata
@@ -111,7 +116,7 @@ class Relay(VersionServer):
     async def _bootstrap(self) -> list[Message]:
         metadata = self._strategy.metadata
         if metadata is None or self._strategy.version != self.version:
-            raise WeightSyncError("this relay's weights are released (asleep): it has no version to serve")
+            raise StateError("this relay's weights are released (asleep): it cannot build a bootstrap until it wakes")
         aliases = {a for group in self._strategy.aliases.values() for a in group}
         keys = [k for i, k in enumerate(metadata.keys) if i not in aliases]
         tensors = resolve_state(self._state()).tensors
@@ -124,6 +129,8 @@ class Relay(VersionServer):
             return await asyncio.to_thread(list, messages)
 
     async def _compute_digest(self) -> str:
+        if self._strategy.version != self.version:  # under the lock, as the release is
+            raise StateError("this relay's weights are released (asleep): it has no digest until it wakes")
         tensors = resolve_state(self._state()).tensors
         async with self._model_lock.reading():
             return await asyncio.to_thread(state_digest, tensors, list(tensors))

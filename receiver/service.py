@@ -155,6 +155,7 @@ class Receiver(Controls):
         self.strategy = make_receiver(self.config)
         # wrap_write: a sidecar wraps each version's write (receiver.attach.seqlock_writes: a shared-memory seqlock)
         write = self.lock.writing if wrap_write is None else wrap_write(self.lock.writing)
+        self._writes_wrapped = wrap_write is not None  # sleep cannot release memory an engine maps
         self.relay: Relay | None = None
         if relay_endpoint is not None:
             self.relay = Relay(
@@ -431,6 +432,8 @@ class Receiver(Controls):
                     inbox.put_nowait(_Reconnect("the sender said goodbye"))
                 elif kind is MessageType.ERROR and _error_code(frames) == "unknown_peer":
                     inbox.put_nowait(_Reconnect("the sender does not know this receiver (restarted?)"))
+                elif kind is MessageType.ERROR and _error_code(frames) == "state":  # e.g. a relay asleep
+                    inbox.put_nowait(_Reconnect(f"the upstream cannot serve this receiver now: {_error_text(frames)}"))
                 else:
                     inbox.put_nowait(frames)
 
@@ -636,3 +639,10 @@ def _error_code(frames: Sequence[Buffer]) -> str | None:
         return str(decode_message(frames).body.get("code"))
     except WeightSyncError:
         return None
+
+
+def _error_text(frames: Sequence[Buffer]) -> str:
+    try:
+        return str(decode_message(frames).body.get("message"))[:200]
+    except WeightSyncError:
+        return "(undecodable)"

@@ -82,3 +82,41 @@ def test_damaged_streams_are_rejected(damage: str) -> None:
         bad = bad[:5]
     code, _ = decode(bad, counts, len(symbols))
     assert code in rans.ERRORS
+
+
+def rice_reference(gaps: np.ndarray) -> int:
+    """``entropy.rice_parameter`` as plain numpy: the median's neighbourhood, each
+    candidate ``k`` costed as k low bits plus the entropy of ``gap >> k`` (escapes at 64 bits)."""
+    from protocol.entropy import ESCAPE, HIGH_SYMBOLS, MAX_K
+
+    if len(gaps) == 0:
+        return 0
+    sample = gaps[:: max(1, len(gaps) // 8192)]
+    start = min(MAX_K, max(0, int(np.log2(float(np.median(sample)) + 1))))
+    ks = np.arange(max(0, start - 2), min(MAX_K, start + 2) + 1)
+    counts = np.zeros((len(ks), HIGH_SYMBOLS), dtype=np.int64)
+    for j, k in enumerate(ks):
+        np.add.at(counts[j], np.minimum(sample >> k, ESCAPE), 1)
+    p = counts / len(sample)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        entropy_bits = -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
+    return int(ks[int(np.argmin(len(sample) * (ks + entropy_bits) + 64 * counts[:, ESCAPE]))])
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 40_000), p=st.floats(1e-4, 0.95), wide=st.integers(0, 42), huge=st.integers(0, 4), seed=st.integers(0, 2**16))
+def test_rice_parameter_matches_its_numpy_reference(n: int, p: float, wide: int, huge: int, seed: int) -> None:
+    import torch
+
+    from protocol import entropy
+
+    rng = np.random.default_rng(seed)
+    gaps = (rng.geometric(p, n) - 1) << min(wide, 20) if n else np.zeros(0, dtype=np.int64)
+    gaps = np.concatenate([gaps.astype(np.int64), np.full(huge, 1 << (20 + wide), dtype=np.int64)])
+    k = entropy.rice_parameter(torch.from_numpy(gaps))
+    assert k == rice_reference(gaps)
+    if len(gaps):  # and it codes: the chosen split round-trips
+        coded = entropy.encode_gaps(torch.from_numpy(gaps))
+        assert int(coded["model"][0]) == k
+        out = entropy.decode_gaps(coded["words"], coded["low"], coded["model"], coded["escapes"], len(gaps))
+        assert np.array_equal(out.numpy(), gaps)

@@ -221,6 +221,51 @@ async def test_relay_serves_only_versions_it_applied():
         assert decode_message(entry.frames).session == sender.session
 
 
+async def test_a_relay_sleeps_its_weights_and_wakes():
+    """``sleep`` on a relay (it was a ConfigError about engine shared memory, though the
+    README said a relay could sleep): its weights' storages shrink to nothing; the leaf it
+    holds keeps its version; a leaf joining meanwhile needs a bootstrap, is refused with a
+    StateError and reconnects, never stopping; after ``wakeup`` the relay is bootstrapped
+    by the trainer again and both leaves follow it bit for bit."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
+        await t.step(relay, leaf)
+        slept = await relay.sleep("weight")
+        assert slept["asleep"] == ["weight"] and slept["freed_bytes"] > 0
+        assert all(p.untyped_storage().nbytes() == 0 for p in relay.model.parameters())
+        version = await t.trainer.step_and_sync(sender)  # the trainer moves on; the relay left it
+        late = Receiver(receiver_model(), relay.relay_endpoint, CONFIGS["patch"], identity="late", **DAEMON_KW)
+        t.receivers.append(late)
+        joining = asyncio.ensure_future(late.start(timeout=T))
+        await wait_until(lambda: late.reconnects >= 2 or joining.done())  # refused, and tried again
+        assert not joining.done() and late.healthy and late.version is None
+        assert leaf.version == 1 and leaf.healthy and "late" not in relay.relay.receivers
+        await assert_matches(leaf, t.trainer, 1)
+        woke = await relay.wakeup("weight")
+        assert woke["asleep"] == [] and woke["version"] == version
+        await asyncio.wait_for(joining, T)
+        for r in (relay, leaf, late):
+            await r.wait_for_version(version, timeout=T)
+            await assert_matches(r, t.trainer, version)
+        await t.step(relay, leaf, late)
+
+
+async def test_sleep_still_refuses_weights_whose_writes_are_wrapped():
+    """What the relay was wrongly refused for stays refused where it is true: a receiver
+    whose writes go through ``wrap_write`` (a sidecar's shared memory, which an engine
+    maps) cannot release its weights; nothing is paused or released."""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        wrapped = await t.start_receiver(sender.endpoint, "wrapped", wrap_write=lambda write: write)
+        with pytest.raises(ConfigError, match="writes are wrapped"):
+            await wrapped.sleep("weight")
+        assert not wrapped.is_paused and wrapped.asleep == frozenset()
+        await t.step(wrapped)
+
+
 async def test_a_damaged_first_bootstrap_is_asked_for_again():
     """A receiver whose very first bootstrap arrives corrupted reconnects and asks again
     (it used to stop for good): here the relay damages the first one it sends."""
