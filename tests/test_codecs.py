@@ -506,3 +506,22 @@ def test_nvcomp_names_what_is_missing():
     with pytest.raises(ConfigError) as err:
         parse_compression("nvcomp_lz4", "cuda")
     assert "nvidia-nvcomp-cu12" in str(err.value) or "CUDA" in str(err.value)
+
+
+def test_codec_pool_knob(monkeypatch):
+    """Any number of codec threads gives the plain loop's results, in order, and its first error."""
+    from protocol import parallel
+
+    for workers in (1, 2, 3):
+        monkeypatch.setattr(parallel, "WORKERS", workers)
+        assert parallel.map_ordered(lambda x: x * x, list(range(20))) == [x * x for x in range(20)]
+        with pytest.raises(ZeroDivisionError):
+            parallel.map_ordered(lambda x: 1 // (x - 7), list(range(20)))
+    monkeypatch.setenv(parallel.ENV, "1")
+    assert parallel._from_env() == 1
+    monkeypatch.setenv(parallel.ENV, "")
+    assert parallel._from_env() == parallel.DEFAULT_WORKERS
+    for bad in ("0", "two"):
+        monkeypatch.setenv(parallel.ENV, bad)
+        with pytest.raises(ValueError, match=parallel.ENV):
+            parallel._from_env()
