@@ -199,6 +199,8 @@ def plot_phases(ax: Any, results: list[dict[str, Any]]) -> None:
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.scatter(range(len(results)), [((r.get("patch_phases_ms") or {}).get("e2e") or 0.0) for r in results],
                marker="_", s=300, color="black", zorder=3, label="e2e (median)")
+    top = max([((r.get("patch_phases_ms") or {}).get("e2e") or 0.0) for r in results] + bottoms)
+    ax.set_ylim(0, 1.45 * top if top > 0 else 1.0)  # room for the legend above the bars
     ax.set_ylabel("ms per step")
     ax.set_title("patch path, one version by phase (median of the measured steps; hatched: the receiver that acknowledged last)", fontsize=9)
     ax.legend(fontsize=7, ncol=7, loc="upper left")
