@@ -143,6 +143,11 @@ class VersionServer:
         return self.stamp.session
 
     @property
+    def failure(self) -> BaseException | None:
+        """What stopped this server (a background task's error, logged), or None."""
+        return self._failure
+
+    @property
     def receivers(self) -> dict[str, dict[str, object]]:
         """Connected receivers by identity, with their acknowledged version and queue."""
         return {p.name: p.describe() for p in self._peers.values()}
@@ -187,7 +192,7 @@ class VersionServer:
                     self._try_send(peer, self.stamp(Message(MessageType.BYE)))
                 except PeerGone:
                     pass
-        tasks = list(self._tasks) + [p.task for p in self._peers.values() if p.task]
+        tasks = list(self._tasks)  # every pump, greeting and digest answer is among them
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -235,6 +240,9 @@ class VersionServer:
         self.rejected_keys.add(public_key)
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+        """Start a background task owned by this server: kept until it ends, cancelled and
+        awaited by ``close``; one that fails fails the server (``_check_running`` raises it
+        to the owner, from ``sync``, ``wait_acked`` ...), logged."""
         task = asyncio.get_running_loop().create_task(coro, name=f"weightsync-{self.role}-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -248,7 +256,7 @@ class VersionServer:
         if error is not None:
             log.error("%s task %s failed: %r", self.role, task.get_name(), error, exc_info=error)
             self._failure = error
-            asyncio.get_running_loop().create_task(self._notify())
+            self._spawn(self._notify(), "notify")  # waiters (wait_acked, ...) raise it now
 
     async def _notify(self) -> None:
         async with self._acked:
@@ -405,12 +413,17 @@ class VersionServer:
         peer.acked = None if greeting else version
         peer.inflight = [version] if greeting else []
         self._peers[identity] = peer
-        peer.task = asyncio.get_running_loop().create_task(self._pump(peer, [welcome, *greeting]))
+        peer.task = self._spawn(self._pump(peer, [welcome, *greeting]), f"pump-{peer.name}")
         log.info("receiver %s joined at v%s (bootstrap: %d buckets)", peer.name, applied, len(greeting))
         await self._notify()
 
     async def _pump(self, peer: Peer, greeting: list[Message]) -> None:
-        """Send ``peer`` what it is missing, never more than ``max_inflight`` versions ahead."""
+        """Send ``peer`` what it is missing, never more than ``max_inflight`` versions ahead.
+
+        A pump never ends with its peer still registered: a receiver that cannot be served
+        (a ``WeightSyncError``: resyncs refused too often, a bootstrap this server cannot
+        build now) is dropped and sent the error; anything else is a bug, which drops the
+        peer and fails the server (``_spawn``)."""
         try:
             await self._deliver_all(peer, [self.stamp(m) for m in greeting])
             # A bootstrap is a whole model copy: this coroutine lives as long as the peer,
@@ -430,11 +443,15 @@ class VersionServer:
                 peer.wake.clear()
         except PeerGone:
             await self._drop(peer, "disconnected")
-        except ResyncLimitError as e:
-            log.error("%s: %s", self.role, e)
+        except WeightSyncError as e:
+            log.error("%s cannot serve receiver %s: %s: %s", self.role, peer.name, type(e).__name__, e)
             with contextlib.suppress(PeerGone):
                 self._try_send(peer, self.stamp(error_message(e)))
-            await self._drop(peer, str(e))
+            await self._drop(peer, f"{type(e).__name__}: {e}")
+        except Exception as e:
+            self._failure = e  # before the drop wakes the waiters: they must see it, not one receiver fewer
+            await self._drop(peer, f"its pump failed: {e!r}")
+            raise
 
     async def _next_for(self, peer: Peer) -> tuple[int | None, list[list[Buffer]]] | None:
         if not peer.needs_resync:

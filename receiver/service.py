@@ -179,6 +179,7 @@ class Receiver(Controls):
         self._hooks: list[Callable[[int | None], Any]] = []
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self._notifying: set[asyncio.Task[None]] = set()  # wake-ups after the task ended, kept until done
         self._ready = asyncio.Event()
         self._failure: BaseException | None = None
         self._socket: DealerSocket | None = None
@@ -262,7 +263,7 @@ class Receiver(Controls):
             self._socket.try_send(encode_message(Message(MessageType.BYE, version=self.version)))
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.gather(self._task, *self._notifying, return_exceptions=True)
         log.info("receiver %s closed at v%s", self.identity, self.version)
 
     # -- control: the calls themselves are in controls.py ------------------------------
@@ -273,8 +274,9 @@ class Receiver(Controls):
 
     @property
     def healthy(self) -> bool:
-        """Started, not closed, and not stopped by an error."""
-        return self._task is not None and not self._task.done() and self._failure is None and not self._closed
+        """Started, not closed, and not stopped by an error (its relay's included)."""
+        running = self._task is not None and not self._task.done() and self._failure is None and not self._closed
+        return running and (self.relay is None or self.relay.failure is None)
 
     def status(self) -> dict[str, Any]:
         """Versions and state, as ``GET /v1/version`` reports them."""
@@ -290,7 +292,7 @@ class Receiver(Controls):
             "connected": self.connected,
             "reconnects": self.reconnects,
             "healthy": self.healthy,
-            "error": None if self._failure is None else f"{type(self._failure).__name__}: {self._failure}",
+            "error": _describe_error(self._failure or (None if self.relay is None else self.relay.failure)),
         }
 
     async def _leave_session(self) -> None:
@@ -355,8 +357,10 @@ class Receiver(Controls):
         if not task.cancelled() and task.exception() is not None and self._failure is None:
             self._failure = task.exception()
             log.error("receiver %s stopped: %r", self.identity, self._failure)
-        if not self._closed:
-            asyncio.get_running_loop().create_task(self._notify())
+        if not self._closed:  # whoever waits on this receiver raises its failure now
+            notify = asyncio.get_running_loop().create_task(self._notify())
+            self._notifying.add(notify)
+            notify.add_done_callback(self._notifying.discard)
 
     async def _run(self) -> None:
         delay = self.reconnect_backoff[0]
@@ -632,6 +636,10 @@ class Receiver(Controls):
             except Exception:
                 log.exception("on_update hook failed at v%s", version)
         await self._notify()
+
+
+def _describe_error(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
 
 
 def _error_code(frames: Sequence[Buffer]) -> str | None:

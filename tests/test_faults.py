@@ -354,6 +354,34 @@ def _refused_forever(data: int) -> Any:
 
 
 @pytest.mark.timeout(60)
+async def test_a_failed_pump_fails_the_sender_and_drops_its_receiver(rig: Rig) -> None:
+    """A bug in serving one receiver (here the resync that v2's corrupted patch asks for
+    cannot be built: an injected RuntimeError) must not vanish with its task: the receiver
+    is dropped, and the error reaches the sender's owner, from ``wait_acked`` and ``sync``.
+    (The pump task caught only PeerGone and was not kept: it died silently, the receiver
+    stayed registered and heartbeated, and ``wait_acked(2)`` waited forever.)"""
+    sender = await rig.start_sender()
+    proxy = await rig.start_proxy(Corrupt(lambda w: w.type == PATCH and w.version == 2 and len(w.frames) > 1))
+    r = await rig.receiver("r0", proxy.endpoint)
+    await rig.converged(0)
+    await rig.step()
+
+    async def broken() -> list[Any]:
+        raise RuntimeError("the resync could not be built")
+
+    sender._resync_messages = broken  # type: ignore[method-assign]
+    await rig.trainer.step_and_sync(sender)
+    with pytest.raises(WeightSyncError, match="could not be built") as failed:
+        await sender.wait_acked(2, timeout=T)
+    assert isinstance(failed.value.__cause__, RuntimeError) and sender.failure is failed.value.__cause__
+    assert "r0" not in sender.receivers
+    rig.trainer.step()
+    with pytest.raises(WeightSyncError, match="could not be built"):
+        await sender.sync(rig.trainer.model, 3)
+    assert r.version == 1 and state_digest(r.model.state_dict()) == rig.trainer.digests[1]
+
+
+@pytest.mark.timeout(60)
 async def test_racing_syncs_the_stale_one_is_refused(rig: Rig) -> None:
     """``sync(6)`` and ``sync(5)`` at once: the one that waited for the lock is checked
     under it, so ``sync(5)`` is a ``StaleVersionError`` and changes nothing. (Checked

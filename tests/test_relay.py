@@ -253,6 +253,37 @@ async def test_a_relay_sleeps_its_weights_and_wakes():
         await t.step(relay, leaf, late)
 
 
+async def test_a_leaf_the_sleeping_relay_cannot_serve_is_dropped_not_forgotten():
+    """A paused leaf falls behind the relay's ring, then the relay sleeps, then the leaf
+    resumes: catching it up needs a bootstrap the relay cannot build asleep, so its pump
+    fails (StateError). The relay drops the leaf and tells it why; the leaf reconnects
+    until the relay wakes, then is resynced. (The pump used to die silently: the leaf
+    stayed registered and heartbeated, and was never served again.)"""
+    async with tree("patch") as t:
+        sender = await t.start_sender()
+        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        server = relay.relay
+        leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
+        await t.step(relay, leaf)
+        await leaf.pause()  # it stages the next version and holds it: its credits run out
+        for _ in range(server.ring_size + 4):
+            await t.step(relay)
+        assert leaf.version == 1 and server.receivers["leaf"]["sent"] == 1 + server.max_inflight
+        await relay.sleep("weight")
+        reconnects = leaf.reconnects
+        await leaf.resume()
+        await wait_until(lambda: leaf.reconnects > reconnects)  # dropped, told why: it tries again
+        assert leaf.healthy and relay.healthy and not server._failure
+        async with leaf.reading():
+            assert leaf.version is not None and leaf.version < 1 + server.max_inflight + 1
+            await assert_matches(leaf, t.trainer, leaf.version)
+        await relay.wakeup("weight")
+        await leaf.wait_for_version(t.trainer.version, timeout=T)
+        await assert_matches(leaf, t.trainer, t.trainer.version)
+        await t.step(relay, leaf)
+
+
 async def test_sleep_still_refuses_weights_whose_writes_are_wrapped():
     """What the relay was wrongly refused for stays refused where it is true: a receiver
     whose writes go through ``wrap_write`` (a sidecar's shared memory, which an engine
