@@ -10,7 +10,8 @@ writes the same values (the engine already holds them after the first), so the o
 does not matter:
 
 * ``weightsync``: ``receive_weights`` of the staged patch (commit through the runtime map,
-  re-pack of the touched layers);
+  then the touched layers: swapped in, having been re-packed ahead while the patch was
+  staged, on copies; or, on alternate versions with that switched off, re-packed inline);
 * ``dense_reload``: vLLM's checkpoint-format path (``initialize_layerwise_reload``, the
   whole checkpoint through ``load_weights``, ``finalize_layerwise_reload``), what the
   ``nccl`` / ``ipc`` backends run between start and finish;
@@ -55,13 +56,20 @@ def _staged(worker: Any) -> tuple[int | None, int | None]:
     return receiver.version, receiver.pending_version
 
 
+def _set_prepack(worker: Any, on: bool) -> None:
+    engine = worker.weight_transfer_engine
+    engine.receiver.strategy.on_staged = engine._prepack if on else None
+
+
 def _time_weightsync(worker: Any, version: int) -> dict[str, float]:
     from receiver.vllm.engine import WeightsyncUpdateInfo
 
     engine = worker.weight_transfer_engine
     started = time.perf_counter()
     engine.receive_weights(WeightsyncUpdateInfo(version=version))
-    return {"weightsync_s": time.perf_counter() - started, **{f"weightsync_{k}": v for k, v in engine.last_timing.items()}}
+    seconds = time.perf_counter() - started
+    ahead = engine.last_prepack_s if engine.receiver.strategy.on_staged is not None else 0.0
+    return {"weightsync_s": seconds, "weightsync_prepack_s": ahead, **{f"weightsync_{k}": v for k, v in engine.last_timing.items()}}
 
 
 def _load(path: str) -> dict[str, torch.Tensor]:
@@ -81,12 +89,23 @@ def _time_dense_reload(worker: Any, path: str) -> float:
 
     weights = _load(path)
     model = worker.model_runner.get_model()
+    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
     started = time.perf_counter()
     with torch.no_grad():
         initialize_layerwise_reload(model)
         model.load_weights(list(weights.items()))
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    # The reload put new parameter objects in; it loaded the values the engine held, so put
+    # the old ones back: the weightsync map (and the next version) goes on writing those.
+    for m, attrs, params, buffers in saved:
+        m.__dict__.clear()
+        m.__dict__.update(attrs)
+        m._parameters.clear()
+        m._parameters.update(params)
+        m._buffers.clear()
+        m._buffers.update(buffers)
+    return seconds
 
 
 def _sparse_supported(worker: Any, path: str, shapes: dict[str, list[int]]) -> list[str]:
@@ -143,7 +162,7 @@ def _config(hidden: int, layers: int, vocab: int) -> Any:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_hold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6, help="versions; re-packing ahead is on for odd ones, off for even ones")
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -173,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     supported: list[str] | None = None
     for _ in range(args.steps):
+        prepack = trainer.version % 2 == 0  # the next version is odd
+        llm.collective_rpc(_set_prepack, args=(prepack,))
         step = trainer.step()
         version = step["version"]
         trainer.run(trainer.sender.flush())
@@ -203,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         sparse = llm.collective_rpc(_time_sparse, args=(patch_path, _save_patches(sparse_patches, patch_path)))[0] if sparse_patches else None
         copy = llm.collective_rpc(_time_full_copy, args=(ckpt_path,))[0]
         rows.append({
-            "version": version, "changed_fraction": step["changed_fraction"], "changed_elements": changed,
+            "version": version, "prepack": prepack, "changed_fraction": step["changed_fraction"], "changed_elements": changed,
             **ours, "dense_reload_s": dense, "vllm_sparse_s": sparse, "full_copy_s": copy, "api_round_trip_s": api_empty,
             "vllm_sparse_changed_elements": sum(int(x[2].numel()) for x in sparse_patches),
             "weightsync_wire_bytes": trainer.last_stats.wire_bytes,
@@ -211,8 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         })
         print(json.dumps(rows[-1]), flush=True)
         previous = current
-    keys = ("weightsync_s", "weightsync_commit_s", "weightsync_repack_s", "dense_reload_s", "full_copy_s", "changed_fraction", "api_round_trip_s")
+    keys = ("dense_reload_s", "full_copy_s", "changed_fraction", "api_round_trip_s")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
+    ahead, inline = [r for r in rows if r["prepack"]], [r for r in rows if not r["prepack"]]
+    for k in ("weightsync_s", "weightsync_commit_s", "weightsync_prepack_s"):
+        med[k] = statistics.median(r[k] for r in ahead)
+    med["weightsync_inline_s"] = statistics.median(r["weightsync_s"] for r in inline) if inline else None
+    med["weightsync_inline_repack_s"] = statistics.median(r["weightsync_repack_s"] for r in inline) if inline else None
     sparse_rows = [r for r in rows if r["vllm_sparse_s"] is not None]
     doc = {
         "benchmark": "vllm_hold", "command": "python -m benchmarks.vllm_hold " + " ".join(argv or sys.argv[1:]),
@@ -225,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             "vllm_sparse_s": statistics.median(r["vllm_sparse_s"] for r in sparse_rows) if sparse_rows else None,
             "vllm_sparse_share_of_changes": statistics.median(r["vllm_sparse_changed_elements"] / max(1, r["changed_elements"]) for r in rows),
             "weightsync_over_dense": med["weightsync_s"] / med["dense_reload_s"],
+            "weightsync_inline_over_dense": med["weightsync_inline_s"] / med["dense_reload_s"] if inline else None,
             "weightsync_over_full_copy": med["weightsync_s"] / med["full_copy_s"],
             "dense_bytes": dense_bytes,
             "sparse_nccl_bytes": statistics.median(r["sparse_nccl_bytes"] for r in rows),

@@ -137,6 +137,11 @@ def checksums(llm: Any) -> list[dict[str, str]]:
     return llm.collective_rpc("compute_weight_checksums")
 
 
+def engine_totals(worker: Any) -> dict[str, int]:
+    """Run in each worker (--check): how many layers were re-packed ahead vs inline."""
+    return dict(worker.weight_transfer_engine.totals)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -146,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism of the engine")
     parser.add_argument("--check", action="store_true", help="compare with a fresh engine loaded from the trainer's weights")
     args = parser.parse_args(argv)
+    if args.check:  # engine_totals runs in the workers as a function
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     trainer = Trainer(tie=not args.untied, lr=args.lr)
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
@@ -193,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.check:
         ours = checksums(llm)
+        summary["engine_totals"] = llm.collective_rpc(engine_totals)
         del llm
         reference_dir = tempfile.mkdtemp(prefix="weightsync-vllm-ref-")
         trainer.save(reference_dir)

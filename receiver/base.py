@@ -94,6 +94,9 @@ class ReceiverBase:
         self,
         model: StateLike,
         recv: Recv,
+        # Awaited once a version is staged, before it can be committed: an engine prepares
+        # what it can off the hold (receiver/vllm re-packs layers ahead). Its error fails the receive.
+        self.on_staged: Callable[[PendingVersion], Awaitable[None]] | None = None
         send: Send,
         *,
         receiver_id: str = "",
@@ -251,6 +254,8 @@ class ReceiverBase:
         msg = await asyncio.to_thread(decode_message, frames)
         if msg.type is MessageType.ERROR:
             code, text = msg.body.get("code"), msg.body.get("message")
+        if self.on_staged is not None:
+            await self.on_staged(pending)
             raise _ERRORS.get(str(code), WeightSyncError)(f"sender reported: {text}")
         if self.session is not None and msg.session != self.session:
             raise ProtocolError(f"{msg.describe()}: from session {msg.session[:8]}, expected {self.session[:8]}")

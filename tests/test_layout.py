@@ -8,8 +8,10 @@ test_vllm.py runs the same code in real vLLM workers.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -158,3 +160,128 @@ def test_importing_weightsync_loads_no_jit_compiler() -> None:
         "bad = [m for m in ('numba', 'llvmlite') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class PackOnLoad:
+    """Post-load processing as vLLM's CPU build does it: the kernel reads a packed copy of
+    the weight, and the parameter is emptied (``keep``: it stays, as an embedding's does)."""
+
+    def __init__(self, keep: bool = False, in_place: bool = False) -> None:
+        self.keep, self.in_place = keep, in_place
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.in_place:
+            layer.weight.data = layer.weight.data.clone()  # rewrites the loaded tensor: refused
+        layer.packed = layer.weight.detach().t().contiguous()
+        if not self.keep:
+            layer.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+
+class Packed(nn.Module):
+    def __init__(self, rows: int, keep: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, H, dtype=torch.bfloat16), requires_grad=False)
+        self.quant_method = PackOnLoad(keep)
+
+
+class PackedModel(nn.Module):
+    """q/k/v fused into a re-packed layer; an embedding that keeps its weight, tied to a
+    head that is a second layer over the same parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.embed, self.head = Packed(Q + 2 * KV), Packed(VPAD, keep=True), Packed(VPAD, keep=True)
+        self.head.weight = self.embed.weight
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        rows = {"q": (0, Q), "k": (Q, KV), "v": (Q + KV, KV)}
+        for name, w in weights:
+            if name == "embed":
+                self.embed.weight.data[:V].copy_(w)
+            else:
+                self.qkv.weight.data.narrow(0, *rows[name]).copy_(w)
+
+
+PACKED_META = [("q", (Q, H)), ("k", (KV, H)), ("v", (KV, H)), ("embed", (V, H))]
+
+
+def packed_engine(weights: dict[str, torch.Tensor]) -> tuple[PackedModel, Any]:
+    """Loaded, then processed as vLLM's loader does; qkv's loaded weight kept as its shadow
+    (what receiver/vllm/layout.py rebuilds from vLLM's reload metadata)."""
+    model = PackedModel()
+    layout = derive_layout(model, [(k, s, torch.bfloat16) for k, s in PACKED_META])
+    for key, tensor in layout.tensors.items():
+        write_whole(tensor, weights[key])
+    layout.shadows[model.qkv] = {"weight": model.qkv.weight}
+    assert layout.repack([model.qkv, model.embed]) == 2
+    model.head.quant_method.process_weights_after_loading(model.head)
+    return model, layout
+
+
+def sparse_version(weights: dict[str, torch.Tensor], seed: int) -> list[Any]:
+    from receiver.commit import StagedUpdate
+
+    g = torch.Generator().manual_seed(seed)
+    updates = []
+    for ordinal, (key, shape) in enumerate(PACKED_META):
+        n = math.prod(shape)
+        flat = torch.randperm(n, generator=g)[: n // 5].sort().values
+        values = torch.randn(flat.numel(), generator=g).to(torch.bfloat16)
+        weights[key].view(-1)[flat] = values
+        updates.append(StagedUpdate(ordinal, flat, values))
+    return updates
+
+
+def test_layers_prepacked_ahead_equal_an_inline_repack_and_touch_nothing_until_installed() -> None:
+    """Layout.prepack processes copies while a version is staged; after the commit,
+    install swaps them in. Two versions in a row (the second commits into the copies the
+    first installed), against the same versions committed and re-packed inline. The
+    updates the copies hold are not committed again: the installed copies must carry them."""
+    from receiver.commit import commit
+
+    weights = checkpoint(7)
+    base = {k: weights[k] for k, _ in PACKED_META}
+    ahead_model, ahead_layout = packed_engine(base)
+    inline_model, inline_layout = packed_engine(base)
+    expected = {k: v.clone() for k, v in base.items()}
+    keys = [k for k, _ in PACKED_META]
+    for seed in (8, 9):
+        updates = sparse_version(expected, seed)
+        layers = ahead_layout.layers_of(keys)
+        before = {name: getattr(ahead_model, name).packed.clone() for name in ("qkv", "embed", "head")}
+        prepack = ahead_layout.prepack(layers, [(keys[u.ordinal], u) for u in updates])
+        assert set(prepack.layers) == {ahead_model.qkv, ahead_model.embed, ahead_model.head}
+        for name, packed in before.items():  # nothing the model runs on moved
+            assert torch.equal(getattr(ahead_model, name).packed, packed), name
+        # What the engine commits: only updates the copies do not hold entirely (none here).
+        assert all(ahead_layout.holds(prepack, k) for k in keys)
+        commit([inline_layout.tensors[k] for k in keys], updates, {})
+        for layer in layers:
+            ahead_layout.install(prepack, layer)
+        assert inline_layout.repack(inline_layout.layers_of(keys)) == 3
+        assert ahead_model.head.weight is ahead_model.embed.weight  # still tied: one copy for both layers
+        reference = PackedModel()
+        reference.load_weights(list(expected.items()))
+        for name in ("qkv", "embed", "head"):
+            want = getattr(reference, name).weight.detach().t().contiguous()
+            assert torch.equal(getattr(ahead_model, name).packed, want), (seed, name)
+            assert torch.equal(getattr(inline_model, name).packed, want), (seed, name)
+        assert ahead_model.qkv.weight.numel() == 0 and torch.equal(ahead_layout.shadows[ahead_model.qkv]["weight"], reference.qkv.weight)
+        for key in keys:  # the map reads through the installed copies
+            t = ahead_layout.tensors[key]
+            got = t.materialize() if isinstance(t, Placed) else t
+            assert torch.equal(got, expected[key]), (seed, key)
+
+
+def test_prepack_refuses_processing_that_rewrites_the_loaded_weight() -> None:
+    model, layout = packed_engine({k: v for k, v in checkpoint(10).items() if k in dict(PACKED_META)})
+    model.qkv.quant_method.in_place = True
+    with pytest.raises(LayoutError, match="rewrote the loaded weight"):
+        layout.prepack([model.qkv], [])
+
+
+def test_prepack_leaves_out_a_layer_whose_parameter_a_module_outside_it_shares() -> None:
+    """embed's weight is also head's: copying it for embed alone would split the tie."""
+    model, layout = packed_engine({k: v for k, v in checkpoint(11).items() if k in dict(PACKED_META)})
+    assert set(layout.prepack([model.embed, model.qkv], []).layers) == {model.qkv}
+    assert set(layout.prepack([model.embed, model.head], []).layers) == {model.embed, model.head}

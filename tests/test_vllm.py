@@ -46,6 +46,8 @@ def check_summary(summary: dict[str, Any], steps: int) -> None:
     assert summary["tokens_equal"], summary["final_tokens"]
     assert summary["logprobs_equal"]
     assert summary["checksums_equal"]
+    totals = summary["engine_totals"]  # per worker: layers re-packed ahead (while staged) and inline
+    assert all(t["layers_installed"] > 0 for t in totals), totals
 
 
 def test_init_and_update_info_are_checked_at_the_boundary() -> None:
@@ -157,21 +159,25 @@ def test_vllm_serve_driven_over_http_only(tmp_path: Path) -> None:
 
 
 def test_hold_benchmark_runs_and_reports_every_path(tmp_path: Path) -> None:
-    """benchmarks/vllm_hold.py on a small model, one version: every path measured, and the
-    weightsync update really is split into its commit and re-pack."""
+    """benchmarks/vllm_hold.py on a small model, two versions: every path measured; the
+    first version's layers were re-packed ahead and only swapped in, the second's (that
+    switched off) re-packed inside the update."""
     out = tmp_path / "hold.json"
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.vllm_hold", "--json", str(out), "--steps", "1", "--hidden", "128", "--layers", "1", "--vocab", "512"],
+        [sys.executable, "-m", "benchmarks.vllm_hold", "--json", str(out), "--steps", "2", "--hidden", "128", "--layers", "1", "--vocab", "512"],
         cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, check=True, capture_output=True, timeout=300,
     )
     doc = json.loads(out.read_text())
-    (row,) = doc["rows"]
-    assert row["changed_elements"] > 0 and row["weightsync_wire_bytes"] > 0
-    for key in ("weightsync_s", "weightsync_commit_s", "weightsync_repack_s", "dense_reload_s", "full_copy_s"):
-        assert row[key] > 0, key
-    assert row["weightsync_commit_s"] + row["weightsync_repack_s"] <= row["weightsync_s"]
-    assert row["weightsync_layers_repacked"] > 0
-    assert row["sparse_nccl_bytes"] == row["changed_elements"] * 6  # int32 index + bf16 value
+    ahead, inline = doc["rows"]
+    assert (ahead["prepack"], inline["prepack"]) == (True, False)
+    for row in (ahead, inline):
+        assert row["changed_elements"] > 0 and row["weightsync_wire_bytes"] > 0
+        for key in ("weightsync_s", "weightsync_commit_s", "dense_reload_s", "full_copy_s"):
+            assert row[key] > 0, key
+        assert row["weightsync_commit_s"] + row["weightsync_repack_s"] <= row["weightsync_s"]
+        assert row["sparse_nccl_bytes"] == row["changed_elements"] * 6  # int32 index + bf16 value
+    assert ahead["weightsync_layers_installed"] > 0 and ahead["weightsync_layers_repacked"] == 0 and ahead["weightsync_prepack_s"] > 0
+    assert inline["weightsync_layers_installed"] == 0 and inline["weightsync_layers_repacked"] > 0
 
 
 def test_corrupted_patch_and_killed_trainer_under_vllm() -> None:

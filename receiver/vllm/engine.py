@@ -39,6 +39,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from protocol.errors import ConfigError, WeightSyncError
+from protocol.framing import MessageType
 from protocol.metadata import ModelMetadata
 from protocol.security import CurveClient, KeyPair, z85_key
 
@@ -47,7 +48,7 @@ from ..describe import ask_metadata
 from ..engine import parse_version
 from ..naming import AGENT_PREFIX
 from ..service import Receiver
-from .layout import Layout, derive_layout
+from .layout import Layout, Prepack, derive_layout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,7 +62,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     ``config``: the sync YAML's content as a dict, or its path. ``curve``: ``{"public",
     "secret", "server_key"}`` (Z85) for CURVE beyond loopback. ``name_mapping``: this
     engine's checkpoint name -> the trainer's name (a dict), or ``"is_agent"``.
-    ``timeout``: seconds for the handshake and bootstrap."""
+    ``timeout``: seconds for the handshake and bootstrap. ``prepack``: where vLLM re-packs
+    layers after loading (CPU), re-pack them while a version is staged, on copies, so that
+    ``update_weights`` only swaps them in (one more copy of those layers' weights)."""
 
     endpoint: str | list[str]
     config: dict[str, Any] | str | None = None
@@ -69,6 +72,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     name_mapping: dict[str, str] | str | None = None
     timeout: float = 120.0
     insecure_plaintext: bool = False
+    prepack: bool = True
 
     def __post_init__(self) -> None:
         endpoints = [self.endpoint] if isinstance(self.endpoint, str) else self.endpoint
@@ -82,6 +86,8 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
             raise ValueError("init_info.name_mapping must be a dict (checkpoint name -> trainer name) or 'is_agent'")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or self.timeout <= 0:
             raise ValueError(f"init_info.timeout must be a positive number of seconds, got {self.timeout!r}")
+        if type(self.prepack) is not bool:
+            raise ValueError(f"init_info.prepack must be true or false, got {self.prepack!r}")
 
     @property
     def endpoints(self) -> list[str]:
@@ -113,6 +119,12 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"update_info.timeout must be a positive number of seconds or null, got {self.timeout!r}")
         if type(self.verify_checksum) is not bool:
             raise ValueError(f"update_info.verify_checksum must be true or false, got {self.verify_checksum!r}")
+
+
+@dataclass
+class _Ahead:
+    pending: PendingVersion  # the staged version the layers were re-packed for
+    prepack: Prepack
 
 
 class _LoopThread:
@@ -156,10 +168,16 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.receiver: Receiver | None = None
         self.layout: Layout | None = None
         self._thread: _LoopThread | None = None
-        self._touched: set[str] = set()
+        self._stale: dict[torch.nn.Module, None] = {}  # layers written since their last re-pack (ordered)
         self._keys: tuple[str, ...] = ()  # the trainer's names, in the receiver's ordinal order
         self._names: dict[str, str] = {}  # trainer name -> this engine's checkpoint name
         self.last_timing: dict[str, float] = {}  # the last update: commit and re-pack seconds (benchmarks/vllm_hold.py)
+        self.prepack = False
+        self.totals = {"updates": 0, "layers_installed": 0, "layers_repacked": 0}  # since init
+        # The staged version's layers, re-packed ahead on copies; installed inside its commit.
+        self._ahead: _Ahead | None = None
+        self._installed = 0  # layers installed by the commits of the update in progress
+        self.last_prepack_s = 0.0  # the last version's re-pack ahead, off the hold
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -180,17 +198,19 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             declared = [(names[k], shape, dtype if d.is_floating_point else d) for k, shape, d in zip(trainer.keys, trainer.shapes, trainer.dtypes)]
             layout = self.layout = derive_layout(self.model, declared)
             state = {k: layout.tensors[names[k]] for k in trainer.keys}  # under the trainer's names
-            self._keys = trainer.keys
+            self._keys, self._names = trainer.keys, names
             receiver = Receiver(
                 state, init_info.endpoints, init_info.config, hold=True, identity=self._identity(),
                 curve=curve, insecure_plaintext=init_info.insecure_plaintext,
             )
             receiver.strategy.on_commit = self._committed
+            self.prepack = init_info.prepack and bool(layout.shadows)
+            if self.prepack:
+                receiver.strategy.on_staged = self._prepack
             self.receiver = receiver
             thread.run(receiver.start(init_info.timeout), init_info.timeout + 5, "the handshake and bootstrap")
-            self._names = names
             layers = layout.repack(layout.layers_of(names.values()))
-            self._touched.clear()
+            self._stale.clear()
         except BaseException:
             self.shutdown()
             raise
@@ -218,9 +238,14 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         else:
             raise WeightSyncError(f"the workers did not converge on one version: {versions}")
         committed = time.perf_counter()
-        layers = self.layout.repack(self.layout.layers_of(self._names[k] for k in self._touched))
-        self._touched.clear()
-        self.last_timing = {"commit_s": committed - started, "repack_s": time.perf_counter() - committed, "layers_repacked": layers}
+        stale, self._stale = list(self._stale), {}
+        installed, self._installed = self._installed, 0
+        layers = self.layout.repack(stale)
+        self.last_timing = {"commit_s": committed - started, "repack_s": time.perf_counter() - committed,
+                            "layers_installed": installed, "layers_repacked": layers}
+        self.totals["updates"] += 1
+        self.totals["layers_installed"] += installed
+        self.totals["layers_repacked"] += layers
         if update_info.verify_checksum:
             thread.run(receiver.update_weights(receiver.version, True, update_info.timeout), limit, "verify_checksum")
 
@@ -247,14 +272,53 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         return self.receiver
 
     def _committed(self, pending: PendingVersion) -> None:
-        """Inside the commit: remember which tensors changed, to re-pack their layers."""
+        """Inside the commit (the worker waits in update_weights, vLLM runs nothing): swap
+        in the layers re-packed ahead for this version, and note the others it wrote."""
+        assert self.layout is not None
+        ahead, self._ahead = self._ahead, None
+        installed: set[torch.nn.Module] = set()
+        if ahead is not None and ahead.pending is pending:
+            for layer in ahead.prepack.layers:
+                self.layout.install(ahead.prepack, layer)
+            installed = set(ahead.prepack.layers)
+            self._installed += len(installed)
+        keys = [self._names[self._keys[o]] for o in self._ordinals(pending)]
+        for layer in self.layout.layers_of(dict.fromkeys(keys)):
+            if layer not in installed:
+                self._stale[layer] = None
+            else:
+                self._stale.pop(layer, None)
+
+    def _ordinals(self, pending: PendingVersion) -> list[int]:
+        """Every tensor a version writes: each update's, and its untied aliases'."""
         receiver = self.receiver
         assert receiver is not None
         aliases = receiver.strategy.aliases
-        for update in pending.updates:
-            self._touched.add(self._keys[update.ordinal])
-            for alias in aliases.get(update.ordinal, ()):
-                self._touched.add(self._keys[alias])
+        return [o for u in pending.updates for o in (u.ordinal, *aliases.get(u.ordinal, ()))]
+
+    async def _prepack(self, pending: PendingVersion) -> None:
+        """Once a patch is staged (before it can be committed): re-pack the layers it
+        touches on copies, while vLLM generates, and drop the updates those copies hold
+        entirely from what the commit writes. A failure only costs the hold: those layers
+        re-pack inside update_weights."""
+        self._ahead = None
+        if pending.type is not MessageType.PATCH:
+            return  # a resync re-packs every layer inside update_weights
+        layout, receiver = self.layout, self.receiver
+        assert layout is not None and receiver is not None
+        aliases = receiver.strategy.aliases
+        names = {o: self._names[self._keys[o]] for u in pending.updates for o in (u.ordinal, *aliases.get(u.ordinal, ()))}
+        writes = [(names[o], u) for u in pending.updates for o in (u.ordinal, *aliases.get(u.ordinal, ()))]
+        started = time.perf_counter()
+        try:
+            prepack = await asyncio.to_thread(layout.prepack, layout.layers_of(dict.fromkeys(names.values())), writes)
+        except Exception as e:  # logged; update_weights re-packs these layers inline
+            log.warning("weightsync: re-packing v%s ahead failed, it will re-pack inside update_weights: %s", pending.version, e)
+            return
+        held = {o: layout.holds(prepack, name) for o, name in names.items()}
+        pending.updates[:] = [u for u in pending.updates if not all(held[o] for o in (u.ordinal, *aliases.get(u.ordinal, ())))]
+        self._ahead = _Ahead(pending, prepack)
+        self.last_prepack_s = time.perf_counter() - started
 
     def _checkpoint_names(self, trainer: ModelMetadata, mapping: dict[str, str] | str | None) -> dict[str, str]:
         """Trainer name -> the checkpoint name this engine's load_weights takes."""

@@ -20,10 +20,12 @@ layers a version touched. Elsewhere (GPU, unquantized) the writes land in place.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,6 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from protocol.errors import ConfigError, MetadataMismatchError
 from protocol.state import Placed
+
+from ..commit import StagedUpdate, write
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +225,14 @@ class Layout:
     unmapped: list[str]  # checkpoint names load_weights did not place here (another rank, or tied)
     owners: dict[str, list[nn.Module]]  # checkpoint name -> the layers its elements land in
     shadows: dict[nn.Module, dict[str, nn.Parameter]] = field(default_factory=dict)
+    segments: dict[str, list[Segment]] = field(default_factory=dict)  # checkpoint name -> its recorded copies
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # shadows: prepack's copies vs install/repack
+    _by_storage: dict[int, list[str]] = field(default_factory=dict, repr=False)  # parameter storage -> the names it holds
+
+    def __post_init__(self) -> None:
+        for key, segs in self.segments.items():
+            for ptr in {s.storage.untyped_storage().data_ptr() for s in segs}:
+                self._by_storage.setdefault(ptr, []).append(key)
 
     def layers_of(self, keys: Iterable[str]) -> list[nn.Module]:
         seen: dict[int, nn.Module] = {}
@@ -234,22 +246,187 @@ class Layout:
         """Re-run vLLM's post-load processing of ``layers`` over their current weights
         (shadows put back first). Returns how many layers were processed."""
         count = 0
-        for layer in layers:
-            method = getattr(layer, "quant_method", None)
-            if method is None or not hasattr(method, "process_weights_after_loading"):
-                continue
-            shadows = self.shadows.get(layer, {})
-            before = {name: (p.data_ptr(), tuple(p.shape)) for name, p in shadows.items()}
-            for name, shadow in shadows.items():
-                setattr(layer, name, shadow)
-            if hasattr(layer, "_already_called_process_weights_after_loading"):
-                delattr(layer, "_already_called_process_weights_after_loading")
-            method.process_weights_after_loading(layer)
-            for name, p in shadows.items():
-                if (p.data_ptr(), tuple(p.shape)) != before[name]:
-                    raise LayoutError(f"{type(layer).__name__}.{name}: post-load processing rewrote the loaded weight in place")
-            count += 1
+        with self._lock:
+            for layer in layers:
+                if not _processed(layer):
+                    continue
+                method: Any = layer.quant_method
+                shadows = self.shadows.get(layer, {})
+                before = {name: (p.data_ptr(), tuple(p.shape)) for name, p in shadows.items()}
+                for name, shadow in shadows.items():
+                    setattr(layer, name, shadow)
+                if hasattr(layer, "_already_called_process_weights_after_loading"):
+                    delattr(layer, "_already_called_process_weights_after_loading")
+                method.process_weights_after_loading(layer)
+                for name, p in shadows.items():
+                    if (p.data_ptr(), tuple(p.shape)) != before[name]:
+                        raise LayoutError(f"{type(layer).__name__}.{name}: post-load processing rewrote the loaded weight in place")
+                count += 1
         return count
+
+    @torch.no_grad()
+    def prepack(self, layers: Iterable[nn.Module], writes: Sequence[tuple[str, StagedUpdate]]) -> Prepack:
+        """Process ``layers`` ahead of a commit, off the hold: on copies of their loaded
+        parameters (shadows, or the live ones a layer keeps) with ``writes`` (checkpoint
+        name, staged update) applied, through a stand-in of each layer, so the model is not
+        touched. ``install`` puts a layer in place once the same writes are committed.
+
+        The copies are taken under the layout's lock from the parameters as they are now:
+        call it with no commit in flight (the staged writes were resolved against them).
+        Layers sharing a parameter (tied) share its copy."""
+        out = Prepack()
+        with self._lock:
+            chosen = self._closed([layer for layer in layers if _processed(layer)])
+            stand_ins = {}
+            for layer in chosen:
+                uses = {}
+                for name, p in self._loaded(layer).items():
+                    ptr = p.untyped_storage().data_ptr()
+                    if ptr not in out.copies:
+                        out.copies[ptr] = (p, _copy_param(p))
+                    uses[name] = ptr
+                out.layers[layer] = _Processed(uses)
+                stand_ins[layer] = _stand_in(layer, {name: out.copies[ptr][1] for name, ptr in uses.items()})
+        by_storage = {ptr: storage_flat(c) for ptr, (_, c) in out.copies.items()}
+        ahead: dict[str, torch.Tensor | Placed | None] = {}
+        for key, update in writes:
+            if key not in ahead:
+                ahead[key] = self._over(key, by_storage)
+            target = ahead[key]
+            if target is not None:
+                write(target, update)
+        for layer, stand in stand_ins.items():
+            done = out.layers[layer]
+            before_dict, before_params = dict(stand.__dict__), dict(stand._parameters)
+            ptrs = {name: out.copies[ptr][1].data_ptr() for name, ptr in done.uses.items()}
+            stand.quant_method.process_weights_after_loading(stand)  # type: ignore[union-attr, operator]
+            for name, ptr in done.uses.items():
+                if out.copies[ptr][1].data_ptr() != ptrs[name]:
+                    raise LayoutError(f"{type(layer).__name__}.{name}: post-load processing rewrote the loaded weight in place")
+            done.attrs = {k: v for k, v in stand.__dict__.items() if k not in _MODULE_TABLES and before_dict.get(k, _MISSING) is not v}
+            done.removed = {k for k in before_dict if k not in stand.__dict__}
+            done.params = {k: v for k, v in stand._parameters.items() if before_params.get(k, _MISSING) is not v}
+        return out
+
+    def install(self, ahead: Prepack, layer: nn.Module) -> None:
+        """Put a layer processed by ``prepack`` in place: the copies of its parameters
+        replace them (every map entry re-pointed, shadows too) and what processing set on
+        its stand-in is set on it."""
+        done = ahead.layers[layer]
+        with self._lock:
+            for name, ptr in done.uses.items():
+                old, c = ahead.copies[ptr]
+                if ptr not in ahead.repointed:
+                    self._repoint(old, c)
+                    ahead.repointed.add(ptr)
+                shadows = self.shadows.get(layer, {})
+                if shadows.get(name) is old:
+                    shadows[name] = c
+                if layer._parameters.get(name) is old:  # the layer runs on the loaded tensor itself
+                    layer._parameters[name] = c
+            for k, v in done.params.items():
+                layer._parameters[k] = v
+            for k in done.removed:
+                if k in layer.__dict__:
+                    object.__delattr__(layer, k)
+            for k, v in done.attrs.items():
+                object.__setattr__(layer, k, v)
+
+    def holds(self, prepack: Prepack, key: str) -> bool:
+        """Whether ``prepack``'s copies hold every element of ``key`` this worker has."""
+        return all(s.storage.untyped_storage().data_ptr() in prepack.copies for s in self.segments.get(key, ()))
+
+    def _closed(self, layers: list[nn.Module]) -> list[nn.Module]:
+        """``layers`` less any that shares a parameter with a module outside them (a copy
+        swapped into some users of a storage but not all would split it), or whose
+        parameters are not the ones the map writes (something replaced them)."""
+        users: dict[int, set[nn.Module]] = {}
+        for module in self.model.modules():
+            for p in module._parameters.values():
+                if p is not None and p.numel():
+                    users.setdefault(p.untyped_storage().data_ptr(), set()).add(module)
+        chosen = list(layers)
+        while True:
+            inside = set(chosen)
+            kept = [layer for layer in chosen if all(
+                (ptr := p.untyped_storage().data_ptr()) in self._by_storage and users.get(ptr, set()) <= inside
+                for p in self._loaded(layer).values())]
+            if len(kept) == len(chosen):
+                return kept
+            chosen = kept
+
+    def _loaded(self, layer: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters a layer's post-load processing reads: its shadows, or its own."""
+        shadows = self.shadows.get(layer)
+        if shadows is not None:
+            return shadows
+        return {name: p for name, p in layer.named_parameters(recurse=False) if p.numel()}
+
+    def _over(self, key: str, storages: Mapping[int, torch.Tensor]) -> torch.Tensor | Placed | None:
+        """``key`` as its elements in ``storages`` hold it (None: it has none there)."""
+        segs = [replace(s, storage=storages[s.storage.untyped_storage().data_ptr()])
+                for s in self.segments.get(key, ()) if s.storage.untyped_storage().data_ptr() in storages]
+        if not segs:
+            return None
+        shape, dtype = tuple(self.tensors[key].shape), self.tensors[key].dtype
+        whole = _as_view(shape, dtype, segs)
+        return whole if whole is not None else MappedTensor(key, shape, dtype, segs[0].storage.device, segs)
+
+    def _repoint(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        ptr, flat = old.untyped_storage().data_ptr(), storage_flat(new)
+        for key in self._by_storage.pop(ptr, ()):
+            for seg in self.segments[key]:
+                if seg.storage.untyped_storage().data_ptr() == ptr:
+                    seg.storage = flat
+            t = self.tensors[key]
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr:
+                t.set_(new.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            self._by_storage.setdefault(new.untyped_storage().data_ptr(), []).append(key)
+
+
+@dataclass
+class _Processed:
+    """What post-load processing set on one layer's stand-in."""
+
+    uses: dict[str, int]  # parameter name -> the storage of its copy (Prepack.copies)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    removed: set[str] = field(default_factory=set)
+    params: dict[str, nn.Parameter | None] = field(default_factory=dict)
+
+
+@dataclass
+class Prepack:
+    """Layers processed ahead by ``Layout.prepack``, on copies of their parameters."""
+
+    copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)  # storage -> (parameter, its copy)
+    layers: dict[nn.Module, _Processed] = field(default_factory=dict)
+    repointed: set[int] = field(default_factory=set)
+
+
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+_MISSING = object()
+
+
+def _processed(layer: nn.Module) -> bool:
+    return hasattr(getattr(layer, "quant_method", None), "process_weights_after_loading")
+
+
+def _copy_param(p: nn.Parameter) -> nn.Parameter:
+    """A copy of a vLLM parameter: same class and attributes (its weight loader), own storage."""
+    copy = torch.Tensor._make_subclass(type(p), p.detach().clone(), False)
+    copy.__dict__.update(p.__dict__)
+    return copy
+
+
+def _stand_in(layer: nn.Module, params: Mapping[str, nn.Parameter]) -> nn.Module:
+    """A shallow copy of ``layer`` with its own parameter table holding ``params``: what
+    post-load processing sets lands on it, not on the layer vLLM runs."""
+    stand = copy.copy(layer)
+    for table in _MODULE_TABLES:
+        object.__setattr__(stand, table, dict(getattr(layer, table)))
+    stand._parameters.update(params)
+    stand.__dict__.pop("_already_called_process_weights_after_loading", None)
+    return stand
 
 
 def _install_shadows(model: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
@@ -378,7 +555,7 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
         tensors[key] = whole if whole is not None else MappedTensor(key, shape, dtype, _device(segs, params), segs)
     if unmapped:
         log.info("load_weights places %d checkpoint tensors elsewhere or nowhere on this worker: %s", len(unmapped), unmapped[:8])
-    return Layout(model, tensors, unmapped, owners, shadows)
+    return Layout(model, tensors, unmapped, owners, shadows, segments)
 
 
 def _culprits(load: Any, probes: dict[str, torch.Tensor], param: str, storage: torch.Tensor, candidates: list[str]) -> list[str]:
