@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -58,6 +59,7 @@ class PendingVersion:
     updates: list[StagedUpdate] = field(default_factory=list)
     stats: ApplyStats = field(default_factory=lambda: ApplyStats(None, ""))
     messages: list[Message] = field(default_factory=list)  # as received, when the receiver keeps them (a relay)
+    written: bool = False  # written into the model as it arrived (bucket.load_instant): commit() only records it
 
 
 class ReceiverBase:
@@ -66,6 +68,13 @@ class ReceiverBase:
     Nothing is written into the model until every message of a version has arrived and
     been checked against the model: sizes, dtypes, index bounds and checksums. After an
     error the model is exactly as it was, and ``version`` is unchanged.
+
+    Except where a strategy writes on arrival (``writes_on_arrival``: the bucket
+    strategy's ``load_instant``): each message is checked, then written at once, under
+    the write side taken at the first one and held for the whole version, so only one
+    message's worth is ever staged. A version that fails midway leaves the model *torn*
+    (``torn``): ``version`` is None and the write side stays held (readers are kept out)
+    until a whole version is written over it; it is never published.
     """
 
     strategy: ClassVar[str]
@@ -85,18 +94,19 @@ class ReceiverBase:
         # A relay keeps each version's messages and is told of each commit, inside the guard.
         self.keep_messages = False
         self.on_commit: Callable[[PendingVersion], None] | None = None
+        # Awaited once a version is staged, before it can be committed: an engine prepares
+        # what it can off the hold (receiver/vllm re-packs layers ahead). Its error fails the receive.
+        self.on_staged: Callable[[PendingVersion], Awaitable[None]] | None = None
         # Awaited before a handshake's bootstrap is written: a daemon that commits only
         # when asked (Receiver(hold=True)) holds a resync there until then.
         self.commit_gate: Callable[[PendingVersion], Awaitable[None]] | None = None
+        self._torn: AbstractAsyncContextManager[Any] | None = None  # the write side, kept: a version failed midway
 
     # -- handshake --------------------------------------------------------------------
     async def init_receiver(
         self,
         model: StateLike,
         recv: Recv,
-        # Awaited once a version is staged, before it can be committed: an engine prepares
-        # what it can off the hold (receiver/vllm re-packs layers ahead). Its error fails the receive.
-        self.on_staged: Callable[[PendingVersion], Awaitable[None]] | None = None
         send: Send,
         *,
         receiver_id: str = "",
@@ -178,8 +188,14 @@ class ReceiverBase:
         assert pending.version is not None
         return pending.version
 
-    async def receive(self, model: StateLike, recv: Recv, *, bootstrap: bool = False) -> PendingVersion:
-        """Collect and stage every message of the next version; writes nothing."""
+    async def receive(
+        self, model: StateLike, recv: Recv, *, bootstrap: bool = False,
+        before_write: Callable[[PendingVersion], Awaitable[None]] | None = None,
+    ) -> PendingVersion:
+        """Collect and stage every message of the next version; writes nothing, unless
+        this strategy writes on arrival: then, once the first message is checked, it
+        awaits ``before_write`` (a daemon's pause gate), takes the write side and writes
+        each message as it comes; the version returned is ``written``."""
         if self.metadata is None:
             raise WeightSyncError("init_receiver() must complete before apply()")
         targets = self.targets(model)
@@ -192,29 +208,54 @@ class ReceiverBase:
         seen_keys: set[int] = set()
         raw: list[Message] = []
         msg = first
-        while True:
-            if msg is not first:
-                self._check_same_version(first, msg)
-            if msg.part != received:  # ZeroMQ keeps order: a gap or a repeat is an error
-                raise ProtocolError(f"{msg.describe()}: expected part {received + 1} of {first.parts}")
-            received += 1
-            for entry in msg.tensors:
-                if entry.key >= len(targets) or entry.key in seen_keys:
-                    raise ProtocolError(f"{msg.describe()}: tensor ordinal {entry.key} out of range or repeated")
-                seen_keys.add(entry.key)
-            pending.stats.messages += 1
-            pending.stats.wire_bytes += msg.payload_nbytes
-            if self.keep_messages:
-                pending.messages.append(msg)
-            if self.decode_on_arrival:
-                await self._stage(msg, targets, pending)
-            else:
-                raw.append(msg)
-            if received == first.parts:
-                break
-            msg = await self._next(recv)
+        instant = self.writes_on_arrival and self.commit_gate is None  # a held receiver stages, to commit when asked
+        held: AbstractAsyncContextManager[Any] | None = None
+        wrote = False
+        try:
+            while True:
+                if msg is not first:
+                    self._check_same_version(first, msg)
+                if msg.part != received:  # ZeroMQ keeps order: a gap or a repeat is an error
+                    raise ProtocolError(f"{msg.describe()}: expected part {received + 1} of {first.parts}")
+                received += 1
+                for entry in msg.tensors:
+                    if entry.key >= len(targets) or entry.key in seen_keys:
+                        raise ProtocolError(f"{msg.describe()}: tensor ordinal {entry.key} out of range or repeated")
+                    seen_keys.add(entry.key)
+                pending.stats.messages += 1
+                pending.stats.wire_bytes += msg.payload_nbytes
+                if self.keep_messages:
+                    pending.messages.append(msg)
+                if instant:
+                    if held is None:
+                        held = await self._take_write_side(pending, before_write)
+                    await self._stage(msg, targets, pending)  # checked whole before any of it is written
+                    wrote = True
+                    await self._write_staged(targets, pending)
+                elif self.decode_on_arrival:
+                    await self._stage(msg, targets, pending)
+                else:
+                    raw.append(msg)
+                if received == first.parts:
+                    break
+                msg = await self._next(recv)
+        except BaseException:
+            if held is not None:
+                await self._failed_while_writing(held, wrote, pending)
+            raise
+        if held is not None:
+            self.version = pending.version
+            if self.on_commit is not None:
+                self.on_commit(pending)
+            self._torn = None
+            await held.__aexit__(None, None, None)
+            pending.written = True
+            pending.stats.receive_seconds = time.perf_counter() - started
+            return pending
         for m in raw:
             await self._stage(m, targets, pending)
+        if self.on_staged is not None:
+            await self.on_staged(pending)
         pending.stats.receive_seconds = time.perf_counter() - started
         return pending
 
@@ -222,11 +263,70 @@ class ReceiverBase:
     def decode_on_arrival(self) -> bool:
         return True
 
+    @property
+    def writes_on_arrival(self) -> bool:
+        """Write each message into the model as it arrives (see the class docstring)."""
+        return False
+
+    @property
+    def torn(self) -> bool:
+        """A version failed midway while being written: the model holds no whole version."""
+        return self._torn is not None
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """The model's write side: ``write_guard``, or the hold kept on it while the
+        model is torn, which a clean exit ends (whatever runs inside rewrites or releases
+        the whole model)."""
+        if self._torn is None:
+            async with self.write_guard():
+                yield
+            return
+        yield
+        await self.release_torn()
+
+    async def release_torn(self) -> None:
+        """Let readers in again over a torn model (``close`` does, with a warning): it
+        still holds no whole version."""
+        held, self._torn = self._torn, None
+        if held is not None:
+            await held.__aexit__(None, None, None)
+
+    async def _take_write_side(
+        self, pending: PendingVersion, before_write: Callable[[PendingVersion], Awaitable[None]] | None
+    ) -> AbstractAsyncContextManager[Any]:
+        if before_write is not None:
+            await before_write(pending)
+        if self._torn is not None:  # already held since the version that tore it
+            return self._torn
+        guard = self.write_guard()
+        await guard.__aenter__()
+        return guard
+
+    async def _write_staged(self, targets: list[Target], pending: PendingVersion) -> None:
+        started = time.perf_counter()
+        await asyncio.to_thread(commit, targets, pending.updates, self.aliases)
+        pending.updates = []  # one message's worth staged at a time
+        pending.stats.apply_seconds += time.perf_counter() - started
+
+    async def _failed_while_writing(self, held: AbstractAsyncContextManager[Any], wrote: bool, pending: PendingVersion) -> None:
+        if not wrote and self._torn is None:  # nothing of it was written: as if it never came
+            await held.__aexit__(*sys.exc_info())
+            return
+        if self._torn is None:
+            log.error("v%s failed after parts of it were written: the model holds no whole version; "
+                      "readers are kept out until one is written", pending.version)
+        self._torn, self.version = held, None
+
     async def commit(self, model: StateLike, pending: PendingVersion) -> None:
         """Write a staged version into ``model`` (off the event loop, under
-        ``write_guard``) and only then set ``version``."""
+        ``write_guard``) and only then set ``version``. A version ``written`` on arrival
+        is only recorded."""
+        if pending.written:
+            self.last_stats = pending.stats
+            return
         targets = self.targets(model)
-        async with self.write_guard():
+        async with self.exclusive():
             started = time.perf_counter()
             await asyncio.to_thread(commit, targets, pending.updates, self.aliases)
             pending.stats.apply_seconds = time.perf_counter() - started
@@ -254,8 +354,6 @@ class ReceiverBase:
         msg = await asyncio.to_thread(decode_message, frames)
         if msg.type is MessageType.ERROR:
             code, text = msg.body.get("code"), msg.body.get("message")
-        if self.on_staged is not None:
-            await self.on_staged(pending)
             raise _ERRORS.get(str(code), WeightSyncError)(f"sender reported: {text}")
         if self.session is not None and msg.session != self.session:
             raise ProtocolError(f"{msg.describe()}: from session {msg.session[:8]}, expected {self.session[:8]}")
@@ -291,6 +389,8 @@ class ReceiverBase:
         started = time.perf_counter()
         updates = await asyncio.to_thread(self._decode, msg, targets)
         pending.updates.extend(updates)
+        staged = sum(u.values.numel() * u.values.element_size() + (0 if u.flat is None else u.flat.numel() * 8) for u in pending.updates)
+        pending.stats.staged_bytes_peak = max(pending.stats.staged_bytes_peak, staged)
         pending.stats.tensors += len(updates)
         pending.stats.changed_elements += sum(u.values.numel() for u in updates)
         pending.stats.decode_seconds += time.perf_counter() - started

@@ -265,7 +265,7 @@ class Controls:
         self._asleep.add(WEIGHT)  # no new session from here on
         try:
             await self._leave_session()
-            async with self.strategy.write_guard():  # a relay's too: it serves children nothing from released storage
+            async with self.strategy.exclusive():  # a relay's too: it serves children nothing from released storage
                 self._released = memory.release(self.model, resolve_state(self._state()).tensors)
                 # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
                 self.version = self.strategy.version = self.strategy.session = None
@@ -295,7 +295,7 @@ class Controls:
             self._rejoin = False
             self._asleep.add(WEIGHT)
             await self._leave_session()
-            async with self.strategy.write_guard():
+            async with self.strategy.exclusive():
                 self._released = memory.release(self.model, resolve_state(self._state()).tensors)
                 self.version = self.strategy.version = self.strategy.session = None
             raise

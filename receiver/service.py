@@ -264,6 +264,10 @@ class Receiver(Controls):
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, *self._notifying, return_exceptions=True)
+        if self.strategy.torn:
+            log.warning("receiver %s closes with a torn model (a version failed midway): readers are let in, "
+                        "on no whole version", self.identity)
+            await self.strategy.release_torn()
         log.info("receiver %s closed at v%s", self.identity, self.version)
 
     # -- control: the calls themselves are in controls.py ------------------------------
@@ -399,6 +403,8 @@ class Receiver(Controls):
         finally:
             self._in_session = self._handshaking = False
             self._inbox = None
+            if self.strategy.torn:  # a version failed midway: the model holds none (the next HELLO says so)
+                self.version = None
             for reply in self._queries.values():
                 if not reply.done():
                     reply.set_exception(WeightSyncError("the session with the sender ended before it answered"))
@@ -588,16 +594,24 @@ class Receiver(Controls):
             last_type[0] = peek_type(frames)
             return frames
 
+        async def gate(pending: PendingVersion) -> None:
+            self.pending_version = pending.version
+            await self._notify()
+            await self._wait(functools.partial(self._may_commit, pending.version), None, fail=False)  # paused: wait here, staged
+            if self._leaving:
+                raise _Leave("asked to leave")
+
         while True:
             try:
-                pending = await self.strategy.receive(self._state(), seen)
-                self.pending_version = pending.version
-                await self._notify()
-                await self._wait(functools.partial(self._may_commit, pending.version), None, fail=False)  # paused: wait here, staged
-                if self._leaving:
-                    raise _Leave("asked to leave")
+                # Written on arrival (bucket.load_instant), a version passes the gate before its first write.
+                pending = await self.strategy.receive(self._state(), seen, before_write=gate)
+                if not pending.written:
+                    await gate(pending)
                 await self.strategy.commit(self._state(), pending)
             except _REJECTED as e:
+                if self.strategy.torn and self.version is not None:  # failed midway: no version to announce
+                    self.version = None
+                    await self._notify()
                 if isinstance(e, StaleVersionError) and e.held:  # sent before a resync that overtook it, or a replay
                     log.debug("receiver %s dropped a version it holds: %s", self.identity, e)
                     continue

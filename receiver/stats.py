@@ -17,6 +17,7 @@ class ApplyStats:
     receive_seconds: float = 0.0  # from the first message's arrival to the last one's
     decode_seconds: float = 0.0  # validate, decompress and stage (off the event loop)
     apply_seconds: float = 0.0  # the commit: writes into the model
+    staged_bytes_peak: int = 0  # most decoded bytes held at once before being written (load_instant: one message's)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

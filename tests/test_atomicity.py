@@ -1,6 +1,11 @@
 """All-or-nothing: after any rejected message the receiver's tensors are bit-identical to
 before and its version is unchanged; the genuine message still applies afterwards.
 
+The exception is the bucket strategy's ``load_instant``, which writes each bucket as it
+arrives: a version rejected after its first bucket leaves the model *torn* (no version,
+readers kept out) until a whole version is written over it. Those cases are marked
+``torn`` and checked for that instead.
+
 Every bad message is a modified copy of real frames captured from a real sender
 (``Pipe.sent``), fed to the receiver through a fresh ``Pipe``.
 """
@@ -25,6 +30,7 @@ from protocol.checksum import checksum
 from protocol.compress import Codec
 from protocol.errors import IntegrityError, ProtocolError, StaleVersionError, WeightSyncError
 from protocol.framing import Encoding, Message, MessageType, Role, decode_message, encode_message
+from receiver.rwlock import ReadWriteLock
 
 Frames = list[bytes]
 
@@ -89,11 +95,16 @@ class Pair:
             await pipe.send(frames)
         return int(await asyncio.wait_for(self.r.apply(self.rmodel, pipe.recv), timeout=10))
 
-    async def reject(self, messages: list[Frames], error: type[BaseException]) -> BaseException:
+    async def reject(self, messages: list[Frames], error: type[BaseException], *, torn: bool = False) -> BaseException:
+        """``torn``: rejected after a part was written on arrival (load_instant): the
+        receiver then holds no version, rather than the one before."""
         before = self.before()
         with pytest.raises(error) as info:
             await self.feed(messages)
-        self.assert_untouched(before)
+        if torn:
+            assert self.r.torn and self.r.version is None
+        else:
+            self.assert_untouched(before)
         return info.value
 
     async def recover(self, messages: list[Frames], version: int, *, latest: bool = True) -> None:
@@ -321,7 +332,7 @@ async def test_corrupted_bucket_2_of_3(load_instant: bool) -> None:
     for index in (1, 2):  # bucket 2 of 3, then the last one
         bad = list(good)
         bad[index] = flip(good[index], len(good[index]) - 1)
-        await pair.reject(bad, IntegrityError)
+        await pair.reject(bad, IntegrityError, torn=load_instant)
     # valid checksums, but bucket 2 has a tensor of the wrong shape
     bad = list(good)
 
@@ -329,8 +340,9 @@ async def test_corrupted_bucket_2_of_3(load_instant: bool) -> None:
         m.tensors[0] = dataclasses.replace(m.tensors[0], key=pair.r.metadata.ordinal("step_count"))
 
     bad[1] = reencode(good[1], wrong_key)
-    await pair.reject(bad, ProtocolError)
+    await pair.reject(bad, ProtocolError, torn=load_instant)
     await pair.recover(good, 3)
+    assert not pair.r.torn
 
 
 @pytest.mark.parametrize("load_instant", [True, False], ids=["instant", "deferred"])
@@ -338,11 +350,11 @@ async def test_parts_of_two_versions_interleaved(load_instant: bool) -> None:
     pair = await make_pair(bucket_config(load_instant))
     v3 = await pair.capture(3)
     v4 = await pair.capture(4)
-    await pair.reject([v3[0], v4[1]], ProtocolError)
-    await pair.reject([v3[0], v3[1], v4[2]], ProtocolError)
-    await pair.reject([v4[0], v3[1]], ProtocolError)
+    await pair.reject([v3[0], v4[1]], ProtocolError, torn=load_instant)
+    await pair.reject([v3[0], v3[1], v4[2]], ProtocolError, torn=load_instant)
+    await pair.reject([v4[0], v3[1]], ProtocolError, torn=load_instant)
     # a part claiming another part count
-    await pair.reject([v3[0], reencode(v3[1], lambda m: setattr(m, "parts", 4))], ProtocolError)
+    await pair.reject([v3[0], reencode(v3[1], lambda m: setattr(m, "parts", 4))], ProtocolError, torn=load_instant)
     await pair.recover(v3, 3, latest=False)
     await pair.recover(v4, 4)
 
@@ -351,11 +363,82 @@ async def test_parts_of_two_versions_interleaved(load_instant: bool) -> None:
 async def test_duplicated_part(load_instant: bool) -> None:
     pair = await make_pair(bucket_config(load_instant))
     good = await pair.capture(3)
-    await pair.reject([good[0], good[0]], ProtocolError)
-    await pair.reject([good[0], good[1], good[1]], ProtocolError)
+    await pair.reject([good[0], good[0]], ProtocolError, torn=load_instant)
+    await pair.reject([good[0], good[1], good[1]], ProtocolError, torn=load_instant)
     # the same part again with a fresh sequence number is still a duplicate
-    await pair.reject([good[0], good[1], reencode(good[1], lambda m: setattr(m, "seq", m.seq + 10))], ProtocolError)
+    await pair.reject([good[0], good[1], reencode(good[1], lambda m: setattr(m, "seq", m.seq + 10))], ProtocolError, torn=load_instant)
     await pair.recover(good, 3)
+
+
+def _bucket_keys(pair: Pair, frames: Frames) -> list[str]:
+    assert pair.r.metadata is not None
+    return [pair.r.metadata.keys[e.key] for e in decode_message(frames).tensors]
+
+
+@pytest.mark.parametrize("load_instant", [True, False], ids=["instant", "deferred"])
+async def test_load_instant_writes_each_bucket_as_it_arrives(load_instant: bool) -> None:
+    """With load_instant the first bucket of v3 is in the model, under the write side
+    (readers wait), before the second arrives, and no more than one bucket is ever staged;
+    v3 is published only once all three are written. Deferred, nothing is written before
+    the last bucket, and the whole version is staged at once."""
+    pair = await make_pair(bucket_config(load_instant))
+    lock = ReadWriteLock()
+    pair.r.write_guard = lock.writing
+    good = await pair.capture(3)
+    expected = cast_like(pair.model.state_dict(), pair.rmodel.state_dict())
+    first, rest = _bucket_keys(pair, good[0]), [k for f in good[1:] for k in _bucket_keys(pair, f)]
+    inbox: asyncio.Queue[Frames] = asyncio.Queue()
+    asked: list[asyncio.Event] = [asyncio.Event() for _ in good]
+
+    async def recv() -> Frames:
+        asked[sum(e.is_set() for e in asked)].set()
+        return await inbox.get()
+
+    before = snapshot(pair.rmodel.state_dict())
+    await inbox.put(good[0])
+    applying = asyncio.ensure_future(pair.r.apply(pair.rmodel, recv))
+    await asyncio.wait_for(asked[1].wait(), 10)  # bucket 1 is done with: the receiver asks for bucket 2
+    state = pair.rmodel.state_dict()
+    if load_instant:  # bucket 1 is in the model, the others not yet
+        assert mismatches({k: expected[k] for k in first}, {k: state[k] for k in first}) == []
+        assert mismatches({k: before[k] for k in rest}, {k: state[k] for k in rest}) == []
+        assert mismatches({k: before[k] for k in first}, {k: state[k] for k in first})  # it did change something
+    else:
+        assert mismatches(before, state) == []
+    assert pair.r.version == 2 and not pair.r.torn
+    readable = lock.acquire_read(blocking=False)
+    if readable:
+        lock.release_read()
+    assert readable is not load_instant  # the write side is held for the whole version
+    for frames in good[1:]:
+        await inbox.put(frames)
+    assert await asyncio.wait_for(applying, 10) == 3
+    pair.assert_synced()
+    assert lock.acquire_read(blocking=False)
+    lock.release_read()
+    sizes = {k: t.numel() * t.element_size() for k, t in pair.rmodel.state_dict().items()}
+    per_bucket = [sum(sizes[k] for k in _bucket_keys(pair, f)) for f in good]
+    stats = pair.r.last_stats
+    assert stats is not None and stats.version == 3
+    assert stats.staged_bytes_peak == (max(per_bucket) if load_instant else sum(per_bucket)), (stats, per_bucket)
+
+
+async def test_load_instant_failure_midway_keeps_readers_out_until_a_whole_version() -> None:
+    """v3 fails in its second bucket, its first already written: the model holds no
+    version (``version`` None, ``torn``), readers stay out and nothing is published; a
+    whole version written over it (the resync: here v3 again) lets them in."""
+    pair = await make_pair(bucket_config(True))
+    lock = ReadWriteLock()
+    pair.r.write_guard = lock.writing
+    good = await pair.capture(3)
+    bad = [good[0], flip(good[1], len(good[1]) - 1), good[2]]
+    await pair.reject(bad, IntegrityError, torn=True)
+    assert not lock.acquire_read(blocking=False)  # readers are kept out of the torn model
+    await pair.reject([good[1]], ProtocolError, torn=True)  # the rest of it: refused, still torn
+    assert not lock.acquire_read(blocking=False)
+    await pair.recover(good, 3)
+    assert not pair.r.torn and lock.acquire_read(blocking=False)
+    lock.release_read()
 
 
 @pytest.mark.parametrize("load_instant", [True, False], ids=["instant", "deferred"])
@@ -364,8 +447,8 @@ async def test_reordered_parts_are_rejected(load_instant: bool) -> None:
     stream: rejected, nothing written, and the genuine order still applies after."""
     pair = await make_pair(bucket_config(load_instant))
     good = await pair.capture(3)
-    await pair.reject([good[2], good[0], good[1]], ProtocolError)
-    await pair.reject([good[0], good[2], good[1]], ProtocolError)
+    await pair.reject([good[2], good[0], good[1]], ProtocolError)  # refused before anything is written
+    await pair.reject([good[0], good[2], good[1]], ProtocolError, torn=load_instant)
     await pair.recover(good, 3)
 
 
@@ -408,7 +491,8 @@ async def _init_from(r: Any, rmodel: torch.nn.Module, messages: list[Frames]) ->
 
 @pytest.mark.parametrize("kind", ["patch", "bucket"])
 async def test_corrupted_bootstrap_writes_nothing(kind: str) -> None:
-    config = {"type": "patch", "patch": {"init_sync": {"bucket_size": 16 << 10}}} if kind == "patch" else bucket_config()
+    # load_instant writes a bootstrap as it arrives (tested below): the all-or-nothing bucket mode is the other
+    config = {"type": "patch", "patch": {"init_sync": {"bucket_size": 16 << 10}}} if kind == "patch" else bucket_config(False)
     model = make_model(0)
     _, sent = await _capture_init(config, model)
     assert len(sent) >= 4  # WELCOME and at least three bootstrap buckets

@@ -32,6 +32,7 @@ import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -379,6 +380,52 @@ async def test_a_failed_pump_fails_the_sender_and_drops_its_receiver(rig: Rig) -
     with pytest.raises(WeightSyncError, match="could not be built"):
         await sender.sync(rig.trainer.model, 3)
     assert r.version == 1 and state_digest(r.model.state_dict()) == rig.trainer.digests[1]
+
+
+@dataclass
+class CorruptThenStall(Stall):
+    """Corrupt what ``corrupt`` selects; stall (as ``Stall``) what ``select`` selects."""
+
+    corrupt: Corrupt = field(default_factory=lambda: Corrupt(lambda w: False))
+
+    def emit(self, w: Wire) -> list[Wire]:
+        return self.corrupt.emit(w)
+
+
+@pytest.mark.timeout(60)
+async def test_load_instant_torn_version_keeps_readers_out_and_is_resynced(tmp_path: Path, reliability: Any) -> None:
+    """bucket.load_instant writes each bucket as it arrives. v2's second bucket is
+    corrupted on the wire when its first is already in the model: the receiver now holds
+    no whole version, so it keeps its write side (readers wait), says it is at no version,
+    publishes nothing and NACKs; the resync (held half-way on the wire here, to look at
+    the torn receiver) is written over it and published as v2, bit for bit."""
+    rig = Rig(tmp_path, "bucket")
+    try:
+        sender = await rig.start_sender()
+        corrupt = Corrupt(lambda w: w.type == BUCKET and w.version == 2 and (w.header or {}).get("part") == 1 and len(w.frames) > 1)
+        tamper = CorruptThenStall(lambda w: w.type == BOOTSTRAP and corrupt.hits == 1 and len(w.frames) > 1, corrupt=corrupt)
+        proxy = await rig.start_proxy(tamper)
+        r = await rig.receiver("r0", proxy.endpoint)
+        await rig.converged(0)
+        await rig.step()
+        await rig.trainer.step_and_sync(sender)
+        await asyncio.wait_for(tamper.stalled.wait(), T)  # the NACK came, its resync is half-way here
+        assert corrupt.hits == 1 and r.strategy.torn and r.version is None
+        readable = r.lock.acquire_read(blocking=False)
+        if readable:
+            r.lock.release_read()
+        assert not readable, "readers were let into a torn model"
+        assert rig.watches["r0"].versions == [0, 1], rig.watches["r0"].log
+        tamper.release()
+        await rig.converged(2)
+        figures = in_process_figures(rig.trainer, sender, rig.watches)
+        figures.update(corrupted_messages=corrupt.hits, nacks_by_reason=nacks(r))
+        reliability.record(**figures)
+        assert rig.watches["r0"].log[-1] == (2, "bootstrap") and not r.strategy.torn
+        assert nacks(r) == {"IntegrityError": 1} and figures["wrong_versions_published"] == 0, figures
+        await rig.step()
+    finally:
+        await rig.close()
 
 
 @pytest.mark.timeout(60)
