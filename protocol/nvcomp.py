@@ -1,7 +1,10 @@
 """nvCOMP LZ4 on the GPU (optional extra ``gpu``: ``nvidia-nvcomp-cu12``).
 
 Buffers are compressed on the CUDA device that holds them, in nvCOMP's native
-bitstream (it carries its own sizes), and copied to the host for the frame. The
+bitstream (it carries its own sizes), and copied to the host for the frame; a host
+buffer (the entropy coder's side tables: its counts tables and escapes are built on the
+CPU) is first copied to the current CUDA device (the sender packs each tensor with the
+device of its other buffers current). The
 receiver copies a frame to its CUDA device and decodes it there. Codec objects are
 not thread-safe, so each call makes its own, bound to torch's current stream.
 """
@@ -35,11 +38,23 @@ def _codec(nvcomp: Any, device: torch.device) -> Any:
     return nvcomp.Codec(algorithm="LZ4", device_id=device.index or 0, cuda_stream=stream), stream
 
 
+def _compress_device() -> torch.device:
+    """Where a host buffer is compressed: the current CUDA device."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def placed(data: torch.Tensor) -> torch.Tensor:
+    """``data`` on the device it is compressed on: its own CUDA device, or, for a host
+    tensor, a copy on ``_compress_device()``."""
+    if data.device.type == "cuda":
+        return data
+    return data.to(_compress_device())
+
+
 class Lz4Compressor:
     def compress(self, data: torch.Tensor) -> Buffer:
         nvcomp = require()
-        if data.device.type != "cuda":
-            raise ConfigError("nvcomp_lz4 compresses CUDA tensors; set transport_device: cuda")
+        data = placed(data)
         codec, stream = _codec(nvcomp, data.device)
         encoded = codec.encode(nvcomp.as_array(data, cuda_stream=stream))
         out = torch.from_dlpack(encoded).view(torch.uint8).reshape(-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -172,6 +173,14 @@ class PatchBuilder:
 
     def _encode(self, changes: Changes) -> EncodedTensor:
         changes.wait()
+        # Host buffers nvcomp_lz4 compresses (the entropy coder's side tables) go to the device
+        # of the tensor's other buffers: made current in this codec thread while it is packed.
+        held = changes.flat if changes.flat is not None else changes.dense
+        device = None if held is None else held.device
+        with torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
+            return self._pack(changes)
+
+    def _pack(self, changes: Changes) -> EncodedTensor:
         dense, nnz = changes.dense, changes.nnz
         if dense is not None and nnz > self.options.dense_above * dense.numel():  # whole and fast
             return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), {Role.VALUES: dense.view(changes.shape)}, Codec.NONE)

@@ -22,7 +22,7 @@ from models import Trainer, bits, cast_like, make_model, mismatches, snapshot
 import receiver
 import sender
 from protocol.errors import ConfigError, MetadataMismatchError, StaleVersionError, WeightSyncError
-from protocol.framing import Encoding, MessageType, ValueEncoding, decode_message
+from protocol.framing import Encoding, MessageType, Role, ValueEncoding, decode_message
 
 STEPS = 10
 
@@ -550,3 +550,48 @@ async def test_metadata_mismatch_raised_on_both_sides(kind: str, mutate: Any) ->
     assert mismatches(before, rsd) == [] and r.version is None
     with pytest.raises(WeightSyncError):
         await s.sync(model, ch.to_receiver.send, 1)  # never initialised
+
+
+# -- nvcomp_lz4 with the default encodings ----------------------------------------------------
+async def test_nvcomp_lz4_gets_the_entropy_coders_host_tables_on_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compression: nvcomp_lz4`` with the default encodings (ANS positions, ULP values):
+    the entropy coder builds its side tables (counts, escapes) on the host, and the GPU
+    compressor refused them ("nvcomp_lz4 compresses CUDA tensors"), so every patch with
+    512+ changes failed to encode. Now each host buffer is moved to the compressor's
+    device first. No GPU here: nvCOMP's codec is a stand-in that records what it is
+    handed, and the compressor's device is ``meta``; the sender's whole encode path is
+    real (a real optimizer step, config validation, the entropy coder, packing)."""
+    from protocol import nvcomp
+
+    handed: list[torch.device] = []
+
+    class Codec:
+        def encode(self, data: torch.Tensor) -> torch.Tensor:
+            handed.append(data.device)
+            return torch.zeros(1, dtype=torch.uint8)  # "compressed": a host tensor, as from_dlpack takes it
+
+    class NvComp:
+        @staticmethod
+        def as_array(data: torch.Tensor, cuda_stream: Any = None) -> torch.Tensor:
+            return data
+
+    monkeypatch.setattr(nvcomp, "require", lambda: NvComp)
+    monkeypatch.setattr(nvcomp, "_codec", lambda _nvcomp, device: (Codec(), None))
+    monkeypatch.setattr(nvcomp, "_compress_device", lambda: torch.device("meta"))
+    config = {"type": "patch", "patch": {"compression": "nvcomp_lz4", "transport_device": "cuda"}}
+    model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
+    s = sender.make_sender(config)
+    ch = Channel()
+    await asyncio.gather(
+        s.init_sender(model, ch.to_receiver.send, ch.to_sender.recv),
+        receiver.make_receiver({"type": "patch"}).init_receiver(rmodel, ch.to_receiver.recv, ch.to_sender.send),
+    )
+    Trainer(model, 1e-5).step()
+    cap = Pipe()
+    await s.sync(model, cap.send, 1)
+    msg = decode_message(cap.sent[0])
+    ans = [e for e in msg.tensors if e.encoding is Encoding.ANS_GAPS and e.values is ValueEncoding.ULP]
+    assert ans, [(e.encoding, e.values) for e in msg.tensors]  # the default encodings were chosen
+    compressed = [b for e in msg.tensors for b in e.buffers if b.codec == 3]  # Codec.NVCOMP_LZ4
+    assert {b.role for e in ans for b in e.buffers if b.codec == 3} >= {Role.POSITION_MODEL, Role.VALUE_MODEL}
+    assert handed and set(handed) == {torch.device("meta")} and len(handed) >= len(compressed)
