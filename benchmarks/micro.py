@@ -8,8 +8,12 @@ call the compare kernel of ``sender.fastdiff`` directly (it does not write the
 snapshot); ``diff`` is ``diff_and_update`` on a fresh snapshot copy (mark, collect and
 the snapshot update); ``encode_tensor`` / ``decode_tensor`` are one entropy-coded
 tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``rice_parameter``,
-``pack_entry`` and the rANS kernels their parts. Absolute times depend on the machine
-and its load; compare figures taken in the same run.
+``pack_entry`` and the rANS kernels their parts. ``header`` is ``decode_message`` and
+``peek_type`` of a 300-tensor patch; ``recv`` receives such a message (~2,100 frames) over
+TCP loopback with ``DealerSocket.recv`` (one await a message) and with one await a frame
+(``protocol.limits.read_bounded``, as the receiver did before), timed from when the whole
+message is queued. Absolute times depend on the machine and its load; compare figures
+taken in the same run.
 """
 
 from __future__ import annotations
@@ -174,7 +178,74 @@ def pool_cases(n_tensors: int, n: int, density: float, repeat: int) -> dict[str,
     return out
 
 
-CASES = ("mark", "codec", "compress", "pool")
+def _many_tensor_patch(n_tensors: int = 300, n: int = 20000) -> list[Any]:
+    from protocol.framing import Message, MessageType, encode_message
+    from protocol.tensorcodec import PatchOptions, assemble, encode_sparse
+
+    g = torch.Generator().manual_seed(7)
+    entries = []
+    for k in range(n_tensors):
+        old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        new = ulp_step(old, 0.05, seed=20 + k)
+        flat = torch.nonzero(new.view(torch.int16) != old.view(torch.int16)).squeeze(1)
+        entries.append(encode_sparse(k, flat, new[flat], old[flat], (n,), PatchOptions()))
+    specs, frames = assemble(entries)
+    return encode_message(Message(MessageType.PATCH, version=1, base_version=0, tensors=specs, frames=frames))
+
+
+def header_cases(repeat: int) -> dict[str, Any]:
+    from protocol.framing import decode_message, peek_type
+
+    wire = _many_tensor_patch()
+    label = f"300 tensors, {len(wire)} frames, header {len(wire[0])} B"
+    return {f"decode_message {label}": timed(lambda: decode_message(wire), repeat),
+            f"peek_type {label}": timed(lambda: peek_type(wire), repeat)}
+
+
+def recv_cases(repeat: int) -> dict[str, Any]:
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from protocol.limits import read_bounded
+    from receiver.socket import DealerSocket
+
+    wire = [bytes(f) for f in _many_tensor_patch()]
+
+    async def run() -> dict[str, Any]:
+        context = zmq.asyncio.Context()
+        router = context.socket(zmq.ROUTER)
+        router.linger = 0
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer = DealerSocket(context, f"tcp://127.0.0.1:{port}", b"bench")
+        out: dict[str, Any] = {}
+        try:
+            await dealer.send([b"hi"])
+            identity, _ = await router.recv_multipart()
+            readers = {"per_frame": lambda: read_bounded(lambda: dealer.sock.recv(copy=False), dealer.limits), "message": dealer.recv}
+            for name, read in readers.items():
+                times = []
+                for i in range(repeat + 1):
+                    await router.send_multipart([identity, *wire])
+                    while not dealer.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # queued whole (atomic delivery)
+                        await asyncio.sleep(0.001)
+                    t0 = time.perf_counter_ns()
+                    frames = await read()
+                    if i:
+                        times.append((time.perf_counter_ns() - t0) * 1e-9)
+                    assert len(frames) == len(wire)
+                out[f"recv {name} {len(wire)} frames"] = {"median_s": statistics.median(times), "best_s": min(times)}
+        finally:
+            dealer.close()
+            router.close(linger=0)
+            context.destroy(linger=0)
+        return out
+
+    return asyncio.run(run())
+
+
+CASES = ("mark", "codec", "compress", "pool", "header", "recv")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     if "pool" in args.only:
         results.update(pool_cases(24, 1 << 16, 0.024, max(5, args.repeat // 3)))
         results.update(pool_cases(8, 1 << 20, 0.024, max(5, args.repeat // 3)))
+    if "header" in args.only:
+        results.update(header_cases(args.repeat))
+    if "recv" in args.only:
+        results.update(recv_cases(max(5, args.repeat // 3)))
     for name, r in results.items():
         extra = f"  {r['ns_per_element']:.3f} ns/elem" if "ns_per_element" in r else ""
         print(f"{name:70s} median {r['median_s'] * 1e6:10.1f} us  best {r['best_s'] * 1e6:10.1f} us{extra}")

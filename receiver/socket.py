@@ -4,6 +4,14 @@ With ``curve`` the socket is a CURVE client: it completes a handshake only with 
 sender whose public key it was given, and only if the sender admits its own key;
 otherwise it keeps retrying and never connects. Inbound messages are bounded by
 ``limits`` (``MAXMSGSIZE`` per frame in ZeroMQ, frame count and total in ``recv``).
+
+``recv`` awaits a message's first part only: ZeroMQ delivers a multipart message
+atomically (all of its parts are queued here before the first can be read), so the
+rest is read at once without waiting, one part at a time through a blocking shadow of
+the same socket, and counted as it is read (``MessageCounter``): past a limit each part
+is dropped as soon as it is read, so what is kept stays bounded as before. One await a
+message instead of one a frame (a patch of 300 tensors has ~2,000 frames: at ~10 us an
+await, ~20 ms a version; ``python -m benchmarks.micro --only recv``).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol.buffers import Buffer
-from protocol.limits import DEFAULT_LIMITS, Limits, read_bounded
+from protocol.limits import DEFAULT_LIMITS, Limits, MessageCounter
 from protocol.security import CurveClient
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,7 @@ class DealerSocket:
         self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         sock.connect(endpoint)
         self.sock = sock
+        self._blocking: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, without the event loop: NOBLOCK reads
         self.limits = limits
         self.curve = curve
         self.endpoint = endpoint
@@ -85,8 +94,27 @@ class DealerSocket:
         return not future.done() or future.exception() is None
 
     async def recv(self) -> list[memoryview]:
-        """The next message; ``LimitError`` (after draining it) when it exceeds ``limits``."""
-        return await read_bounded(lambda: self.sock.recv(copy=False), self.limits)
+        """The next message; ``LimitError`` (after draining it) when it exceeds ``limits``.
+        The header's size is checked before anything reads it (the first part counted)."""
+        counter = MessageCounter(self.limits)
+        frame = await self.sock.recv(copy=False)
+        kept = [frame.buffer] if counter.add(len(frame)) else []
+        more = frame.more
+        del frame
+        while more:
+            try:
+                frame = self._blocking.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # not expected (delivery is atomic), but never spin or block here
+                frame = await self.sock.recv(copy=False)
+            if counter.add(len(frame)):
+                kept.append(frame.buffer)
+            elif kept:
+                kept.clear()
+            more = frame.more
+            del frame
+        if counter.error is not None:
+            raise counter.error
+        return kept
 
     def close(self) -> None:
         self.sock.disable_monitor()

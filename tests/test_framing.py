@@ -21,6 +21,7 @@ from protocol.framing import (
     ValueEncoding,
     decode_message,
     encode_message,
+    peek_type,
 )
 from protocol.metadata import ModelMetadata
 from protocol.tensorcodec import PatchOptions, assemble, encode_dense, encode_sparse
@@ -419,3 +420,58 @@ def test_config_unreadable_yaml(tmp_path):
     path.write_text("weight_syncer: [unclosed\n")
     with pytest.raises(ConfigError):
         load_config(path)
+
+
+# -- routing and receiving (receiver/socket.py) -----------------------------------------------
+@pytest.mark.parametrize("mtype", list(MessageType))
+def test_peek_type_matches_the_decoded_type(mtype):
+    frames = encode_message(Message(mtype, version=3, body={"pad": "x" * 1000}))
+    assert peek_type(frames) is decode_message(frames).type is mtype
+
+
+def test_peek_type_of_other_layouts_and_garbage():
+    """A header whose first key is not ``type`` is parsed whole; garbage is None."""
+    header = header_of(encode_message(Message(MessageType.ACK, version=1)))
+    reordered = reseal({"body": {}, **{k: v for k, v in header.items() if k != "body"}})
+    assert next(iter(msgpack.unpackb(reordered, raw=False))) == "body"
+    assert peek_type([reordered]) is MessageType.ACK
+    assert peek_type([msgpack.packb({"type": 99})]) is None
+    assert peek_type([b"\xc1garbage"]) is None
+    assert peek_type([b""]) is None
+    assert peek_type([msgpack.packb([1, 2])]) is None
+
+
+async def test_dealer_receives_a_many_frame_message_whole_and_bounded():
+    """A 3,000-frame message arrives whole and in order (read with one await); one over the
+    frame count is a LimitError that keeps nothing, and the next message is intact."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from protocol.limits import LimitError, Limits
+    from receiver.socket import DealerSocket
+
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = DealerSocket(context, f"tcp://127.0.0.1:{port}", b"r", limits=Limits(frames=3001, message_bytes=1 << 20))
+    try:
+        await dealer.send([b"hello"])
+        identity, _ = await asyncio.wait_for(router.recv_multipart(), 10)
+        big = [b"header", *(i.to_bytes(4, "little") * (1 + i % 5) for i in range(2999))]
+        await router.send_multipart([identity, *big])
+        assert [bytes(f) for f in await asyncio.wait_for(dealer.recv(), 10)] == big
+        await router.send_multipart([identity, b"h", *[b""] * 5000])  # over the frame count
+        await router.send_multipart([identity, b"h", b"x" * 600_000, b"y" * 600_000])  # over the total
+        await router.send_multipart([identity, *big[:3]])
+        for limit in ("frame count", "message bytes"):
+            with pytest.raises(LimitError) as e:
+                await asyncio.wait_for(dealer.recv(), 10)
+            assert e.value.limit == limit
+        assert [bytes(f) for f in await asyncio.wait_for(dealer.recv(), 10)] == big[:3]
+    finally:
+        dealer.close()
+        router.close(linger=0)
+        context.destroy(linger=0)
