@@ -4,7 +4,8 @@ Callers catch ``WeightSyncError`` for everything, or one of the narrower classes
 for what they can act on: a bad message (``ProtocolError``), corrupted bytes
 (``IntegrityError``), two models that do not match (``MetadataMismatchError``),
 an update that does not apply on top of the current version
-(``StaleVersionError``), a setting that cannot work here (``ConfigError``), or a
+(``StaleVersionError``), a setting that cannot work here (``ConfigError``; an engine
+whose loader transforms a tensor: ``PlacementError``), or a
 receiver that kept refusing its resyncs and was given up on (``ResyncLimitError``).
 """
 
@@ -46,6 +47,11 @@ class ConfigError(WeightSyncError, ValueError):
 
 class LayoutError(WeightSyncError, ValueError):
     """A tensor cannot be viewed in the 2-D COO layout the patch format needs."""
+
+
+class PlacementError(ConfigError):
+    """A checkpoint tensor's place in an engine's runtime parameters cannot be patched
+    element by element (its loader transforms the values); names the tensor."""
 
 
 class SharedMemoryError(WeightSyncError):

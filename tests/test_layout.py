@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from protocol.errors import ConfigError, MetadataMismatchError
+from protocol.errors import ConfigError, MetadataMismatchError, PlacementError
 from protocol.state import Placed
-from receiver.vllm.layout import LayoutError, MappedTensor, derive_layout
+from receiver.vllm.layout import MappedTensor, derive_layout
 
 Q, KV, H, INTER, V, VPAD = 8, 4, 6, 10, 7, 8  # query rows, key/value rows, hidden, intermediate, vocab (padded)
 
@@ -136,19 +136,19 @@ def test_sparse_writes_and_reads_go_through_the_map(rank: int | None) -> None:
 
 
 def test_a_loader_that_transforms_before_the_copy_is_refused_by_name() -> None:
-    with pytest.raises(LayoutError, match="'k'"):
+    with pytest.raises(PlacementError, match="'k'"):
         derive_layout(FusedModel(transform="scale"), metadata())
 
 
 def test_a_loader_that_transforms_after_the_copy_is_refused_by_name() -> None:
-    with pytest.raises(LayoutError, match="'down'"):
+    with pytest.raises(PlacementError, match="'down'"):
         derive_layout(FusedModel(transform="inplace"), metadata())
 
 
 def test_a_name_the_loader_does_not_know_is_a_metadata_mismatch() -> None:
     with pytest.raises(MetadataMismatchError, match="value_head"):
         derive_layout(FusedModel(), [*metadata(), ("value_head", (1, H), torch.bfloat16)])
-    assert issubclass(LayoutError, ConfigError)
+    assert issubclass(PlacementError, ConfigError)
 
 
 def test_importing_weightsync_loads_no_jit_compiler() -> None:
@@ -276,7 +276,7 @@ def test_layers_prepacked_ahead_equal_an_inline_repack_and_touch_nothing_until_i
 def test_prepack_refuses_processing_that_rewrites_the_loaded_weight() -> None:
     model, layout = packed_engine({k: v for k, v in checkpoint(10).items() if k in dict(PACKED_META)})
     model.qkv.quant_method.in_place = True
-    with pytest.raises(LayoutError, match="rewrote the loaded weight"):
+    with pytest.raises(PlacementError, match="rewrote the loaded weight"):
         layout.prepack([model.qkv], [])
 
 

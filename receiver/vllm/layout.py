@@ -32,16 +32,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from protocol.errors import ConfigError, MetadataMismatchError
+from protocol.errors import MetadataMismatchError, PlacementError
 from protocol.state import Placed
 
 from ..commit import StagedUpdate, write
 
 log = logging.getLogger(__name__)
-
-
-class LayoutError(ConfigError):
-    """A checkpoint tensor's runtime placement cannot be patched element by element."""
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -260,7 +256,7 @@ class Layout:
                 method.process_weights_after_loading(layer)
                 for name, p in shadows.items():
                     if (p.data_ptr(), tuple(p.shape)) != before[name]:
-                        raise LayoutError(f"{type(layer).__name__}.{name}: post-load processing rewrote the loaded weight in place")
+                        raise PlacementError(f"{type(layer).__name__}.{name}: post-load processing rewrote the loaded weight in place")
                 count += 1
         return count
 
@@ -302,7 +298,7 @@ class Layout:
             stand.quant_method.process_weights_after_loading(stand)  # type: ignore[union-attr, operator]
             for name, ptr in done.uses.items():
                 if out.copies[ptr][1].data_ptr() != ptrs[name]:
-                    raise LayoutError(f"{type(layer).__name__}.{name}: post-load processing rewrote the loaded weight in place")
+                    raise PlacementError(f"{type(layer).__name__}.{name}: post-load processing rewrote the loaded weight in place")
             done.attrs = {k: v for k, v in stand.__dict__.items() if k not in _MODULE_TABLES and before_dict.get(k, _MISSING) is not v}
             done.removed = {k for k in before_dict if k not in stand.__dict__}
             done.params = {k: v for k, v in stand._parameters.items() if before_params.get(k, _MISSING) is not v}
@@ -518,7 +514,7 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
     for key, pname, src, dst in recorded.copies:
         seg = _segment(shapes[key], src, dst, pname, storages[pname])
         if seg is None:
-            raise LayoutError(f"checkpoint tensor {key!r} reaches {pname!r} through a copy of shape {tuple(src.shape)} that is not a box of it")
+            raise PlacementError(f"checkpoint tensor {key!r} reaches {pname!r} through a copy of shape {tuple(src.shape)} that is not a box of it")
         segments.setdefault(key, []).append(seg)
     after_first = {name: s.clone() for name, s in storages.items()}
     second = _probe(metadata, 2)
@@ -529,16 +525,16 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
             dst = seg.dst_view()
             want = seg.src_view(second[key]).to(dst.dtype)
             if not torch.equal(_bits(dst.cpu()), _bits(want)):
-                raise LayoutError(f"checkpoint tensor {key!r}: {seg.param!r} does not hold the loaded values (the loader transforms them)")
+                raise PlacementError(f"checkpoint tensor {key!r}: {seg.param!r} does not hold the loaded values (the loader transforms them)")
             mask = mapped[seg.param].as_strided(seg.sizes, seg.dst_strides, seg.dst_offset)
             if mask.any():
-                raise LayoutError(f"checkpoint tensor {key!r} is written over another one in {seg.param!r}")
+                raise PlacementError(f"checkpoint tensor {key!r} is written over another one in {seg.param!r}")
             mask.fill_(True)
     for name, s in storages.items():
         moved = _bits(s.cpu()) != _bits(after_first[name].cpu())
         if (moved & ~mapped[name]).any():
             culprits = _culprits(load, first, name, s, [k for k, _, _ in metadata if k not in segments])
-            raise LayoutError(
+            raise PlacementError(
                 f"checkpoint tensor {culprits or '(unknown)'} reaches runtime parameter {name!r} through something other than a "
                 "copy (a transform): it cannot be patched element by element"
             )
