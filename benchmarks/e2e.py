@@ -115,7 +115,11 @@ def _mean(xs: list[float]) -> float:
 
 async def run_workload(workload: Workload, peers: PeerGroup, memory_pass: bool) -> dict[str, Any]:
     """Every measured step of ``workload``; ``finish`` turns it into a result object."""
-    phases.install_sender()  # the receivers install theirs (benchmarks.rollout)
+    with phases.sender_timers():  # the receivers install theirs (benchmarks.rollout)
+        return await _measure(workload, peers, memory_pass)
+
+
+async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> dict[str, Any]:
     workload.setup()
     described = workload.describe()
     rdtype = workload.receiver_dtype

@@ -2,8 +2,9 @@
 
 The library keeps a few timers of its own (``SyncStats.build_seconds`` /
 ``encode_seconds``, ``ApplyStats.decode_seconds`` / ``apply_seconds``); this module adds
-the rest without touching the library: ``install_sender()`` (in the harness process,
-beside the trainer) and ``install_receiver()`` (in each rollout worker) wrap
+the rest without touching the library: ``sender_timers()`` (in the harness process,
+beside the trainer, for one workload) and ``install_receiver()`` (in each rollout worker
+process) wrap
 
 * sender: the fused diff's compare and collect kernels (``mark``, ``collect``), the
   framing of each message (``Stamper.__call__``: ``frame``), the ROUTER's queueing of
@@ -31,9 +32,10 @@ what the phases leave of the end-to-end time (waits between them, event-loop tur
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 SENDER_PHASES = ("mark", "collect", "per_tensor", "encode", "frame", "send")
@@ -104,18 +106,25 @@ class _TimedKernel:
             RECORDER.add(self.name, started, time.monotonic_ns())
 
 
-def install_sender() -> None:
-    """Time the sender's phases in this process (idempotent)."""
-    if "sender" in _installed:
-        return
-    _installed.add("sender")
+@contextlib.contextmanager
+def sender_timers() -> Iterator[None]:
+    """Time the sender's phases in this process while inside; the library's own functions
+    are put back on exit (the harness runs in-process under pytest too)."""
     from protocol import framing, router
     from sender import fastdiff
 
-    for parallel, (mark, collect) in list(fastdiff._KERNELS.items()):
+    kernels = dict(fastdiff._KERNELS)
+    stamp, send = framing.Stamper.__call__, router.RouterSocket.try_send
+    for parallel, (mark, collect) in kernels.items():
         fastdiff._KERNELS[parallel] = (_TimedKernel("mark", mark), _TimedKernel("collect", collect))
-    framing.Stamper.__call__ = _timed("frame", framing.Stamper.__call__)  # type: ignore[method-assign]
-    router.RouterSocket.try_send = _timed("send", router.RouterSocket.try_send)  # type: ignore[method-assign]
+    framing.Stamper.__call__ = _timed("frame", stamp)  # type: ignore[method-assign]
+    router.RouterSocket.try_send = _timed("send", send)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        fastdiff._KERNELS.update(kernels)
+        framing.Stamper.__call__ = stamp  # type: ignore[method-assign]
+        router.RouterSocket.try_send = send  # type: ignore[method-assign]
 
 
 def install_receiver() -> None:
