@@ -34,6 +34,7 @@ from .engine import KV_CACHE, WEIGHT, AbortHook, EngineHooks, Hook, call_hook, p
 
 if TYPE_CHECKING:
     from .base import ReceiverBase
+    from .lifecycle import ControlState
     from .rwlock import ReadWriteLock
     from .socket import DealerSocket
     from .stats import ApplyStats
@@ -55,12 +56,8 @@ class Controls:
         _control: asyncio.Lock
         _engine: EngineHooks
         hold: bool
-        _paused: bool
-        _asleep: set[str]
+        _lifecycle: ControlState
         _released: memory.ReleasedWeights | None
-        _apply_until: int | None
-        _rejoin: bool
-        _leaving: bool
         _handshaking: bool
         _handshakes: int
         _last_bootstrap: ApplyStats | None
@@ -82,12 +79,12 @@ class Controls:
     @property
     def is_paused(self) -> bool:
         """True while no new version is applied (except through ``update_weights``)."""
-        return self._paused
+        return self._lifecycle.paused
 
     @property
     def asleep(self) -> frozenset[str]:
         """The memory tags released by ``sleep`` and not yet woken (``weight``, ``kv_cache``)."""
-        return frozenset(self._asleep)
+        return frozenset(self._lifecycle.asleep)
 
     def register_engine(
         self,
@@ -133,13 +130,13 @@ class Controls:
         async with self._control:
             await self._pause()
             freed = 0
-            if KV_CACHE in wanted and KV_CACHE not in self._asleep:
+            if KV_CACHE in wanted and KV_CACHE not in self._lifecycle.asleep:
                 await call_hook(self._engine.on_sleep_kv_cache)
-                self._asleep.add(KV_CACHE)
-            if WEIGHT in wanted and WEIGHT not in self._asleep:
+                self._lifecycle.asleep.add(KV_CACHE)
+            if WEIGHT in wanted and WEIGHT not in self._lifecycle.asleep:
                 freed = await self._release_weights()
             await self._notify()
-            return {"asleep": sorted(self._asleep), "freed_bytes": freed}
+            return {"asleep": sorted(self._lifecycle.asleep), "freed_bytes": freed}
 
     async def wakeup(
         self, tags: str | Sequence[str] | None = None, timeout: float | None = 60.0, *, require_resume: bool = False,
@@ -154,21 +151,21 @@ class Controls:
         the engine cannot generate on freed memory, so it could not resume."""
         wanted = parse_tags(tags)
         async with self._control:
-            left = sorted(self._asleep - wanted)
+            left = sorted(self._lifecycle.asleep - wanted)
             if require_resume and left:
                 raise StateError(f"wakeup of {sorted(wanted)} would leave {left} asleep, and generating on freed memory is unsafe, "
-                                 f"so the engine would stay paused: wake {sorted(self._asleep)} together (or give no tags)")
-            if WEIGHT in wanted and KV_CACHE not in wanted and KV_CACHE in self._asleep:
+                                 f"so the engine would stay paused: wake {sorted(self._lifecycle.asleep)} together (or give no tags)")
+            if WEIGHT in wanted and KV_CACHE not in wanted and KV_CACHE in self._lifecycle.asleep:
                 raise StateError("the KV cache is asleep: wake it before or with the weights (tags=kv_cache,weight)")
-            if KV_CACHE in wanted and KV_CACHE in self._asleep:
+            if KV_CACHE in wanted and KV_CACHE in self._lifecycle.asleep:
                 await call_hook(self._engine.on_wakeup_kv_cache)
-                self._asleep.discard(KV_CACHE)
-            if WEIGHT in wanted and WEIGHT in self._asleep:
+                self._lifecycle.asleep.discard(KV_CACHE)
+            if WEIGHT in wanted and WEIGHT in self._lifecycle.asleep:
                 await self._restore_weights(timeout)
-            if not self._asleep:
+            if not self._lifecycle.asleep:
                 await self._resume()
             await self._notify()
-            return {"asleep": sorted(self._asleep), "version": self.version, "is_paused": self._paused}
+            return {"asleep": sorted(self._lifecycle.asleep), "version": self.version, "is_paused": self._lifecycle.paused}
 
     async def update_weights(
         self, version: int | str | None = None, verify_checksum: bool = False, timeout: float | None = 60.0
@@ -194,11 +191,11 @@ class Controls:
             return None if deadline is None else max(0.0, deadline - loop.time())
 
         async with self._control:
-            if not self._paused:
+            if not self._lifecycle.paused:
                 raise StateError("Pause LLM Engine first: update_weights needs a paused receiver (it never resumes by itself)")
-            if self._asleep:
-                raise StateError(f"{sorted(self._asleep)} asleep: wakeup first")
-            self._rejoin = True  # if the connection is down, reconnect even though paused
+            if self._lifecycle.asleep:
+                raise StateError(f"{sorted(self._lifecycle.asleep)} asleep: wakeup first")
+            self._lifecycle.rejoin = True  # if the connection is down, reconnect even though paused
             await self._notify()
             try:
                 latest, digest = None, None
@@ -206,12 +203,12 @@ class Controls:
                     latest, digest = await self._ask_sender(verify_checksum, left())
                 target = latest if target is None else target
                 if target is not None:  # already at or past it: the wait below returns at once
-                    self._apply_until = target
+                    self._lifecycle.apply_until = target
                     await self._notify()
                     await self._wait(lambda: self.version is not None and self.version >= target, left(), what=f"v{target}")
             finally:
-                self._apply_until = None
-                self._rejoin = False
+                self._lifecycle.apply_until = None
+                self._lifecycle.rejoin = False
             if verify_checksum:  # under the control lock: no new version commits meanwhile
                 await self._verify(latest, digest, left())
             return self.version
@@ -240,10 +237,10 @@ class Controls:
         return version
 
     async def _pause(self) -> None:
-        if self._paused:
+        if self._lifecycle.paused:
             return
         await call_hook(self._engine.on_pause)
-        self._paused = True
+        self._lifecycle.paused = True
         await self._notify()
         if self._handshaking:  # a handshake commits its bootstrap ungated: abandon it, rejoin when needed
             await self._leave_session()
@@ -252,17 +249,17 @@ class Controls:
     async def _resume(self) -> None:
         if self.hold:
             raise StateError("a held receiver (hold=True) commits only in update_weights; it cannot resume")
-        if self._asleep:
-            raise StateError(f"{sorted(self._asleep)} asleep: wakeup first")
-        if not self._paused:
+        if self._lifecycle.asleep:
+            raise StateError(f"{sorted(self._lifecycle.asleep)} asleep: wakeup first")
+        if not self._lifecycle.paused:
             return
         await call_hook(self._engine.on_resume)
-        self._paused = False
+        self._lifecycle.paused = False
         await self._notify()
         log.info("receiver %s resumed at v%s", self.identity, self.version)
 
     async def _release_weights(self) -> int:
-        self._asleep.add(WEIGHT)  # no new session from here on
+        self._lifecycle.asleep.add(WEIGHT)  # no new session from here on
         try:
             await self._leave_session()
             async with self.strategy.exclusive():  # a relay's too: it serves children nothing from released storage
@@ -270,7 +267,7 @@ class Controls:
                 # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
                 self.version = self.strategy.version = self.strategy.session = None
         except BaseException:
-            self._asleep.discard(WEIGHT)
+            self._lifecycle.asleep.discard(WEIGHT)
             await self._notify()
             raise
         self.pending_version = None
@@ -284,23 +281,23 @@ class Controls:
             raise WeightSyncError("the receiver is not running (not started, failed or closed): it cannot fetch the weights")
         async with self.lock.writing():
             released.restore()
-        self._asleep.discard(WEIGHT)
-        self._rejoin = True
+        self._lifecycle.asleep.discard(WEIGHT)
+        self._lifecycle.rejoin = True
         handshakes = self._handshakes
         await self._notify()
         try:
             await self._wait(lambda: self._handshakes > handshakes, timeout, what="the sender's bootstrap")
             self._check_bootstrap_complete()
         except BaseException:  # the storages hold garbage: release them again, stay asleep
-            self._rejoin = False
-            self._asleep.add(WEIGHT)
+            self._lifecycle.rejoin = False
+            self._lifecycle.asleep.add(WEIGHT)
             await self._leave_session()
             async with self.strategy.exclusive():
                 self._released = memory.release(self.model, resolve_state(self._state()).tensors)
                 self.version = self.strategy.version = self.strategy.session = None
             raise
         finally:
-            self._rejoin = False
+            self._lifecycle.rejoin = False
         self._released = None
         log.info("receiver %s woke up at v%s", self.identity, self.version)
 
@@ -363,16 +360,3 @@ class Controls:
             log.error("receiver %s: %s", self.identity, message)
             self._nack(IntegrityError.__name__, message)
             raise IntegrityError(message)
-
-    def _may_connect(self) -> bool:
-        if self._leaving or WEIGHT in self._asleep:
-            return False
-        return not self._paused or self._rejoin or self.hold
-
-    def _may_commit(self, version: int | None) -> bool:
-        if self._leaving:
-            return True  # to raise _Leave at once
-        if not self._paused or version == self.version:  # the same version again is a repair (resync)
-            return True
-        until = self._apply_until
-        return until is not None and (self.version is None or self.version < until)

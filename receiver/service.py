@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import inspect
 import logging
 import os
@@ -53,6 +52,7 @@ from .base import PendingVersion
 from .controls import Controls
 from .engine import EngineHooks
 from .factory import make_receiver
+from .lifecycle import ControlState
 from .metrics import ReceiverMetrics, ReceiverState
 from .naming import NameMapping, NameMappingSpec
 from .relay import Relay
@@ -189,13 +189,9 @@ class Receiver(Controls):
         self._control = asyncio.Lock()  # one control call at a time
         self._engine = EngineHooks()
         self.hold = hold
-        self._paused = hold
+        self._lifecycle = ControlState(hold=hold)  # paused, asleep, ...: what the session loop asks
         self._at_gate = False  # a held resync waits, staged, for update_weights
-        self._asleep: set[str] = set()
         self._released: memory.ReleasedWeights | None = None
-        self._apply_until: int | None = None  # while paused: update_weights lets versions through up to here
-        self._rejoin = False  # while paused: a control call needs a session (wakeup, update_weights)
-        self._leaving = False  # sleep asked the session to end
         self._in_session = False
         self._handshaking = False
         self._inbox: asyncio.Queue[Any] | None = None
@@ -291,8 +287,8 @@ class Receiver(Controls):
             "relay_receivers": None if self.relay is None else len(self.relay.receivers),
             "version": self.version,
             "pending_version": self.pending_version,
-            "is_paused": self._paused,
-            "asleep": sorted(self._asleep),
+            "is_paused": self._lifecycle.paused,
+            "asleep": sorted(self._lifecycle.asleep),
             "connected": self.connected,
             "reconnects": self.reconnects,
             "healthy": self.healthy,
@@ -303,14 +299,14 @@ class Receiver(Controls):
         """End the current session at a point where no thread touches the model."""
         if not self._in_session:
             return
-        self._leaving = True
+        self._lifecycle.leaving = True
         if self._inbox is not None:
             self._inbox.put_nowait(_Leave("asked to leave"))
         await self._notify()
         try:
             await self._wait(lambda: not self._in_session, None)
         finally:
-            self._leaving = False
+            self._lifecycle.leaving = False
 
     def _nack(self, reason: str, message: str) -> None:
         """Ask the sender for a resync of its current version."""
@@ -326,7 +322,8 @@ class Receiver(Controls):
         return self._names.rename(resolve_state(self.model).tensors)
 
     def _metric_state(self) -> ReceiverState:
-        return ReceiverState(self.version, self.pending_version, self._paused, self.connected, frozenset(self._asleep), self.reconnects)
+        state = self._lifecycle
+        return ReceiverState(self.version, self.pending_version, state.paused, self.connected, frozenset(state.asleep), self.reconnects)
 
     async def __aenter__(self) -> Receiver:
         return self
@@ -369,7 +366,7 @@ class Receiver(Controls):
     async def _run(self) -> None:
         delay = self.reconnect_backoff[0]
         while True:
-            await self._wait(self._may_connect, None, fail=False)  # paused or asleep: no new session
+            await self._wait(self._lifecycle.may_connect, None, fail=False)  # paused or asleep: no new session
             handshakes = self._handshakes
             try:
                 await self._session()
@@ -548,10 +545,10 @@ class Receiver(Controls):
         self.pending_version, self._at_gate = pending.version, True
         await self._notify()
         try:
-            await self._wait(functools.partial(self._may_commit, pending.version), None, fail=False)
+            await self._wait(lambda: self._lifecycle.may_commit(pending.version, self.version), None, fail=False)
         finally:
             self.pending_version, self._at_gate = None, False
-        if self._leaving:
+        if self._lifecycle.leaving:
             raise _Leave("asked to leave")
 
     async def _handshake(self, sock: DealerSocket, recv: Callable[[], Any], digest: str | None) -> None:
@@ -597,8 +594,8 @@ class Receiver(Controls):
         async def gate(pending: PendingVersion) -> None:
             self.pending_version = pending.version
             await self._notify()
-            await self._wait(functools.partial(self._may_commit, pending.version), None, fail=False)  # paused: wait here, staged
-            if self._leaving:
+            await self._wait(lambda: self._lifecycle.may_commit(pending.version, self.version), None, fail=False)  # paused: wait here, staged
+            if self._lifecycle.leaving:
                 raise _Leave("asked to leave")
 
         while True:

@@ -267,7 +267,7 @@ async def test_abort_requests_calls_the_engines_hook_without_waiting_for_other_c
 
         await success(r, "POST", "/v1/pause")
         update = asyncio.ensure_future(curl(r, "POST", "/v1/update_weights", '{"version": 1000000, "timeout": 2}'))
-        await wait_until(lambda: r.receiver._apply_until == 1000000)  # the update holds the control lock, waiting
+        await wait_until(lambda: r.receiver._lifecycle.apply_until == 1000000)  # the update holds the control lock, waiting
         await success(r, "POST", "/v1/abort_requests", '{"abort_all": true}')
         assert not update.done() and calls[-1] == (True, [])  # the abort did not queue behind it
         status, body = await update
