@@ -6,10 +6,11 @@ connections (no message within ``peer_timeout``) are re-established with backoff
 resuming from the applied version.
 
 The control calls (``pause``, ``resume``, ``sleep``, ``wakeup``, ``update_weights``) are
-methods of this class, written in ``receiver/controls.py``; ``receiver/control.py`` serves
-them over HTTP. While paused, versions keep arriving and the connection and heartbeats
-stay up, but the next version waits, received and staged, in front of the commit until
-``resume`` or ``update_weights``.
+methods of this class, carried out by the ``Controller`` it composes
+(``receiver/controller.py``, where their concurrency is documented);
+``receiver/control.py`` serves them over HTTP. While paused, versions keep arriving and
+the connection and heartbeats stay up, but the next version waits, received and staged,
+in front of the commit until ``resume`` or ``update_weights``.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ from protocol.state import Placed, StateLike, resolve_state
 
 from . import memory
 from .base import PendingVersion
-from .controls import Controls
-from .engine import EngineHooks
+from .controller import Controller
+from .engine import AbortHook, EngineHooks, Hook
 from .factory import make_receiver
 from .lifecycle import ControlState
 from .metrics import ReceiverMetrics, ReceiverState
@@ -80,7 +81,7 @@ class _Leave(Exception):
     """End the session on purpose (sleep): start no new one until allowed."""
 
 
-class Receiver(Controls):
+class Receiver:
     """The rollout-side daemon. An async context manager; see ``start`` and ``close``.
 
     Rollouts run inference under ``async with receiver.reading():`` (or
@@ -155,7 +156,6 @@ class Receiver(Controls):
         self.strategy = make_receiver(self.config)
         # wrap_write: a sidecar wraps each version's write (receiver.attach.seqlock_writes: a shared-memory seqlock)
         write = self.lock.writing if wrap_write is None else wrap_write(self.lock.writing)
-        self._writes_wrapped = wrap_write is not None  # sleep cannot release memory an engine maps
         self.relay: Relay | None = None
         if relay_endpoint is not None:
             self.relay = Relay(
@@ -186,12 +186,10 @@ class Receiver(Controls):
         self._closed = False
         self._names = None if name_mapping is None else NameMapping(name_mapping, resolve_state(model).tensors)
         # -- control state (see pause / sleep / update_weights)
-        self._control = asyncio.Lock()  # one control call at a time
-        self._engine = EngineHooks()
         self.hold = hold
         self._lifecycle = ControlState(hold=hold)  # paused, asleep, ...: what the session loop asks
+        self._controller = Controller(self._lifecycle, _Daemon(self), writes_wrapped=wrap_write is not None)
         self._at_gate = False  # a held resync waits, staged, for update_weights
-        self._released: memory.ReleasedWeights | None = None
         self._in_session = False
         self._handshaking = False
         self._inbox: asyncio.Queue[Any] | None = None
@@ -266,7 +264,94 @@ class Receiver(Controls):
             await self.strategy.release_torn()
         log.info("receiver %s closed at v%s", self.identity, self.version)
 
-    # -- control: the calls themselves are in controls.py ------------------------------
+    # -- control: carried out by self._controller (receiver/controller.py) ---------------
+    @property
+    def is_paused(self) -> bool:
+        """True while no new version is applied (except through ``update_weights``)."""
+        return self._lifecycle.paused
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The memory tags released by ``sleep`` and not yet woken (``weight``, ``kv_cache``)."""
+        return frozenset(self._lifecycle.asleep)
+
+    def register_engine(
+        self,
+        *,
+        on_pause: Hook | None = None,
+        on_resume: Hook | None = None,
+        on_sleep_kv_cache: Hook | None = None,
+        on_wakeup_kv_cache: Hook | None = None,
+        on_abort_requests: AbortHook | None = None,
+    ) -> None:
+        """Connect the rollout engine: these hooks (sync or async) are called by the control
+        calls, with no arguments except ``on_abort_requests(abort_all, req_ids)``, whose
+        return value ``abort_requests`` returns. Replaces hooks registered before."""
+        self._controller.engine = EngineHooks(on_pause, on_resume, on_sleep_kv_cache, on_wakeup_kv_cache, on_abort_requests)
+
+    async def pause(self) -> None:
+        """Stop generating (the engine's ``on_pause``) and stop applying new versions.
+
+        Idempotent. Versions keep arriving: the next one is staged and waits, the rest
+        stay queued. Returns once no version can be committed until ``resume`` or
+        ``update_weights``; a handshake under way is abandoned (its bootstrap may commit
+        first) and a new session starts only when one of those needs it.
+        """
+        await self._controller.pause()
+
+    async def resume(self) -> None:
+        """Generate again (``on_resume``) and apply versions as they come. Idempotent; an
+        error while something is asleep (wake it up first)."""
+        await self._controller.resume()
+
+    async def sleep(self, tags: str | Sequence[str] | None = None) -> dict[str, Any]:
+        """Pause, then release memory: ``kv_cache`` through the engine's hook, ``weight``
+        by leaving the sender and resizing every synced tensor's storage to zero bytes
+        (tensor objects, shapes and dtypes stay; non-persistent buffers are not touched).
+        ``tags`` default to both. Returns the tags asleep and the weight bytes freed."""
+        return await self._controller.sleep(tags)
+
+    async def wakeup(
+        self, tags: str | Sequence[str] | None = None, timeout: float | None = 60.0, *, require_resume: bool = False,
+    ) -> dict[str, Any]:
+        """Undo ``sleep`` for ``tags`` (default both), the KV cache first, then resume once
+        nothing is asleep. Weights come back as the sender's *current* version: storages
+        are reallocated and the receiver rejoins as a new one, so the sender bootstraps it.
+        Waking the weights while the KV cache sleeps and stays asleep is a ``StateError``.
+
+        ``require_resume`` (the HTTP API's: FastDeploy resumes after every wakeup) refuses,
+        with a ``StateError`` and nothing changed, a wakeup that would leave a tag asleep:
+        the engine cannot generate on freed memory, so it could not resume."""
+        return await self._controller.wakeup(tags, timeout, require_resume=require_resume)
+
+    async def update_weights(
+        self, version: int | str | None = None, verify_checksum: bool = False, timeout: float | None = 60.0
+    ) -> int | None:
+        """While paused, apply the received versions up to ``version`` and stay paused.
+
+        ``version`` None means the sender's current version, asked of the sender now; a
+        string's trailing digits are the version (``"global_step_12"``). Versions apply
+        in order until the applied one is at least ``version`` (a resync may land past
+        it); a receiver already at or past it applies nothing (in a stream of versions,
+        "at least this one" is what a caller needs). ``verify_checksum`` then compares
+        the whole-state digest with the sender's, which it has for its current version
+        only; a mismatch requests a resync and raises ``IntegrityError``. Not paused, or
+        asleep: ``StateError``. Returns the version held, which may be past ``version``.
+        """
+        return await self._controller.update_weights(version, verify_checksum, timeout)
+
+    async def abort_requests(self, abort_all: bool = False, req_ids: Sequence[str] | None = None) -> Any:
+        """Abort the engine's requests, all of them or ``req_ids``, through its
+        ``on_abort_requests`` hook; returns what the hook returned. Weights and the paused
+        state are untouched, and the control lock is not taken: an abort does not wait
+        behind a running update_weights. No hook registered: ``StateError``."""
+        return await self._controller.abort_requests(abort_all, req_ids)
+
+    async def sender_version(self, timeout: float | None = 30.0) -> int | None:
+        """The sender's current version (one round trip). Safe beside any other call; a
+        held receiver can ask while a resync waits for ``update_weights``."""
+        return await self._controller.sender_version(timeout)
+
     @property
     def control_url(self) -> str | None:
         """``http://host:port`` of the control API once started, else None."""
@@ -314,6 +399,42 @@ class Receiver(Controls):
         if self._socket is not None:
             nack = Message(MessageType.NACK, version=self.version, body={"reason": reason, "message": message})
             self._socket.try_send(encode_message(nack))
+
+    async def _ask_sender(self, digest: bool, timeout: float | None) -> tuple[int | None, str | None]:
+        """The sender's current version and, if asked, its state digest (one round trip)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        # A held receiver's resync waits for update_weights inside its handshake: the
+        # sender has welcomed it and answers on that socket already.
+        await self._wait(lambda: self.connected or (self.hold and self._handshaking and self._socket is not None), timeout,
+                         what="a connection to the sender")
+        sock = self._socket
+        if sock is None:
+            raise WeightSyncError("not connected to the sender")
+        nonce = uuid.uuid4().hex
+        reply: asyncio.Future[tuple[int | None, str | None]] = loop.create_future()
+        self._queries[nonce] = reply
+        try:
+            sock.try_send(encode_message(Message(MessageType.DIGEST_REQUEST, version=self.version, body={"nonce": nonce, "digest": digest})))
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                return await asyncio.wait_for(reply, left)
+            except asyncio.TimeoutError:
+                raise asyncio.TimeoutError(f"the sender at {self.endpoint} did not answer within {timeout}s") from None
+        finally:
+            self._queries.pop(nonce, None)
+
+    def _answer(self, frames: Sequence[Buffer]) -> None:
+        """A DIGEST reply: resolves the ``_ask_sender`` call waiting for its nonce."""
+        try:
+            msg = decode_message(frames)
+        except WeightSyncError as e:
+            log.warning("receiver %s: dropping a bad DIGEST reply: %s", self.identity, e)
+            return
+        reply = self._queries.get(str(msg.body.get("nonce")))
+        digest = msg.body.get("digest")
+        if reply is not None and not reply.done():
+            reply.set_result((msg.version, digest if isinstance(digest, str) else None))
 
     def _state(self) -> StateLike:
         """What is synced: the model, or its tensors under the trainer's names."""
@@ -647,6 +768,74 @@ class Receiver(Controls):
             except Exception:
                 log.exception("on_update hook failed at v%s", version)
         await self._notify()
+
+
+class _Daemon:
+    """A ``Receiver``'s session machinery as its control calls drive it (``controller.Daemon``)."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self._r = receiver
+
+    @property
+    def identity(self) -> str:
+        return self._r.identity
+
+    @property
+    def version(self) -> int | None:
+        return self._r.version
+
+    @property
+    def healthy(self) -> bool:
+        return self._r.healthy
+
+    @property
+    def handshaking(self) -> bool:
+        return self._r._handshaking
+
+    @property
+    def handshakes(self) -> int:
+        return self._r._handshakes
+
+    def state(self) -> StateLike:
+        return self._r._state()
+
+    async def wait(self, predicate: Callable[[], bool], timeout: float | None, *, what: str = "") -> None:
+        await self._r._wait(predicate, timeout, what=what)
+
+    async def notify(self) -> None:
+        await self._r._notify()
+
+    async def leave_session(self) -> None:
+        await self._r._leave_session()
+
+    async def ask_sender(self, digest: bool, timeout: float | None) -> tuple[int | None, str | None]:
+        return await self._r._ask_sender(digest, timeout)
+
+    async def digest(self) -> str | None:
+        return await self._r._digest()
+
+    def nack(self, reason: str, message: str) -> None:
+        self._r._nack(reason, message)
+
+    async def release_weights(self) -> memory.ReleasedWeights:
+        r = self._r
+        await r._leave_session()
+        async with r.strategy.exclusive():  # a relay's too: it serves children nothing from released storage
+            released = memory.release(r.model, resolve_state(r._state()).tensors)
+            # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
+            r.version = r.strategy.version = r.strategy.session = None
+        r.pending_version = None
+        return released
+
+    async def restore_weights(self, released: memory.ReleasedWeights) -> None:
+        async with self._r.lock.writing():
+            released.restore()
+
+    def bootstrap_coverage(self) -> tuple[int, int]:
+        meta, boot = self._r.strategy.metadata, self._r._last_bootstrap
+        assert meta is not None
+        needed = len(meta.keys) - sum(len(a) for a in self._r.strategy.aliases.values())
+        return (0 if boot is None else boot.tensors), needed
 
 
 def _describe_error(error: BaseException | None) -> str | None:
