@@ -121,7 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, help="also write a PNG: bytes and time per step, per workload")
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads (by name)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-workload memory processes")
+    p.add_argument("--dense-above", metavar="VALUE", help="patch.dense_above for the patch runs: auto (the default), "
+                   "a share in [0, 1], or JSON such as '{\"link_gbps\": 10}'")
     args = p.parse_args(argv)
+    if args.dense_above is not None:
+        from protocol.config import dense_rule
+
+        from . import e2e
+
+        value = args.dense_above if args.dense_above == "auto" else json.loads(args.dense_above)
+        dense_rule(value)  # a ConfigError now, not from a worker process
+        e2e.PATCH_OPTIONS["dense_above"] = value
     memory_pass = False if args.no_memory else SUITES[args.suite].memory_pass
     missing = missing_packages(memory_pass, args.plot is not None)
     if missing:  # say so now, not minutes later from a worker process

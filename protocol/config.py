@@ -31,7 +31,7 @@ from .compress import Codec, parse_compression
 from .dtypes import parse_float_dtype
 from .errors import ConfigError
 from .framing import Encoding, ValueEncoding
-from .tensorcodec import PatchOptions
+from .tensorcodec import DenseCost, PatchOptions
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,11 @@ class PatchConfig:
     compression: str = "zstd"  # none | lz4 | zstd | nvcomp_lz4
     position_encoding: str = "auto"  # auto | ans (entropy-coded gaps) | gaps | bitmap | coo (the seed's)
     value_encoding: str = "ulp"  # ulp (entropy-coded bit differences) | xor | raw (the seed's new values)
-    dense_above: float = 0.25  # a tensor with more than this share of elements changed is sent whole
+    # Which tensors travel whole: "auto" where that is estimated faster than coding (at 1 Gb/s
+    # a receiver and 25 ns of CPU a change; {link_gbps: G, ns_per_change: N} sets those), or a
+    # share: a tensor with more than it of its elements changed is sent whole (1.0: never,
+    # except where coding would not be smaller). See tensorcodec.DenseCost.
+    dense_above: float | str | dict[str, float] = "auto"
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
 
     def options(self) -> PatchOptions:
@@ -66,7 +70,7 @@ class PatchConfig:
         positions = POSITION_ENCODINGS[self.position_encoding]
         if positions is Encoding.COO and self.delta_encoding:
             positions = Encoding.COO_DELTA
-        return PatchOptions(positions, VALUE_ENCODINGS[self.value_encoding], self.codec, self.dense_above)
+        return PatchOptions(positions, VALUE_ENCODINGS[self.value_encoding], self.codec, dense_rule(self.dense_above))
 
     @property
     def codec(self) -> Codec:
@@ -125,8 +129,7 @@ class SyncConfig:
                 "(vision-language agents); weightsync renames on the receiver only, explicitly: leave is_agent false "
                 "and give the receiver name_mapping={'model.<x>': 'model.language_model.<x>', ...} (or a callable)"
             )
-        if type(p.dense_above) not in (int, float) or not 0 <= p.dense_above <= 1:
-            raise ConfigError(f"patch.dense_above must be a number in [0, 1], got {p.dense_above!r}")
+        dense_rule(p.dense_above)
         if self.type == "patch":
             parse_compression(p.compression, p.transport_device)
         else:
@@ -157,6 +160,24 @@ NO_EFFECT: dict[str, tuple[Any, str]] = {
     "nccl_min_ctas": (None, "a positive integer or null"),
 }
 _warned: set[str] = set()  # keys already warned about in this process
+
+
+def dense_rule(value: Any) -> float | DenseCost:
+    """``patch.dense_above`` as ``PatchOptions`` takes it; ``ConfigError`` when malformed."""
+    if value == "auto" and type(value) is str:
+        return DenseCost()
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"link_gbps", "ns_per_change"})
+        if unknown:
+            raise ConfigError(f"patch.dense_above: unknown key {unknown[0]!r}; known keys: ['link_gbps', 'ns_per_change']")
+        for name, positive in (("link_gbps", True), ("ns_per_change", False)):
+            v = value.get(name, getattr(DenseCost, name))
+            if type(v) not in (int, float) or not (v > 0 if positive else v >= 0) or v != v or v == float("inf"):
+                raise ConfigError(f"patch.dense_above.{name} must be a {'positive' if positive else 'non-negative'} number, got {v!r}")
+        return DenseCost(float(value.get("link_gbps", DenseCost.link_gbps)), float(value.get("ns_per_change", DenseCost.ns_per_change)))
+    if type(value) not in (int, float) or not 0 <= value <= 1:
+        raise ConfigError(f"patch.dense_above must be 'auto', {{link_gbps, ns_per_change}} or a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def load_config(source: SyncConfig | Mapping[str, Any] | str | Path | object | None = None) -> SyncConfig:

@@ -10,10 +10,12 @@ model rather than by the message.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .buffers import Buffer, buffer_tensor, tensor_view
@@ -52,17 +54,128 @@ ANS_MIN_CHANGES = 512  # below this, counts tables and per-call overhead cost mo
 
 
 @dataclass(frozen=True)
+class DenseCost:
+    """``patch.dense_above: auto`` (the default): a tensor travels whole where that is
+    estimated to be faster than coding its changes. Coding costs CPU time per change
+    (``ns_per_change``: the sender's collect and encode plus a receiver's decode and apply;
+    ~20 ns measured on the development machine, ``python -m benchmarks.micro --only codec apply``)
+    and wire time for the coded bytes; a dense tensor costs wire time for all of its bytes,
+    at ``link_gbps``, the bandwidth each receiver gets. Coded bytes are estimated at the
+    entropy floor: positions at ``numel * H(nnz / numel)`` bits, values at the bits a sample
+    of their ulp differences needs (``value_bits``).
+
+    At the defaults (1 Gb/s, 25 ns) a bf16 tensor is coded up to ~45-75% changed, depending on
+    how far its values moved, and sent whole past that; an fp32 tensor whose every element
+    moved by thousands of ulps (``value_bits`` ~14) is sent whole. On a faster link the
+    cut-off falls (10 Gb/s: ~7% for bf16), on a slower one it rises."""
+
+    link_gbps: float = 1.0
+    ns_per_change: float = 25.0
+
+    @property
+    def ns_per_byte(self) -> float:
+        return 8.0 / self.link_gbps
+
+    def coded_ns(self, nnz: int, numel: int, value_bits: float) -> float:
+        """Estimated time to send ``nnz`` coded changes of a ``numel``-element tensor."""
+        bits = numel * binary_entropy(nnz / numel) + nnz * value_bits if numel else 0.0
+        return nnz * self.ns_per_change + bits / 8 * self.ns_per_byte
+
+    def dense_ns(self, numel: int, itemsize: int) -> float:
+        return numel * itemsize * self.ns_per_byte
+
+    def dense_wins(self, nnz: int, numel: int, itemsize: int, value_bits: float) -> bool:
+        return nnz > 0 and self.dense_ns(numel, itemsize) <= self.coded_ns(nnz, numel, value_bits)
+
+    def share_above(self, itemsize: int, value_bits: float) -> float:
+        """The share of changed elements from which the tensor goes whole (> 1: never)."""
+        return _share_above(self, itemsize, round(value_bits, 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _share_above(cost: DenseCost, itemsize: int, value_bits: float) -> float:
+    # Both costs are linear in numel at a given share, so the cut-off depends on the share
+    # alone; coded cost rises with it (ns_per_change dominates H's fall past one half).
+    n = 1 << 20
+    if not cost.dense_wins(n, n, itemsize, value_bits):
+        return 1.5
+    lo, hi = 0.0, 1.0
+    for _ in range(24):
+        mid = (lo + hi) / 2
+        if cost.dense_wins(max(1, int(mid * n)), n, itemsize, value_bits):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def binary_entropy(p: float) -> float:
+    """Bits per element of a set of positions with density ``p`` (what ideal coding costs)."""
+    if p <= 0.0 or p >= 1.0:
+        return 0.0
+    return -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+
+
+def value_bits(diffs: torch.Tensor, sample: int = 2048) -> float:
+    """Bits per change the value coder needs for integer ulp ``diffs`` (``new_bits -
+    old_bits``), estimated from an evenly strided sample: the order-0 entropy of the coder's
+    symbols (small zigzagged differences are their own symbol, larger ones one symbol per
+    bit length) plus the low bits each large one carries. numpy: ~30 us on 2,048."""
+    flat = diffs.reshape(-1)
+    if flat.numel() > sample:
+        flat = flat[:: flat.numel() // sample]
+    d = flat.to(torch.int64).cpu().numpy()
+    if d.size == 0:
+        return 0.0
+    z = np.where(d >= 0, 2 * d, -2 * d - 1)  # zigzag (an estimate: the extremes of int64 wrap)
+    width = np.frexp(np.maximum(z, 1).astype(np.float64))[1]  # bit length
+    small = z < entropy.DIRECT
+    symbols = np.where(small, z, entropy.DIRECT + width - entropy.DIRECT_BITS - 1)
+    extra = float(np.where(small, 0, width - 1).mean())
+    counts = np.bincount(symbols)
+    prob = counts[counts > 0] / d.size
+    return float(-(prob * np.log2(prob)).sum()) + extra
+
+
+@dataclass(frozen=True)
 class PatchOptions:
     """How patches are encoded. ``positions`` None picks per tensor: entropy-coded gaps
-    when there are enough changes, else the smaller of raw gaps and a bitmap. A tensor
-    with more than ``dense_above`` of its elements changed travels whole, uncompressed:
-    past that share, coding the changes costs more CPU time than sending the tensor
-    costs wire time even on a 10 Gb/s link."""
+    when there are enough changes, else the smaller of raw gaps and a bitmap.
+    ``dense_above``: a ``DenseCost`` (the default) sends a tensor whole where that is
+    estimated to be faster; a number sends whole, uncompressed, any tensor with more than
+    that share of its elements changed (1.0: only where coding would not be smaller)."""
 
     positions: Encoding | None = None
     values: ValueEncoding = ValueEncoding.ULP
     codec: Codec = Codec.NONE
-    dense_above: float = 0.25
+    dense_above: float | DenseCost = DenseCost()
+
+    def dense_candidate(self, itemsize: int) -> float:
+        """The share of changed elements from which a tensor may go whole, whatever its
+        values: from there on the sender keeps a copy of the whole new tensor."""
+        if isinstance(self.dense_above, DenseCost):
+            return min(self.dense_above.share_above(itemsize, 8.0 * itemsize + 1), 1.0)
+        return min(self.dense_above, 1 / 3)
+
+    def surely_dense(self, itemsize: int) -> float:
+        """The share of changed elements past which a tensor goes whole whatever its values
+        (the sender need not collect its changes)."""
+        if isinstance(self.dense_above, DenseCost):
+            return self.dense_above.share_above(itemsize, 0.0)
+        return self.dense_above
+
+    def goes_dense(self, nnz: int, numel: int, itemsize: int, diffs: torch.Tensor | None) -> bool:
+        """Whether ``nnz`` changes whose ulp differences are ``diffs`` travel whole."""
+        if nnz == 0:
+            return False
+        if not isinstance(self.dense_above, DenseCost):
+            return nnz > self.dense_above * numel
+        if nnz <= self.dense_candidate(itemsize) * numel:
+            return False
+        if nnz > self.surely_dense(itemsize) * numel or diffs is None:
+            return nnz > self.surely_dense(itemsize) * numel
+        bits = value_bits(diffs) if self.values is ValueEncoding.ULP else 8.0 * itemsize
+        return self.dense_above.dense_wins(nnz, numel, itemsize, bits)
 
 
 @dataclass
@@ -258,12 +371,47 @@ def decode_entry(
     if entry.values in (ValueEncoding.RAW, ValueEncoding.XOR) and vspec.shape != (nnz,):
         raise ProtocolError(f"{where}: {vspec.shape[0]} values for {nnz} changes")
     decoded = {b.role: unpack_buffer(b, frames[b.frame - 1], device) for b in entry.buffers}
-    flat = decode_positions(decoded, tuple(shape), entry.encoding, nnz)
+    if entry.encoding is Encoding.ANS_GAPS:
+        gaps = entropy.decode_gaps(
+            decoded[Role.POSITIONS], decoded[Role.LOW_BITS], decoded[Role.POSITION_MODEL], decoded[Role.POSITION_ESCAPES], nnz
+        )
+        flat = positions_of_gaps(gaps, numel)
+    else:
+        flat = decode_positions(decoded, tuple(shape), entry.encoding, nnz)
     if entry.values is ValueEncoding.ULP:
         values = entropy.decode_values(decoded[Role.VALUES].cpu(), decoded[Role.VALUE_MODEL].cpu(), decoded[Role.VALUE_EXTRA].cpu(), nnz)
     else:
         values = decoded[Role.VALUES]
     return DecodedTensor(entry.key, flat, values, entry.values)
+
+
+def positions_of_gaps(gaps: torch.Tensor, numel: int) -> torch.Tensor:
+    """Sorted flat positions from untrusted int64 zero-run ``gaps``, in place, in one pass
+    (``positions.decode_positions`` makes five: max, +1, cumsum, -1, last); ``ProtocolError``
+    for a negative gap or a position past ``numel``."""
+    if gaps.numel() and not _prefix_positions()(gaps.numpy(), numel):
+        raise ProtocolError(f"gaps run past the tensor's {numel} elements (or are negative)")
+    return gaps
+
+
+@functools.cache
+def _prefix_positions() -> Any:
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def prefix(gaps, numel):  # pragma: no cover - numba
+        pos = -1
+        for i in range(gaps.shape[0]):
+            g = gaps[i]
+            if g < 0 or g >= numel:  # also keeps pos + g + 1 from overflowing
+                return False
+            pos += g + 1
+            if pos >= numel:
+                return False
+            gaps[i] = pos
+        return True
+
+    return prefix
 
 
 def _buffer_rule(role: Role, entry: TensorEntry, dtype: torch.dtype, numel: int) -> tuple[tuple[torch.dtype, ...], int]:

@@ -15,7 +15,9 @@ _SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 @numba.njit(cache=True, nogil=True)
 def _gather_add(target, flat, diffs, out):  # pragma: no cover - numba
     for o in range(flat.shape[0]):
-        out[o] = target[flat[o]] + diffs[o]  # wraps at the integer width, as the encoder's difference did
+        # int64 diffs, added at 64 bits and truncated to the target's width on the store:
+        # the same bits as the encoder's wrapping difference, without a narrowing pass first
+        out[o] = target[flat[o]] + diffs[o]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -35,7 +37,8 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 def gather_add(target: torch.Tensor, flat: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
     """``target``'s elements at ``flat`` with ``diffs`` added to their bit patterns (a new tensor)."""
     out = torch.empty(flat.numel(), dtype=target.dtype)
-    _gather_add(_bits(target), flat.numpy(), diffs.to(_SIGNED[target.element_size()]).numpy(), _bits(out))
+    wide = diffs if diffs.dtype == torch.int64 else diffs.to(_SIGNED[target.element_size()])
+    _gather_add(_bits(target), flat.numpy(), wide.numpy(), _bits(out))
     return out
 
 

@@ -143,9 +143,11 @@ def supported(cur: torch.Tensor, snapshot: torch.Tensor) -> bool:
     return same or (cur.dtype == torch.float32 and snapshot.dtype == torch.bfloat16)
 
 
-def diff_and_update(cur: torch.Tensor, snapshot: torch.Tensor, dense_above: float = 1.0) -> Diff:
+def diff_and_update(cur: torch.Tensor, snapshot: torch.Tensor, dense_above: float | Callable[[int], bool] = 1.0) -> Diff:
     """Where ``cur`` (cast to the snapshot's dtype) differs bitwise from ``snapshot``;
-    ``snapshot`` is moved to the new values in place either way."""
+    ``snapshot`` is moved to the new values in place either way. ``dense_above``: a share,
+    or a callable given the count of changed elements (``snapshot`` not yet moved) that
+    says whether the tensor goes whole."""
     n = cur.numel()
     rounding = cur.dtype != snapshot.dtype
     cur = cur.reshape(-1).contiguous()
@@ -157,7 +159,7 @@ def diff_and_update(cur: torch.Tensor, snapshot: torch.Tensor, dense_above: floa
     offsets = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     total = int(offsets[-1])
-    if total > dense_above * n:
+    if (dense_above(total) if callable(dense_above) else total > dense_above * n):
         snapshot.view(-1).copy_(cur)  # the same rounding as _bf16
         return Diff(total, None, None, None)
     flat = np.empty(total, dtype=np.int64)

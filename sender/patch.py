@@ -37,7 +37,7 @@ else:  # numba loads on first use (protocol/lazy.py)
 class Changes:
     """One tensor's changes, captured: host copies (or copies under way) of the changed
     positions and their new and old values, so encoding can run after the trainer moved on.
-    Past ``dense_above`` only the whole new tensor is kept."""
+    Where it surely goes whole (``PatchOptions.surely_dense``) only the whole new tensor is kept."""
 
     key: int
     shape: tuple[int, ...]
@@ -51,9 +51,6 @@ class Changes:
     def wait(self) -> None:
         for event in self.events:
             event.synchronize()
-
-
-DENSE_CANDIDATE = 1 / 3  # above this share of changed elements, keep the whole tensor too: it may be smaller
 
 
 class PatchBuilder:
@@ -142,7 +139,13 @@ class PatchBuilder:
         stats.total_elements += numel
         stats.dense_bytes += numel * dtype.itemsize
         if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
-            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, self.options.dense_above)  # the snapshot is moved
+            # The snapshot is moved; a tensor that goes whole has its changes counted, not collected.
+            def goes_dense(total: int) -> bool:
+                if total <= self.options.dense_candidate(dtype.itemsize) * numel:
+                    return False
+                return self.options.goes_dense(total, numel, dtype.itemsize, sampled_differences(cur, snap))
+
+            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, goes_dense)
         else:
             cast = cur.to(dtype).reshape(-1)
             snap_flat = snap.view(-1)
@@ -157,7 +160,7 @@ class PatchBuilder:
         stats.changed_elements += nnz
         stats.tensors_changed += 1
         # The snapshot now holds exactly the new tensor: keep it when dense may win.
-        dense = snap.clone() if nnz > min(self.options.dense_above, DENSE_CANDIDATE) * numel else None
+        dense = snap.clone() if nnz > self.options.dense_candidate(dtype.itemsize) * numel else None
         events: list[torch.cuda.Event] = []
         staged: list[torch.Tensor | None] = []
         for t in (flat, new, old, dense):  # to pinned host memory, behind events, on CUDA
@@ -182,13 +185,29 @@ class PatchBuilder:
 
     def _pack(self, changes: Changes) -> EncodedTensor:
         dense, nnz = changes.dense, changes.nnz
-        if dense is not None and nnz > self.options.dense_above * dense.numel():  # whole and fast
+        if dense is not None and (changes.flat is None or self._goes_dense(changes, dense)):  # whole and fast
             return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), {Role.VALUES: dense.view(changes.shape)}, Codec.NONE)
         assert changes.flat is not None and changes.new is not None and changes.old is not None
         encoding, values, buffers = sparse_buffers(changes.flat, changes.new, changes.old, changes.shape, self.options)
         if dense is not None and raw_nbytes(buffers) >= dense.numel() * dense.element_size():
             encoding, values, buffers, nnz = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: dense.view(changes.shape)}, dense.numel()
         return pack_entry(changes.key, encoding, values, nnz, buffers, self.options.codec)
+
+    def _goes_dense(self, changes: Changes, dense: torch.Tensor) -> bool:
+        diffs = None
+        if changes.new is not None and changes.old is not None:  # a sample of how far the values moved
+            step = max(1, changes.nnz // 2048)
+            diffs = entropy.ulp_differences(changes.new[::step], changes.old[::step])
+        return self.options.goes_dense(changes.nnz, dense.numel(), dense.element_size(), diffs)
+
+
+def sampled_differences(cur: torch.Tensor, snap: torch.Tensor, sample: int = 2048) -> torch.Tensor:
+    """The ulp differences of the changed elements among ~``sample`` evenly strided ones of
+    ``cur`` (cast to the snapshot's dtype) against ``snap`` (not yet moved)."""
+    step = max(1, cur.numel() // sample)
+    new = cur.reshape(-1)[::step].to(snap.dtype)
+    diffs = entropy.ulp_differences(new, snap.reshape(-1)[::step])
+    return diffs[diffs != 0]
 
 
 class PatchSender(SenderBase):
