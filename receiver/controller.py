@@ -6,7 +6,7 @@ update_weights applies received versions while paused and never resumes by itsel
 sleep pauses, then releases the KV cache (the engine's hook) and the weights' memory;
 wakeup brings the KV cache back first, then the weights as the sender's *current*
 version, then resumes. abort_requests only forwards to the engine's hook.
-``receiver/control.py`` serves these over HTTP.
+``receiver/http_api.py`` serves these over HTTP.
 
 Concurrency: pause, resume, sleep, wakeup and update_weights are serialised by one lock
 (a second call waits for the first, then sees its result: each is idempotent);

@@ -43,7 +43,7 @@ from protocol.errors import ConfigError
 from protocol.security import CurveClient, CurveServer
 
 from .attach import engine_region, seqlock_writes
-from .control import TOKEN_ENV
+from .http_api import TOKEN_ENV
 from .service import Receiver
 from .snapshots import serve_snapshots
 

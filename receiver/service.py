@@ -8,7 +8,7 @@ resuming from the applied version.
 The control calls (``pause``, ``resume``, ``sleep``, ``wakeup``, ``update_weights``) are
 methods of this class, carried out by the ``Controller`` it composes
 (``receiver/controller.py``, where their concurrency is documented);
-``receiver/control.py`` serves them over HTTP. While paused, versions keep arriving and
+``receiver/http_api.py`` serves them over HTTP. While paused, versions keep arriving and
 the connection and heartbeats stay up, but the next version waits, received and staged,
 in front of the commit until ``resume`` or ``update_weights``.
 """
@@ -62,7 +62,7 @@ from .socket import DealerSocket
 from .stats import ApplyStats
 
 if TYPE_CHECKING:
-    from .control import ControlServer
+    from .http_api import ControlServer
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class Receiver:
         if self._task is not None:
             raise WeightSyncError("receiver already started")
         if self._control_address is not None:
-            from .control import ControlServer  # aiohttp only when the control API is wanted
+            from .http_api import ControlServer  # aiohttp only when the control API is wanted
 
             self._control_server = ControlServer(self, self._control_address, token=self._control_token)
             await self._control_server.start()

@@ -28,8 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.errors import ConfigError, MetadataMismatchError, StateError, WeightSyncError
 from protocol.state import resolve_state
-from receiver import Receiver
-from receiver import ctl as receiver_ctl
+from receiver import Receiver, http_client
 from receiver.naming import AGENT_PREFIX
 from sender import Sender
 
@@ -383,6 +382,14 @@ async def ctl(*args: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(text.strip().splitlines()[-1])
 
 
+async def test_the_http_api_imports_no_receiver() -> None:
+    """receiver/http_api.py serves a Controllable: it loads without the Receiver (no import cycle)."""
+    code = "import sys, receiver.http_api; print(sorted(m for m in sys.modules if m.startswith('receiver')))"
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0 and out.decode().strip() == "['receiver', 'receiver.http_api']"
+
+
 async def test_ctl_cli(capsys: pytest.CaptureFixture[str]) -> None:
     async with rig() as r:
         await r.ok("POST", "/v1/pause")
@@ -392,7 +399,7 @@ async def test_ctl_cli(capsys: pytest.CaptureFixture[str]) -> None:
         await assert_matches(r.receiver, r.trainer, v1)
 
         async def in_process(*args: str) -> tuple[int, dict[str, Any]]:  # the same main(), in a thread beside the loop
-            code = await asyncio.to_thread(receiver_ctl.main, list(args))
+            code = await asyncio.to_thread(http_client.main, list(args))
             out, err = capsys.readouterr()
             return code, json.loads((out or err).strip().splitlines()[-1])
 
@@ -408,7 +415,7 @@ async def test_ctl_cli(capsys: pytest.CaptureFixture[str]) -> None:
     rc, body = await in_process("pause", "--url", "http://127.0.0.1:1")
     assert rc == 3 and (body["status"], body["error_type"]) == ("error", "Unreachable")
     with pytest.raises(SystemExit) as usage:
-        receiver_ctl.parse_args(["pause", "--tags", "weight", "--url", "http://127.0.0.1:1"])
+        http_client.parse_args(["pause", "--tags", "weight", "--url", "http://127.0.0.1:1"])
     assert usage.value.code == 2
 
 

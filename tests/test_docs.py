@@ -197,9 +197,9 @@ def cli_parsers() -> dict[str, tuple[Callable[[], Any], list[str]]]:
         daemon.parse_args([])
 
     def receiver_ctl() -> None:
-        from receiver import ctl
+        from receiver import http_client
 
-        ctl.parse_args([])
+        http_client.parse_args([])
 
     return {
         "python -m sender": (sender_main, ["sender"]),

@@ -189,7 +189,7 @@ async def test_sleep_and_wakeup_read_tags_from_the_body_which_wins_over_the_quer
 # -- unknown fields and parameters -----------------------------------------------------------------
 async def test_unknown_fields_and_query_parameters_are_ignored_and_listed(caplog: pytest.LogCaptureFixture) -> None:
     async with rig() as r:
-        with caplog.at_level(logging.WARNING, logger="receiver.control"):
+        with caplog.at_level(logging.WARNING, logger="receiver.http_api"):
             body = await success(r, "POST", "/v1/pause?wait_for_inflight_requests=false")
             assert body["ignored"] == ["wait_for_inflight_requests"] and r.receiver.is_paused
             await success(r, "POST", "/v1/pause?wait_for_inflight_requests=false")

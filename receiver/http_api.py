@@ -1,9 +1,10 @@
 """The control API: the receiver's control calls over HTTP, in the shape of the seed's
 rollout server (FastDeploy's ``/v1/*`` weight-control endpoints), so FastDeploy's own
-clients work against it unchanged.
+clients work against it unchanged. ``receiver/http_client.py`` is its command-line client.
 
-Every endpoint calls one ``Receiver`` method; this module parses requests and maps
-results and errors to FastDeploy's ``ControlResponse`` body::
+Every endpoint calls one method of a ``Controllable`` (a ``Receiver`` is one: this module
+imports no receiver code); it parses requests and maps results and errors to FastDeploy's
+``ControlResponse`` body::
 
     {"request_id": "control-<uuid>", "status": "success" | "error",
      "error_message": null | <text>, "result": ...}
@@ -31,16 +32,13 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from protocol.errors import ConfigError, WeightSyncError
 from protocol.security import is_local_host
-
-if TYPE_CHECKING:
-    from .service import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +47,31 @@ MIN_TOKEN = 16  # characters; secrets.token_urlsafe() gives 43
 TOKEN_ENV = "WEIGHTSYNC_CONTROL_TOKEN"
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no token; it changes nothing
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Metrics(Protocol):
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+
+
+class Controllable(Protocol):
+    """The calls this API serves (``Receiver``'s, documented there)."""
+
+    @property
+    def identity(self) -> str: ...
+    @property
+    def is_paused(self) -> bool: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    def status(self) -> dict[str, Any]: ...
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    async def sleep(self, tags: str | Sequence[str] | None = None) -> dict[str, Any]: ...
+    async def wakeup(self, tags: str | Sequence[str] | None = None, *, require_resume: bool = False) -> dict[str, Any]: ...
+    async def update_weights(self, version: int | str | None, verify_checksum: bool, timeout: float | None) -> int | None: ...
+    async def abort_requests(self, abort_all: bool, req_ids: Sequence[str] | None) -> Any: ...
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -127,7 +150,7 @@ def bearer_auth(token: str) -> Any:
 class ControlServer:
     """Serves a ``Receiver``'s control API from its own event loop."""
 
-    def __init__(self, receiver: Receiver, address: str = "127.0.0.1:0", token: str | None = None) -> None:
+    def __init__(self, receiver: Controllable, address: str = "127.0.0.1:0", token: str | None = None) -> None:
         """Without ``token`` only a loopback address is allowed (``ConfigError`` otherwise):
         anyone who reaches the port could pause the rollout or put its weights to sleep."""
         self.receiver = receiver
