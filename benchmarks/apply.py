@@ -72,8 +72,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 async def case(lr: float, repeat: int, config: dict[str, Any]) -> dict[str, Any]:
     import receiver
     import sender
-    from protocol import parallel
-    from protocol.framing import MessageType, decode_message
+    from protocol.codec import parallel
+    from protocol.wire.framing import MessageType, decode_message
     from receiver.commit import commit
 
     torch.manual_seed(0)

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocol.compress import Codec
-from protocol.framing import Encoding, Message, MessageType, ValueEncoding, decode_message, encode_message
-from protocol.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse
+from protocol.codec.compress import Codec
+from protocol.codec.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse
+from protocol.wire.framing import Encoding, Message, MessageType, ValueEncoding, decode_message, encode_message
 
 CONFIGS = {
     "seed (coo+delta, raw, none)": PatchOptions(Encoding.COO_DELTA, ValueEncoding.RAW, Codec.NONE),

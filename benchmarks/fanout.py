@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.checksum import state_digest
+from protocol.wire.checksum import state_digest
 from sender import Sender
 
 ROOT = Path(__file__).resolve().parent.parent

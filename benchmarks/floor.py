@@ -8,7 +8,7 @@ bits, so NaN and -0.0 count as changes exactly as the library's bitwise comparis
   change: the lower of the ulp difference (``new_bits - old_bits`` as integers) and the
   XOR of the bit patterns.
 * ``seed_format_bytes``: the seed's patch, no compression: the 2-D COO view, rows/cols
-  delta-encoded as in ``protocol/coo.py`` and each downscaled to the smallest unsigned
+  delta-encoded as in ``protocol/codec/coo.py`` and each downscaled to the smallest unsigned
   dtype that holds its maximum, plus the raw new values at the receiver's dtype.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.coo import delta_encode, split_rows_cols
+from protocol.codec.coo import delta_encode, split_rows_cols
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from protocol.config import load_config
 from protocol.errors import ConfigError
-from protocol.metadata import ModelMetadata
 from protocol.state import resolve_state
+from protocol.wire.metadata import ModelMetadata
 from receiver import PatchReceiver
 from sender import PatchSender
 from sender.patch import PatchBuilder

@@ -94,8 +94,8 @@ def warm_runtime() -> None:
     threads, ZeroMQ's I/O thread), so ``base`` holds the runtime and growth is the model's."""
     import zmq.asyncio
 
-    from protocol import entropy
-    from protocol.parallel import map_ordered
+    from protocol.codec import entropy
+    from protocol.codec.parallel import map_ordered
     from receiver import kernels
     from sender import fastdiff
 

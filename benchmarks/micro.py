@@ -11,7 +11,7 @@ tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``rice_paramete
 ``pack_entry`` and the rANS kernels their parts. ``header`` is ``decode_message`` and
 ``peek_type`` of a 300-tensor patch; ``recv`` receives such a message (~2,100 frames) over
 TCP loopback with ``DealerSocket.recv`` (one await a message) and with one await a frame
-(``protocol.limits.read_bounded``, as the receiver did before), timed from when the whole
+(``protocol.wire.limits.read_bounded``, as the receiver did before), timed from when the whole
 message is queued. Absolute times depend on the machine and its load; compare figures
 taken in the same run.
 """
@@ -90,10 +90,10 @@ def _mark_case(label: str, cur: torch.Tensor, repeat: int) -> dict[str, Any]:
 
 
 def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
-    from protocol import entropy, rans
-    from protocol.framing import Message, MessageType, decode_message, encode_message
-    from protocol.positions import gaps_of
-    from protocol.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse, pack_entry, sparse_buffers
+    from protocol.codec import entropy, rans
+    from protocol.codec.positions import gaps_of
+    from protocol.codec.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse, pack_entry, sparse_buffers
+    from protocol.wire.framing import Message, MessageType, decode_message, encode_message
 
     g = torch.Generator().manual_seed(2)
     old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
@@ -136,7 +136,7 @@ def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
 
 
 def compress_cases(repeat: int) -> dict[str, Any]:
-    from protocol.compress import Codec, compress
+    from protocol.codec.compress import Codec, compress
 
     out: dict[str, Any] = {}
     rng = np.random.default_rng(5)
@@ -148,9 +148,9 @@ def compress_cases(repeat: int) -> dict[str, Any]:
 
 def pool_cases(n_tensors: int, n: int, density: float, repeat: int) -> dict[str, Any]:
     """The per-tensor codec pool over one message's worth of entropy-coded tensors."""
-    from protocol import parallel
-    from protocol.framing import Message, MessageType, decode_message, encode_message
-    from protocol.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse
+    from protocol.codec import parallel
+    from protocol.codec.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse
+    from protocol.wire.framing import Message, MessageType, decode_message, encode_message
 
     g = torch.Generator().manual_seed(6)
     options = PatchOptions()
@@ -179,8 +179,8 @@ def pool_cases(n_tensors: int, n: int, density: float, repeat: int) -> dict[str,
 
 
 def _many_tensor_patch(n_tensors: int = 300, n: int = 20000) -> list[Any]:
-    from protocol.framing import Message, MessageType, encode_message
-    from protocol.tensorcodec import PatchOptions, assemble, encode_sparse
+    from protocol.codec.tensorcodec import PatchOptions, assemble, encode_sparse
+    from protocol.wire.framing import Message, MessageType, encode_message
 
     g = torch.Generator().manual_seed(7)
     entries = []
@@ -194,7 +194,7 @@ def _many_tensor_patch(n_tensors: int = 300, n: int = 20000) -> list[Any]:
 
 
 def header_cases(repeat: int) -> dict[str, Any]:
-    from protocol.framing import decode_message, peek_type
+    from protocol.wire.framing import decode_message, peek_type
 
     wire = _many_tensor_patch()
     label = f"300 tensors, {len(wire)} frames, header {len(wire[0])} B"
@@ -208,8 +208,8 @@ def recv_cases(repeat: int) -> dict[str, Any]:
     import zmq
     import zmq.asyncio
 
-    from protocol.limits import read_bounded
-    from receiver.socket import DealerSocket
+    from protocol.wire.limits import read_bounded
+    from receiver.dealer import DealerSocket
 
     wire = [bytes(f) for f in _many_tensor_patch()]
 

@@ -110,7 +110,8 @@ class _TimedKernel:
 def sender_timers() -> Iterator[None]:
     """Time the sender's phases in this process while inside; the library's own functions
     are put back on exit (the harness runs in-process under pytest too)."""
-    from protocol import framing, router
+    from protocol.net import router
+    from protocol.wire import framing
     from sender import fastdiff
 
     kernels = dict(fastdiff._KERNELS)
@@ -132,8 +133,8 @@ def install_receiver() -> None:
     if "receiver" in _installed:
         return
     _installed.add("receiver")
-    from protocol.framing import MessageType, peek_type
-    from receiver import base, commit, socket
+    from protocol.wire.framing import MessageType, peek_type
+    from receiver import base, commit, dealer
 
     def is_ack(self: Any, frames: Any) -> bool:
         try:
@@ -141,8 +142,8 @@ def install_receiver() -> None:
         except Exception:
             return False
 
-    socket.DealerSocket.recv = _timed_async("arrived", socket.DealerSocket.recv)  # type: ignore[method-assign]
-    socket.DealerSocket.try_send = _timed("ack", socket.DealerSocket.try_send, when=is_ack)  # type: ignore[method-assign]
+    dealer.DealerSocket.recv = _timed_async("arrived", dealer.DealerSocket.recv)  # type: ignore[method-assign]
+    dealer.DealerSocket.try_send = _timed("ack", dealer.DealerSocket.try_send, when=is_ack)  # type: ignore[method-assign]
     base.decode_message = _timed("validate", base.decode_message)
     base.decode_entry = _timed("decode", base.decode_entry)
     stage = commit.StagedUpdate.stage.__func__  # type: ignore[attr-defined]

@@ -49,8 +49,8 @@ import zmq.asyncio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.tiny_model import TinyLM, build
-from protocol.checksum import state_digest
-from protocol.cli import report, setup_logging
+from protocol.host.cli import report, setup_logging
+from protocol.wire.checksum import state_digest
 from receiver import Receiver
 from sender import Sender
 

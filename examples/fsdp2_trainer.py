@@ -29,8 +29,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.tiny_model import TinyLM, build, train_step
-from protocol.checksum import state_digest
-from protocol.cli import report, setup_logging
+from protocol.host.cli import report, setup_logging
+from protocol.wire.checksum import state_digest
 from receiver import Receiver
 from sender import Sender
 from sender.fsdp import ShardedSync

@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from protocol.checksum import state_digest
-from protocol.cli import report, setup_logging
 from protocol.errors import ConfigError
+from protocol.host.cli import report, setup_logging
+from protocol.wire.checksum import state_digest
 from receiver import Receiver
 from receiver.naming import add_prefix
 from sender import Sender

@@ -10,7 +10,7 @@ addresses or ports is configured per worker, and a restarted trainer actor is fo
 
 Loopback (the default ``host``) is right for a one-node cluster. Across nodes, pass
 ``host=None`` (the node's IP, ``ray.util.get_node_ip_address()``) with CURVE keys: a
-``protocol.security.CurveServer`` to the trainer and a ``CurveClient`` to each rollout,
+``protocol.net.security.CurveServer`` to the trainer and a ``CurveClient`` to each rollout,
 as actor arguments (``--curve`` below does this on loopback).
 
     python examples/ray_actors.py --steps 5 --rollouts 2    # JSON lines, a local Ray cluster
@@ -34,9 +34,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from examples.tiny_model import build, generate, train_step  # noqa: E402
-from protocol.checksum import state_digest  # noqa: E402
-from protocol.cli import report  # noqa: E402
-from protocol.dtypes import parse_float_dtype  # noqa: E402
+from protocol.host.cli import report  # noqa: E402
+from protocol.wire.checksum import state_digest  # noqa: E402
+from protocol.wire.dtypes import parse_float_dtype  # noqa: E402
 from receiver import Receiver  # noqa: E402
 from sender import Sender  # noqa: E402
 
@@ -200,7 +200,7 @@ def curve_keys(rollouts: int) -> tuple[Any, list[Any]]:
 
     Made by the driver here for brevity; across nodes, each party would rather make its
     own key pair and hand only the public key to the others through Ray."""
-    from protocol.security import CurveClient, CurveServer, KeyPair
+    from protocol.net.security import CurveClient, CurveServer, KeyPair
 
     server = KeyPair.generate()
     clients = [KeyPair.generate() for _ in range(rollouts)]

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.tiny_model import build, generate, train_step
-from protocol.checksum import state_digest
-from protocol.cli import report
+from protocol.host.cli import report
+from protocol.wire.checksum import state_digest
 from receiver.attach import attach
 from sender.client import SidecarClient, write_snapshot
 

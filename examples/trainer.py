@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.tiny_model import build, train_step
-from protocol.checksum import state_digest
-from protocol.cli import report, setup_logging
+from protocol.host.cli import report, setup_logging
+from protocol.wire.checksum import state_digest
 from sender import Sender
 
 

@@ -1,12 +1,17 @@
-"""weightsync's wire protocol: message framing, tensor codecs, checksums and errors.
+"""What the sender and the receiver share; it imports neither side.
 
-Pure functions over tensors and bytes; no sockets, and no knowledge of either side.
+``wire/`` (the message layout, inbound limits, dtypes, metadata, checksums) and
+``codec/`` (a tensor's changes to buffers and back, compressors, buckets) are bytes and
+tensors only; ``net/`` is the ZeroMQ plumbing both daemons serve with (the version
+server, CURVE, ZAP); ``host/`` what processes on one host share (shared memory,
+snapshot files, the CLI plumbing). Beside them: ``errors`` (the whole error family),
+``config`` (the YAML), ``state`` (how either side sees a model). tests/test_layering.py
+keeps these boundaries.
 """
 
-from .checksum import checksum, state_digest
-from .compress import Codec
-from .config import BucketConfig, InitSyncConfig, PatchConfig, SyncConfig, load_config
-from .errors import (
+from protocol.codec.compress import Codec
+from protocol.config import BucketConfig, InitSyncConfig, PatchConfig, SyncConfig, load_config
+from protocol.errors import (
     ConfigError,
     IntegrityError,
     LayoutError,
@@ -16,7 +21,9 @@ from .errors import (
     StaleVersionError,
     WeightSyncError,
 )
-from .framing import (
+from protocol.state import ModelState, resolve_state
+from protocol.wire.checksum import checksum, state_digest
+from protocol.wire.framing import (
     PROTOCOL_VERSION,
     BufferSpec,
     Encoding,
@@ -28,8 +35,7 @@ from .framing import (
     decode_message,
     encode_message,
 )
-from .metadata import ModelMetadata
-from .state import ModelState, resolve_state
+from protocol.wire.metadata import ModelMetadata
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from .compress import Codec, parse_compression
-from .dtypes import parse_float_dtype
-from .errors import ConfigError
-from .framing import Encoding, ValueEncoding
-from .tensorcodec import DenseCost, PatchOptions
+from protocol.codec.compress import Codec, parse_compression
+from protocol.codec.tensorcodec import DenseCost, PatchOptions
+from protocol.errors import ConfigError
+from protocol.wire.dtypes import parse_float_dtype
+from protocol.wire.framing import Encoding, ValueEncoding
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ key is tracked unless ``trainable_keys`` says otherwise. Tied weights (two names
 storage) are found by storage identity so they travel once.
 
 Sharded (FSDP2) state dicts hold DTensors, and gathering one is a collective: every rank
-must gather the same tensors in the same order. ``gather_order`` is that order, for every
-rank and for the sender alike; ``gathering`` lets the rank that hosts the sender route its
-gathers through a hook that enforces it (see ``sender.fsdp``).
+must gather the same tensors in the same order (``sender.fsdp.gather_order``);
+``gathering`` lets the rank that hosts the sender route its gathers through a hook that
+enforces it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from protocol.errors import ConfigError
 
 
 class Placed:
@@ -127,15 +127,6 @@ def sync_keys(state: ModelState) -> list[str]:
     """The keys a sender reads from the model at every version, in state-dict order: the
     tracked keys without aliases, so each storage is read once."""
     return [k for k in state.tracked if k not in state.aliases]
-
-
-def gather_order(state: ModelState) -> list[str]:
-    """The DTensors a sender gathers at every version, in the order it gathers them.
-
-    The one definition every rank of a sharded model follows: the collectives of one
-    version match only if each rank gathers exactly these keys, in this order.
-    """
-    return [k for k in sync_keys(state) if is_dtensor(state.tensors[k])]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

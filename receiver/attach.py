@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.shm import Layout, Region
+from protocol.host.shm import Layout, Region
 
 WriteGuard = Callable[[], AbstractAsyncContextManager[Any]]
 

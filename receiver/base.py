@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from protocol.buffers import Buffer
+from protocol.codec.parallel import map_ordered
+from protocol.codec.tensorcodec import decode_entry
 from protocol.config import SyncConfig, load_config
 from protocol.errors import (
     ConfigError,
@@ -26,11 +27,10 @@ from protocol.errors import (
     StateError,
     WeightSyncError,
 )
-from protocol.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
-from protocol.metadata import ModelMetadata
-from protocol.parallel import map_ordered
 from protocol.state import StateLike, find_aliases, resolve_state
-from protocol.tensorcodec import decode_entry
+from protocol.wire.buffers import Buffer
+from protocol.wire.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
+from protocol.wire.metadata import ModelMetadata
 
 from .commit import StagedUpdate, Target, commit
 from .stats import ApplyStats

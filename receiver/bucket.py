@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protocol.framing import MessageType
+from protocol.wire.framing import MessageType
 
 from .base import ReceiverBase
 

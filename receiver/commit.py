@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protocol.codec.tensorcodec import DecodedTensor
 from protocol.errors import ProtocolError
-from protocol.framing import ValueEncoding
 from protocol.lazy import lazy_module
 from protocol.state import Placed
-from protocol.tensorcodec import DecodedTensor
+from protocol.wire.framing import ValueEncoding
 
 if TYPE_CHECKING:
     from . import kernels

@@ -36,16 +36,16 @@ from typing import Any
 
 import torch
 
-from protocol.checksum import state_digest
-from protocol.cli import load_object, report, run, setup_logging
-from protocol.dtypes import parse_float_dtype
 from protocol.errors import ConfigError
-from protocol.security import CurveClient, CurveServer
+from protocol.host.cli import load_object, report, run, setup_logging
+from protocol.net.security import CurveClient, CurveServer
+from protocol.wire.checksum import state_digest
+from protocol.wire.dtypes import parse_float_dtype
 
 from .attach import engine_region, seqlock_writes
 from .http_api import TOKEN_ENV
 from .service import Receiver
-from .snapshots import serve_snapshots
+from .snapshot_loader import serve_snapshots
 
 log = logging.getLogger("receiver")
 

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import zmq.asyncio
 
 from protocol.errors import ProtocolError, WeightSyncError
-from protocol.framing import Message, MessageType, decode_message, encode_message
-from protocol.metadata import ModelMetadata
-from protocol.security import CurveClient, check_transport
+from protocol.net.security import CurveClient, check_transport
+from protocol.wire.framing import Message, MessageType, decode_message, encode_message
+from protocol.wire.metadata import ModelMetadata
 
-from .socket import DealerSocket
+from .dealer import DealerSocket
 
 
 async def ask_metadata(

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from protocol.errors import ConfigError, WeightSyncError
-from protocol.security import is_local_host
+from protocol.net.security import is_local_host
 
 log = logging.getLogger(__name__)
 

@@ -7,18 +7,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol.compress import Codec
-from protocol.framing import MessageType
+from protocol.codec.compress import Codec
 from protocol.lazy import lazy_module
+from protocol.wire.framing import MessageType
 
 from .base import ReceiverBase
 
 if TYPE_CHECKING:
-    from protocol import entropy
+    from protocol.codec import entropy
 
     from . import kernels
 else:  # numba loads on first use (protocol/lazy.py)
-    entropy, kernels = lazy_module("protocol.entropy"), lazy_module("receiver.kernels")
+    entropy, kernels = lazy_module("protocol.codec.entropy"), lazy_module("receiver.kernels")
 
 
 class PatchReceiver(ReceiverBase):

@@ -27,14 +27,14 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-from protocol.buckets import bucket_messages, plan_buckets
-from protocol.checksum import state_digest
+from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.errors import StateError, WeightSyncError
-from protocol.framing import Message, MessageType
-from protocol.limits import Limits
-from protocol.metadata import ModelMetadata
-from protocol.server import VersionServer
+from protocol.net.server import VersionServer
 from protocol.state import StateLike, resolve_state
+from protocol.wire.checksum import state_digest
+from protocol.wire.framing import Message, MessageType
+from protocol.wire.limits import Limits
+from protocol.wire.metadata import ModelMetadata
 
 from .base import PendingVersion, ReceiverBase
 from .rwlock import ReadWriteLock

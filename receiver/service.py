@@ -31,8 +31,6 @@ import torch
 import zmq
 import zmq.asyncio
 
-from protocol.buffers import Buffer
-from protocol.checksum import state_digest
 from protocol.config import SyncConfig, load_config
 from protocol.errors import (
     ConfigError,
@@ -43,14 +41,17 @@ from protocol.errors import (
     StaleVersionError,
     WeightSyncError,
 )
-from protocol.framing import Message, MessageType, decode_message, encode_message, peek_type
-from protocol.limits import LimitError, Limits
-from protocol.security import CurveClient, CurveServer, check_transport
+from protocol.net.security import CurveClient, CurveServer, check_transport
 from protocol.state import Placed, StateLike, resolve_state
+from protocol.wire.buffers import Buffer
+from protocol.wire.checksum import state_digest
+from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type
+from protocol.wire.limits import LimitError, Limits
 
 from . import memory
 from .base import PendingVersion
 from .controller import Controller
+from .dealer import DealerSocket
 from .engine import AbortHook, EngineHooks, Hook
 from .factory import make_receiver
 from .lifecycle import ControlState
@@ -58,7 +59,6 @@ from .metrics import ReceiverMetrics, ReceiverState
 from .naming import NameMapping, NameMappingSpec
 from .relay import Relay
 from .rwlock import ReadWriteLock
-from .socket import DealerSocket
 from .stats import ApplyStats
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class Receiver:
         HTTP from ``start()``; ``name_mapping`` renames this model's names to the trainer's
         (see ``receiver/naming.py``), checked here and again by the sender at handshake.
 
-        ``curve`` (``protocol.security.CurveClient``) encrypts the connection and accepts
+        ``curve`` (``protocol.net.security.CurveClient``) encrypts the connection and accepts
         only the sender holding its ``server_key``; without it, connecting beyond loopback
         is a ``ConfigError`` unless ``insecure_plaintext``. ``limits`` bounds inbound
         messages (default: derived from this model). ``control_token`` is required by the

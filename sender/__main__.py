@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from protocol.cli import load_object, report, run, setup_logging
 from protocol.errors import ConfigError
-from protocol.security import CurveServer, write_keypair
-from protocol.snapfile import read_snapshot
+from protocol.host.cli import load_object, report, run, setup_logging
+from protocol.host.snapfile import read_snapshot
+from protocol.net.security import CurveServer, write_keypair
 
 from .service import Sender
 from .sidecar import serve_shm
@@ -146,7 +146,7 @@ def keygen(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"python -m sender keygen: {e}", file=sys.stderr)
         return 1
-    from protocol.security import load_public
+    from protocol.net.security import load_public
 
     print(json.dumps({"event": "keygen", "public": str(public), "secret": str(secret), "public_key": load_public(public).decode()}))
     return 0

@@ -8,12 +8,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from protocol.buffers import Buffer
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
-from protocol.framing import Message, MessageType, Stamper, decode_message, error_message
-from protocol.metadata import ModelMetadata
 from protocol.state import ModelState, StateLike, resolve_state
+from protocol.wire.buffers import Buffer
+from protocol.wire.framing import Message, MessageType, Stamper, decode_message, error_message
+from protocol.wire.metadata import ModelMetadata
 
 from .plan import SyncPlan
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from protocol.buckets import bucket_messages, plan_buckets
+from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.config import BucketConfig
 from protocol.errors import ConfigError, MetadataMismatchError
-from protocol.framing import Message, MessageType
 from protocol.state import StateLike, materialize, resolve_state
+from protocol.wire.framing import Message, MessageType
 
 from .base import Send, SenderBase
 from .plan import SyncPlan

@@ -34,8 +34,8 @@ import msgpack
 import zmq
 
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, WeightSyncError
-from protocol.shm import Layout, Region
-from protocol.snapfile import write_snapshot
+from protocol.host.shm import Layout, Region
+from protocol.host.snapfile import write_snapshot
 from protocol.state import StateLike, materialize, resolve_state
 
 __all__ = ["SidecarClient", "write_snapshot"]

@@ -4,7 +4,7 @@ Gathering a DTensor is a collective, so every rank of the mesh must gather the s
 tensors in the same order, and the rank hosting the Sender must never hold the whole
 model gathered. ``ShardedSync`` makes both hold:
 
-* the order is ``protocol.state.gather_order`` (tracked keys without aliases, in
+* the order is ``gather_order`` (tracked keys without aliases, in
   state-dict order), computed on every rank and checked equal across ranks at ``start``;
 * on the leader (the rank with the Sender) each gather happens when the Sender asks
   for that tensor (``materialize`` under a ``gathering`` hook): it is diffed against the
@@ -33,7 +33,7 @@ import xxhash
 from torch import nn
 
 from protocol.errors import ConfigError, WeightSyncError
-from protocol.state import ModelState, gather_order, gathering, is_dtensor, resolve_state
+from protocol.state import ModelState, gathering, is_dtensor, resolve_state, sync_keys
 
 if TYPE_CHECKING:
     from .service import Sender
@@ -48,6 +48,14 @@ class GatherOrderError(WeightSyncError):
     """A gather the other ranks are not making: out of order, twice, or outside a sync.
     Raised before the collective, on the rank that would have made it."""
 
+
+def gather_order(state: ModelState) -> list[str]:
+    """The DTensors a sender gathers at every version, in the order it gathers them.
+
+    The one definition every rank of a sharded model follows: the collectives of one
+    version match only if each rank gathers exactly these keys, in this order.
+    """
+    return [k for k in sync_keys(state) if is_dtensor(state.tensors[k])]
 
 @dataclass
 class GatherStats:

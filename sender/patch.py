@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol.compress import Codec
+from protocol.codec.compress import Codec
+from protocol.codec.parallel import map_ordered
+from protocol.codec.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sparse_buffers
 from protocol.config import PatchConfig
-from protocol.dtypes import bits_dtype
 from protocol.errors import MetadataMismatchError
-from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding
 from protocol.lazy import lazy_module
-from protocol.parallel import map_ordered
 from protocol.state import ModelState, StateLike, materialize, resolve_state
-from protocol.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sparse_buffers
+from protocol.wire.dtypes import bits_dtype
+from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
 
 from .base import Send, SenderBase
 from .plan import Source, SyncPlan
@@ -26,11 +26,11 @@ from .snapshot import Snapshot
 from .stats import SyncStats
 
 if TYPE_CHECKING:
-    from protocol import entropy
+    from protocol.codec import entropy
 
     from . import fastdiff
 else:  # numba loads on first use (protocol/lazy.py)
-    entropy, fastdiff = lazy_module("protocol.entropy"), lazy_module("sender.fastdiff")
+    entropy, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("sender.fastdiff")
 
 
 @dataclass

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.buckets import bucket_messages, plan_buckets
+from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.config import InitSyncConfig
 from protocol.errors import ConfigError
-from protocol.framing import Message, MessageType
-from protocol.metadata import ModelMetadata
 from protocol.state import ModelState, sync_keys
+from protocol.wire.framing import Message, MessageType
+from protocol.wire.metadata import ModelMetadata
 
 Source = Callable[[str], torch.Tensor]
 

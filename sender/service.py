@@ -1,7 +1,7 @@
 """The sender daemon: one trainer, many receivers, over a ZeroMQ ROUTER socket.
 
 ``sync()`` builds a version once (a patch, or the buckets) and returns; serving it is
-``protocol.server.VersionServer``'s: each receiver's pump task sends it what it is
+``protocol.net.server.VersionServer``'s: each receiver's pump task sends it what it is
 missing, bounded by credits (versions in flight), so a slow or dead receiver never
 blocks the trainer. Receivers behind the ring of recent patches, or that reject a
 message, are resynced with a bootstrap of the current version.
@@ -20,15 +20,15 @@ import torch
 import zmq
 import zmq.asyncio
 
-from protocol.checksum import state_digest
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, WeightSyncError
-from protocol.framing import Message
-from protocol.limits import Limits
-from protocol.metadata import ModelMetadata
-from protocol.security import CurveServer
-from protocol.server import VersionServer
+from protocol.net.security import CurveServer
+from protocol.net.server import VersionServer
 from protocol.state import ModelState, StateLike, materialize, resolve_state, sync_keys
+from protocol.wire.checksum import state_digest
+from protocol.wire.framing import Message
+from protocol.wire.limits import Limits
+from protocol.wire.metadata import ModelMetadata
 
 from .base import check_next_version, plan_for
 from .bucket import BucketBuilder
@@ -45,7 +45,7 @@ class Sender(VersionServer):
     ``config`` is the seed's YAML shape (a path, mapping or ``SyncConfig``). The first
     receiver's metadata fixes the receivers' dtypes: every later receiver must match it.
 
-    ``curve`` (``protocol.security.CurveServer``) encrypts the connection and admits only
+    ``curve`` (``protocol.net.security.CurveServer``) encrypts the connection and admits only
     receivers whose public key it allows; a refused key is logged and counted in
     ``rejected_handshakes``. Without it, binding beyond loopback is a ``ConfigError``
     unless ``insecure_plaintext``. ``limits`` bounds what receivers may send (default:

@@ -20,9 +20,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from protocol.cli import report
 from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, WeightSyncError
-from protocol.shm import Layout, Region
+from protocol.host.cli import report
+from protocol.host.shm import Layout, Region
 
 from .client import decode, encode, error_reply
 from .service import Sender

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 from models import mismatches  # noqa: E402 - re-exported for the daemon tests
 
 from examples.tiny_model import build, train_step  # noqa: E402
-from protocol.checksum import state_digest  # noqa: E402
+from protocol.wire.checksum import state_digest  # noqa: E402
 
 T = 30.0  # the timeout of every single await: long enough never to fire on a healthy run
 HEARTBEAT = 0.1

@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from examples.async_rl import AsyncTrainer, Received, spawn_rollout, weights_digest  # noqa: E402
-from protocol.checksum import state_digest  # noqa: E402
+from protocol.wire.checksum import state_digest  # noqa: E402
 from sender import Sender  # noqa: E402
 
 K = 2

@@ -26,10 +26,10 @@ from models import Trainer, cast_like, make_model, mismatches, snapshot
 
 import receiver
 import sender
-from protocol.checksum import checksum
-from protocol.compress import Codec
+from protocol.codec.compress import Codec
 from protocol.errors import IntegrityError, ProtocolError, StaleVersionError, WeightSyncError
-from protocol.framing import Encoding, Message, MessageType, Role, decode_message, encode_message
+from protocol.wire.checksum import checksum
+from protocol.wire.framing import Encoding, Message, MessageType, Role, decode_message, encode_message
 from receiver.rwlock import ReadWriteLock
 
 Frames = list[bytes]

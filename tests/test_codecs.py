@@ -14,13 +14,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.compress import Codec, compress, decompress, parse_compression, shuffle, unshuffle
-from protocol.coo import as_2d, coo_shape, delta_decode, delta_encode, split_rows_cols
-from protocol.dtypes import bits_dtype, dtype_code, itemsize, smallest_unsigned
+from protocol.codec.compress import Codec, compress, decompress, parse_compression, shuffle, unshuffle
+from protocol.codec.coo import as_2d, coo_shape, delta_decode, delta_encode, split_rows_cols
+from protocol.codec.positions import decode_positions, downscale, encode_positions
+from protocol.codec.tensorcodec import ZSTD_MIN_BYTES, DecodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_buffer
 from protocol.errors import ConfigError, LayoutError, ProtocolError, WeightSyncError
-from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
-from protocol.positions import decode_positions, downscale, encode_positions
-from protocol.tensorcodec import ZSTD_MIN_BYTES, DecodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_buffer
+from protocol.wire.dtypes import bits_dtype, dtype_code, itemsize, smallest_unsigned
+from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
@@ -461,7 +461,7 @@ def test_zstd_contexts_are_per_thread():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from protocol import compress as compress_module
+    from protocol.codec import compress as compress_module
 
     zstd = compress_module._CPU[Codec.ZSTD]
     assert zstd._compressor() is zstd._compressor()  # reused within a thread
@@ -510,7 +510,7 @@ def test_nvcomp_names_what_is_missing():
 
 def test_codec_pool_knob(monkeypatch):
     """Any number of codec threads gives the plain loop's results, in order, and its first error."""
-    from protocol import parallel
+    from protocol.codec import parallel
 
     for workers in (1, 2, 3):
         monkeypatch.setattr(parallel, "WORKERS", workers)

@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 from daemon_helpers import CONFIGS, DAEMON_KW, PEER_TIMEOUT, T, Trainer, assert_matches, free_port, receiver_model, wait_until
 
-from protocol.checksum import state_digest
 from protocol.errors import WeightSyncError
+from protocol.wire.checksum import state_digest
 from receiver import Receiver
 from sender import Sender
 

@@ -1,4 +1,4 @@
-"""Which tensors a patch sends whole: ``patch.dense_above`` (protocol/tensorcodec.py DenseCost).
+"""Which tensors a patch sends whole: ``patch.dense_above`` (protocol/codec/tensorcodec.py DenseCost).
 
 By default ("auto") a tensor travels whole where that is estimated to be faster than coding
 its changes (CPU per change against wire time per byte at an assumed link speed); a number
@@ -15,10 +15,10 @@ from channel import Channel
 from models import bits
 from test_strategies import handshake, make_pair, messages, patch_cfg
 
+from protocol.codec.tensorcodec import DenseCost, PatchOptions, binary_entropy, value_bits
 from protocol.config import PatchConfig, load_config
 from protocol.errors import ConfigError
-from protocol.framing import Encoding
-from protocol.tensorcodec import DenseCost, PatchOptions, binary_entropy, value_bits
+from protocol.wire.framing import Encoding
 
 N = 1 << 16
 
@@ -140,8 +140,8 @@ def test_default_is_auto() -> None:
 
 # -- the receiver's fused paths (tensorcodec.positions_of_gaps, kernels.gather_add) ------------
 def test_positions_of_gaps_matches_the_reference_and_refuses_bad_gaps() -> None:
+    from protocol.codec.tensorcodec import positions_of_gaps
     from protocol.errors import ProtocolError
-    from protocol.tensorcodec import positions_of_gaps
 
     gaps = torch.tensor([0, 3, 0, 7, 2], dtype=torch.int64)
     reference = torch.cumsum(gaps + 1, 0) - 1
@@ -156,7 +156,7 @@ def test_positions_of_gaps_matches_the_reference_and_refuses_bad_gaps() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
 def test_gather_add_takes_wide_differences_and_wraps_like_the_encoder(dtype: torch.dtype) -> None:
-    from protocol import entropy
+    from protocol.codec import entropy
     from receiver import kernels
 
     width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty((), dtype=dtype).element_size()]

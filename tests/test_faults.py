@@ -56,9 +56,9 @@ from daemon_helpers import (
 )
 from proxy import Corrupt, Duplicate, Proxy, Reorder, Replay, Stall, Tamper, Wire, of_type
 
-from protocol.checksum import state_digest
 from protocol.errors import ResyncLimitError, StaleVersionError, WeightSyncError
-from protocol.framing import MessageType
+from protocol.wire.checksum import state_digest
+from protocol.wire.framing import MessageType
 from receiver import Receiver
 from sender import Sender
 from sender.stats import SyncStats

@@ -8,11 +8,12 @@ import msgpack
 import pytest
 import torch
 
-from protocol.checksum import checksum
-from protocol.compress import COMPRESSION_NAMES, Codec
+from protocol.codec.compress import COMPRESSION_NAMES, Codec
+from protocol.codec.tensorcodec import PatchOptions, assemble, encode_dense, encode_sparse
 from protocol.config import BucketConfig, PatchConfig, SyncConfig, load_config
 from protocol.errors import ConfigError, IntegrityError, MetadataMismatchError, ProtocolError
-from protocol.framing import (
+from protocol.wire.checksum import checksum
+from protocol.wire.framing import (
     PROTOCOL_VERSION,
     Encoding,
     Message,
@@ -23,8 +24,7 @@ from protocol.framing import (
     encode_message,
     peek_type,
 )
-from protocol.metadata import ModelMetadata
-from protocol.tensorcodec import PatchOptions, assemble, encode_dense, encode_sparse
+from protocol.wire.metadata import ModelMetadata
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "examples" / "config" / "weight_syncer"
@@ -422,7 +422,7 @@ def test_config_unreadable_yaml(tmp_path):
         load_config(path)
 
 
-# -- routing and receiving (receiver/socket.py) -----------------------------------------------
+# -- routing and receiving (receiver/dealer.py) -----------------------------------------------
 @pytest.mark.parametrize("mtype", list(MessageType))
 def test_peek_type_matches_the_decoded_type(mtype):
     frames = encode_message(Message(mtype, version=3, body={"pad": "x" * 1000}))
@@ -449,8 +449,8 @@ async def test_dealer_receives_a_many_frame_message_whole_and_bounded():
     import zmq
     import zmq.asyncio
 
-    from protocol.limits import LimitError, Limits
-    from receiver.socket import DealerSocket
+    from protocol.wire.limits import LimitError, Limits
+    from receiver.dealer import DealerSocket
 
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)

@@ -56,13 +56,13 @@ from models import Trainer, make_model, mismatches, snapshot
 
 import receiver
 import sender
-from protocol import entropy, tensorcodec
-from protocol.checksum import checksum
-from protocol.compress import Codec
-from protocol.dtypes import dtype_code
+from protocol.codec import entropy, tensorcodec
+from protocol.codec.compress import Codec
 from protocol.errors import ProtocolError, WeightSyncError
-from protocol.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
-from protocol.peers import Peer
+from protocol.net.peers import Peer
+from protocol.wire.checksum import checksum
+from protocol.wire.dtypes import dtype_code
+from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
 
 Frames = list[bytes]
 

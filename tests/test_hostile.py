@@ -13,11 +13,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.checksum import checksum
-from protocol.compress import Codec, compress
-from protocol.dtypes import dtype_code
+from protocol.codec.compress import Codec, compress
+from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_entry
 from protocol.errors import IntegrityError, ProtocolError, WeightSyncError
-from protocol.framing import (
+from protocol.wire.checksum import checksum
+from protocol.wire.dtypes import dtype_code
+from protocol.wire.framing import (
     BufferSpec,
     Encoding,
     Message,
@@ -27,7 +28,6 @@ from protocol.framing import (
     decode_message,
     encode_message,
 )
-from protocol.tensorcodec import EncodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_entry
 
 CPU = torch.device("cpu")
 Targets = dict[int, tuple[tuple[int, ...], torch.dtype]]

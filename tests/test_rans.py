@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import rans
+from protocol.codec import rans
 
 
 def roundtrip(symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,7 +87,7 @@ def test_damaged_streams_are_rejected(damage: str) -> None:
 def rice_reference(gaps: np.ndarray) -> int:
     """``entropy.rice_parameter`` as plain numpy: the median's neighbourhood, each
     candidate ``k`` costed as k low bits plus the entropy of ``gap >> k`` (escapes at 64 bits)."""
-    from protocol.entropy import ESCAPE, HIGH_SYMBOLS, MAX_K
+    from protocol.codec.entropy import ESCAPE, HIGH_SYMBOLS, MAX_K
 
     if len(gaps) == 0:
         return 0
@@ -108,7 +108,7 @@ def rice_reference(gaps: np.ndarray) -> int:
 def test_rice_parameter_matches_its_numpy_reference(n: int, p: float, wide: int, huge: int, seed: int) -> None:
     import torch
 
-    from protocol import entropy
+    from protocol.codec import entropy
 
     rng = np.random.default_rng(seed)
     gaps = (rng.geometric(p, n) - 1) << min(wide, 20) if n else np.zeros(0, dtype=np.int64)

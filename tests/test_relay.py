@@ -20,8 +20,8 @@ import zmq
 from daemon_helpers import CONFIGS, DAEMON_KW, Processes, T, Trainer, assert_matches, receiver_model, wait_until
 
 from protocol.errors import ConfigError, MetadataMismatchError, WeightSyncError
-from protocol.framing import Message, MessageType, decode_message
-from protocol.security import CurveClient, CurveServer, KeyPair
+from protocol.net.security import CurveClient, CurveServer, KeyPair
+from protocol.wire.framing import Message, MessageType, decode_message
 from receiver import Receiver
 from sender import Sender
 

@@ -18,7 +18,7 @@ import pytest
 from daemon_helpers import DAEMON_KW, T, Trainer, assert_matches, receiver_model
 
 from protocol import config as config_module
-from protocol.compress import Codec
+from protocol.codec.compress import Codec
 from protocol.config import load_config
 from protocol.errors import ConfigError
 from receiver import Receiver

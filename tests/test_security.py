@@ -48,12 +48,11 @@ from daemon_helpers import (
     wait_until,
 )
 
-from protocol.compress import Codec
+from protocol.codec.compress import Codec
+from protocol.codec.tensorcodec import assemble, encode_dense
 from protocol.errors import ConfigError, ProtocolError, WeightSyncError
-from protocol.framing import Message, MessageType, decode_message, encode_message
-from protocol.limits import LimitError, Limits
-from protocol.router import RouterSocket
-from protocol.security import (
+from protocol.net.router import RouterSocket
+from protocol.net.security import (
     CurveClient,
     CurveServer,
     KeyPair,
@@ -63,9 +62,10 @@ from protocol.security import (
     load_secret,
     write_keypair,
 )
-from protocol.tensorcodec import assemble, encode_dense
+from protocol.wire.framing import Message, MessageType, decode_message, encode_message
+from protocol.wire.limits import LimitError, Limits
 from receiver import Receiver
-from receiver.socket import DealerSocket
+from receiver.dealer import DealerSocket
 from sender import Sender
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE (built without libsodium)")
@@ -147,8 +147,8 @@ def test_bad_key_files_are_config_errors(tmp_path: Path) -> None:
 async def test_curve_admits_only_allowed_keys_and_logs_the_rest(
     keys: dict[str, KeyPair], tmp_path: Path, caplog: pytest.LogCaptureFixture, reliability: Any
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="protocol.zap")
-    caplog.set_level(logging.WARNING, logger="receiver.socket")
+    caplog.set_level(logging.WARNING, logger="protocol.net.zap")
+    caplog.set_level(logging.WARNING, logger="receiver.dealer")
     trainer = Trainer()
     async with daemons() as made:
         sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], curve=server(keys, tmp_path), **DAEMON_KW)
@@ -174,7 +174,7 @@ async def test_curve_admits_only_allowed_keys_and_logs_the_rest(
         assert list(sender.receivers) == ["allowed"]
         assert sender.rejected_handshakes >= 1 and sender.rejected_keys == {stranger_key}
         assert any(stranger_key in r.getMessage() and "not in the allowlist" in r.getMessage() for r in caplog.records)
-        assert any(r.name == "receiver.socket" and "refused this receiver's key" in r.getMessage() for r in caplog.records)
+        assert any(r.name == "receiver.dealer" and "refused this receiver's key" in r.getMessage() for r in caplog.records)
         reliability.record(curve_versions_applied=len(allowed.stats), curve_rejected_handshakes=sender.rejected_handshakes)
 
 
@@ -182,7 +182,7 @@ async def test_curve_admits_only_allowed_keys_and_logs_the_rest(
 async def test_receivers_without_the_right_keys_never_connect(
     keys: dict[str, KeyPair], tmp_path: Path, case: str, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="receiver.socket")
+    caplog.set_level(logging.WARNING, logger="receiver.dealer")
     trainer = Trainer()
     async with daemons() as made:
         sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], curve=server(keys, tmp_path), **DAEMON_KW)

@@ -1,6 +1,6 @@
 """Sidecar hand-off through shared memory: trainer -> sender sidecar, receiver sidecar -> engine.
 
-Unit tests of ``protocol/shm.py`` (manifest, seqlock, crashed writers, cleanup), of the
+Unit tests of ``protocol/host/shm.py`` (manifest, seqlock, crashed writers, cleanup), of the
 ``ipc_snapshot`` files, of the client/sidecar handshake (in-process, real sockets and
 regions), and one run of real processes: a trainer publishing real AdamW steps through
 ``SidecarClient``, a ``python -m sender --shm`` sidecar (killed and restarted midway),
@@ -30,10 +30,10 @@ import torch
 from daemon_helpers import HEARTBEAT, PEER_TIMEOUT, ROOT, YAML, Proc, Processes, Trainer, bf16_state, wait_until
 
 from examples.tiny_model import build
-from protocol.checksum import state_digest
 from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError
-from protocol.shm import Layout, Region, leftover_regions, region_path, shm_dir
-from protocol.snapfile import read_snapshot, snapshot_path, write_snapshot
+from protocol.host.shm import Layout, Region, leftover_regions, region_path, shm_dir
+from protocol.host.snapfile import read_snapshot, snapshot_path, write_snapshot
+from protocol.wire.checksum import state_digest
 from receiver.attach import attach, engine_region
 from sender.client import SidecarClient
 from sender.sidecar import serve_shm
@@ -58,7 +58,7 @@ def bf16_model(seed: int = 99) -> torch.nn.Module:
     return build(seed=seed).to(torch.bfloat16)
 
 
-# -- protocol/shm.py -----------------------------------------------------------------------------
+# -- protocol/host/shm.py -----------------------------------------------------------------------------
 def test_region_round_trip_tied_weights_and_unlink(prefix: str) -> None:
     state = build(seed=3).state_dict()
     layout = Layout.of(state)
@@ -164,7 +164,7 @@ def test_a_writer_that_crashes_mid_write_leaves_the_region_torn_until_rewritten(
         with owner.writing(1):
             owner.tensors()["w"].fill_(1)
         crash = (
-            f"import os; from protocol.shm import Region; r = Region.attach({name!r})\n"
+            f"import os; from protocol.host.shm import Region; r = Region.attach({name!r})\n"
             "ctx = r.writing(2); ctx.__enter__(); r.tensors()['w'][:4] = 2; os._exit(9)"
         )
         assert subprocess.run([sys.executable, "-c", crash], cwd=ROOT, timeout=T).returncode == 9

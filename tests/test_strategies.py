@@ -22,7 +22,7 @@ from models import Trainer, bits, cast_like, make_model, mismatches, snapshot
 import receiver
 import sender
 from protocol.errors import ConfigError, MetadataMismatchError, StaleVersionError, WeightSyncError
-from protocol.framing import Encoding, MessageType, Role, ValueEncoding, decode_message
+from protocol.wire.framing import Encoding, MessageType, Role, ValueEncoding, decode_message
 
 STEPS = 10
 
@@ -203,7 +203,7 @@ async def test_bucket_training_bit_exact(bucket_dtype: str | None, load_instant:
             for e in m.tensors:
                 key = r.metadata.keys[e.key]
                 (spec,) = e.buffers
-                from protocol.dtypes import dtype_from_code
+                from protocol.wire.dtypes import dtype_from_code
 
                 dt = dtype_from_code(spec.dtype)
                 seen_dtypes.add(dt)
@@ -561,7 +561,7 @@ async def test_nvcomp_lz4_gets_the_entropy_coders_host_tables_on_its_device(monk
     device first. No GPU here: nvCOMP's codec is a stand-in that records what it is
     handed, and the compressor's device is ``meta``; the sender's whole encode path is
     real (a real optimizer step, config validation, the entropy coder, packing)."""
-    from protocol import nvcomp
+    from protocol.codec import nvcomp
 
     handed: list[torch.device] = []
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from proxy import Corrupt, Proxy, Wire, of_type  # noqa: E402
 
 from examples.vllm_rollout import CONFIG, checksums, engine, generate, tiny_config  # noqa: E402
-from protocol.framing import MessageType  # noqa: E402
+from protocol.wire.framing import MessageType  # noqa: E402
 
 TRAINER = Path(__file__).resolve().parent / "vllm_trainer.py"
 

@@ -39,9 +39,9 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from protocol.errors import ConfigError, WeightSyncError
-from protocol.framing import MessageType
-from protocol.metadata import ModelMetadata
-from protocol.security import CurveClient, KeyPair, z85_key
+from protocol.net.security import CurveClient, KeyPair, z85_key
+from protocol.wire.framing import MessageType
+from protocol.wire.metadata import ModelMetadata
 
 from ..base import PendingVersion
 from ..describe import ask_metadata

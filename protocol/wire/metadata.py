@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .dtypes import dtype_code, dtype_from_code
-from .errors import MetadataMismatchError, ProtocolError
-from .framing import MAX_DIMS
+from protocol.errors import MetadataMismatchError, ProtocolError
+from protocol.wire.dtypes import dtype_code, dtype_from_code
+from protocol.wire.framing import MAX_DIMS
 
 
 @dataclass(frozen=True)

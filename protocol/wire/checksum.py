@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import torch
 import xxhash
 
-from .buffers import Buffer, tensor_view
-from .dtypes import dtype_code
+from protocol.wire.buffers import Buffer, tensor_view
+from protocol.wire.dtypes import dtype_code
 
 
 def checksum(buf: Buffer) -> int:

@@ -51,9 +51,9 @@ from typing import TypeVar
 import msgpack
 import torch
 
-from .dtypes import dtype_code, dtype_from_code
-from .errors import MetadataMismatchError, ProtocolError, SharedMemoryError
-from .state import find_aliases
+from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError
+from protocol.state import find_aliases
+from protocol.wire.dtypes import dtype_code, dtype_from_code
 
 MAGIC = b"WSYNCSHM"
 LAYOUT_VERSION = 1

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .errors import LayoutError, ProtocolError
+from protocol.errors import LayoutError, ProtocolError
 
 
 def coo_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:

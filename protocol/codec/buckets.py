@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .compress import Codec
-from .framing import Message, MessageType
-from .state import materialize
-from .tensorcodec import assemble, encode_dense
+from protocol.codec.compress import Codec
+from protocol.codec.tensorcodec import assemble, encode_dense
+from protocol.state import materialize
+from protocol.wire.framing import Message, MessageType
 
 
 def plan_buckets(keys: list[str], nbytes: Callable[[str], int], bucket_size: int) -> list[list[str]]:

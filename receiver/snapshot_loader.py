@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from protocol.checksum import state_digest
-from protocol.cli import report
 from protocol.errors import WeightSyncError
-from protocol.shm import Layout, Region
-from protocol.snapfile import newest_snapshot, read_snapshot
+from protocol.host.cli import report
+from protocol.host.shm import Layout, Region
+from protocol.host.snapfile import newest_snapshot, read_snapshot
+from protocol.wire.checksum import state_digest
 
 log = logging.getLogger(__name__)
 

@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .buffers import Buffer, buffer_tensor, tensor_view
-from .checksum import checksum
-from .compress import Codec, compress, decompress, shuffle, unshuffle
-from .dtypes import UNSIGNED_INDEX_DTYPES, bits_dtype, dtype_code, dtype_from_code, itemsize
-from .errors import ProtocolError
-from .framing import BufferSpec, Encoding, Role, TensorEntry, ValueEncoding
-from .lazy import lazy_module
-from .positions import decode_positions, encode_positions, gaps_of, positions_nbytes
+from protocol.codec.compress import Codec, compress, decompress, shuffle, unshuffle
+from protocol.codec.positions import decode_positions, encode_positions, gaps_of, positions_nbytes
+from protocol.errors import ProtocolError
+from protocol.lazy import lazy_module
+from protocol.wire.buffers import Buffer, buffer_tensor, tensor_view
+from protocol.wire.checksum import checksum
+from protocol.wire.dtypes import UNSIGNED_INDEX_DTYPES, bits_dtype, dtype_code, dtype_from_code, itemsize
+from protocol.wire.framing import BufferSpec, Encoding, Role, TensorEntry, ValueEncoding
 
 if TYPE_CHECKING:
-    from . import entropy, rans
+    from protocol.codec import entropy, rans
 else:  # numba loads on first use (protocol/lazy.py)
-    entropy, rans = lazy_module("protocol.entropy"), lazy_module("protocol.rans")
+    entropy, rans = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.rans")
 
 _POSITION_ROLES = {
     Encoding.DENSE: frozenset(),

@@ -27,14 +27,14 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from .buffers import Buffer
-from .errors import ConfigError, ResyncLimitError, WeightSyncError
-from .framing import Message, MessageType, Stamper, decode_message, error_message
-from .limits import Limits
-from .metadata import ModelMetadata
-from .peers import Peer
-from .router import PeerGone, RouterSocket
-from .security import CurveServer, check_transport
+from protocol.errors import ConfigError, ResyncLimitError, WeightSyncError
+from protocol.net.peers import Peer
+from protocol.net.router import PeerGone, RouterSocket
+from protocol.net.security import CurveServer, check_transport
+from protocol.wire.buffers import Buffer
+from protocol.wire.framing import Message, MessageType, Stamper, decode_message, error_message
+from protocol.wire.limits import Limits
+from protocol.wire.metadata import ModelMetadata
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RingEntry:
 class VersionServer:
     """Serves the versions its subclass provides to any number of receivers.
 
-    ``curve`` (``protocol.security.CurveServer``) encrypts the connection and admits only
+    ``curve`` (``protocol.net.security.CurveServer``) encrypts the connection and admits only
     receivers whose public key it allows; a refused key is logged and counted in
     ``rejected_handshakes``. Without it, binding beyond loopback is a ``ConfigError``
     unless ``insecure_plaintext``.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConfigError, ProtocolError
+from protocol.errors import ConfigError, ProtocolError
 
 _CODES: dict[int, torch.dtype] = {
     1: torch.float32,

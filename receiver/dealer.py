@@ -24,9 +24,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from protocol.buffers import Buffer
-from protocol.limits import DEFAULT_LIMITS, Limits, MessageCounter
-from protocol.security import CurveClient
+from protocol.net.security import CurveClient
+from protocol.wire.buffers import Buffer
+from protocol.wire.limits import DEFAULT_LIMITS, Limits, MessageCounter
 
 log = logging.getLogger(__name__)
 

@@ -33,12 +33,12 @@ from typing import Any
 
 import msgpack
 
-from .buffers import Buffer
-from .checksum import checksum
-from .compress import Codec
-from .dtypes import dtype_from_code
-from .errors import ConfigError, IntegrityError, MetadataMismatchError, ProtocolError, ResyncLimitError, StateError, WeightSyncError
-from .limits import DEFAULT_LIMITS, LimitError, Limits
+from protocol.codec.compress import Codec
+from protocol.errors import ConfigError, IntegrityError, MetadataMismatchError, ProtocolError, ResyncLimitError, StateError, WeightSyncError
+from protocol.wire.buffers import Buffer
+from protocol.wire.checksum import checksum
+from protocol.wire.dtypes import dtype_from_code
+from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits
 
 PROTOCOL_VERSION = 1
 MAX_DIMS = 8
@@ -67,7 +67,7 @@ class Encoding(IntEnum):
     COO_DELTA = 2  # the seed's delta-encoded rows and cols
     GAPS = 3  # flat-index gaps (zero-run lengths between changes)
     BITMAP = 4  # one bit per element
-    ANS_GAPS = 5  # gaps, entropy coded (protocol/entropy.py)
+    ANS_GAPS = 5  # gaps, entropy coded (protocol/codec/entropy.py)
 
 
 class ValueEncoding(IntEnum):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, ProtocolError
-from .shm import Layout
+from protocol.errors import ConfigError, ProtocolError
+from protocol.host.shm import Layout
 
 SNAPSHOT = re.compile(r"^step_(\d+)\.safetensors$")
 FORMAT = "weightsync-snapshot-1"

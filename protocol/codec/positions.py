@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .coo import coo_shape, delta_decode, delta_encode, split_rows_cols
-from .dtypes import smallest_unsigned
-from .errors import ProtocolError
-from .framing import Encoding, Role
-from .lazy import lazy_module
+from protocol.codec.coo import coo_shape, delta_decode, delta_encode, split_rows_cols
+from protocol.errors import ProtocolError
+from protocol.lazy import lazy_module
+from protocol.wire.dtypes import smallest_unsigned
+from protocol.wire.framing import Encoding, Role
 
 if TYPE_CHECKING:
-    from . import entropy
+    from protocol.codec import entropy
 else:  # numba loads on first use (protocol/lazy.py)
-    entropy = lazy_module("protocol.entropy")
+    entropy = lazy_module("protocol.codec.entropy")
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 

@@ -26,9 +26,9 @@ import numba
 import numpy as np
 import torch
 
-from . import rans
-from .dtypes import bits_dtype
-from .errors import ProtocolError
+from protocol.codec import rans
+from protocol.errors import ProtocolError
+from protocol.wire.dtypes import bits_dtype
 
 HIGH_SYMBOLS = 64  # gap high parts 0..62, 63 = escape
 ESCAPE = HIGH_SYMBOLS - 1

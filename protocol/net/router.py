@@ -5,7 +5,7 @@ the message and retries later), and a peer that is gone raises ``PeerGone``
 (ROUTER_MANDATORY turns silent drops into errors).
 
 With ``curve`` the socket is a CURVE server: traffic is encrypted and only receivers
-whose public key is in the allowlist complete the handshake (``protocol/zap.py`` decides
+whose public key is in the allowlist complete the handshake (``protocol/net/zap.py`` decides
 and logs each refused key). Inbound messages are bounded by ``limits``: ZeroMQ drops a
 connection that sends a frame over ``MAXMSGSIZE``, and ``recv`` discards (and logs) a
 message over its frame count or byte total without keeping its parts.
@@ -22,10 +22,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import zap
-from .buffers import Buffer
-from .limits import DEFAULT_LIMITS, LimitError, Limits, read_bounded
-from .security import CurveServer
+from protocol.net import zap
+from protocol.net.security import CurveServer
+from protocol.wire.buffers import Buffer
+from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits, read_bounded
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import lz4.block
 import torch
 import zstandard
 
-from .buffers import Buffer, buffer_tensor, tensor_view
-from .errors import ConfigError, IntegrityError, ProtocolError
+from protocol.errors import ConfigError, IntegrityError, ProtocolError
+from protocol.wire.buffers import Buffer, buffer_tensor, tensor_view
 
 
 class Codec(IntEnum):
@@ -55,7 +55,7 @@ def parse_compression(name: str, transport_device: str = "cpu") -> Codec:
                 f"compression 'nvcomp_lz4' compresses on the GPU and needs transport_device: cuda, "
                 f"got transport_device: {transport_device}"
             )
-        from . import nvcomp
+        from protocol.codec import nvcomp
 
         nvcomp.require()
     return codec
@@ -147,7 +147,7 @@ class _Zstd:
 
 def _compressor(codec: Codec) -> _Compressor:
     if codec is Codec.NVCOMP_LZ4:
-        from . import nvcomp
+        from protocol.codec import nvcomp
 
         return nvcomp.Lz4Compressor()
     return _CPU[codec]

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from .errors import ProtocolError
+from protocol.errors import ProtocolError
 
 MiB = 1 << 20
-MAX_BUFFERS_PER_TENSOR = 9  # one per Role (protocol/framing.py)
+MAX_BUFFERS_PER_TENSOR = 9  # one per Role (protocol/wire/framing.py)
 WIDEST_ITEMSIZE = 8  # a frame may carry a tensor at a wider dtype than the receiver's (bucket_dtype)
 TABLE_MARGIN = 64 << 10  # per tensor: entropy-coder tables and compressor overhead
 

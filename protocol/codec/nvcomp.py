@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .buffers import Buffer, buffer_tensor
-from .errors import ConfigError, IntegrityError
+from protocol.errors import ConfigError, IntegrityError
+from protocol.wire.buffers import Buffer, buffer_tensor
 
 
 def require() -> Any:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import zmq
 
-from .errors import ConfigError
+from protocol.errors import ConfigError
 
 KEY_CHARS = 40  # Z85 of a 32-byte Curve25519 key
 _Z85 = re.compile(rb"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")

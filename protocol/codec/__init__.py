@@ -1,0 +1,3 @@
+"""Tensor codecs: a tensor's changes (positions, values) to wire buffers and back, the
+entropy coder, compressors, and the bucketing of whole tensors. No sockets and no event
+loop (tests/test_layering.py keeps it so)."""
