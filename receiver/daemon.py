@@ -11,7 +11,7 @@ state digest, so a script can check it against the trainer's).
 ``ipc_snapshot`` reloads the trainer's ``step_<version>.safetensors`` files from ``--watch``.
 
 ``--control HOST:PORT`` serves the control API (pause, resume, sleep, wakeup,
-update_weights; see the README); ``python -m receiver ctl --help`` calls it. Off
+update_weights; see docs/control-api.md); ``python -m receiver ctl --help`` calls it. Off
 loopback it needs ``--control-token`` (or ``$WEIGHTSYNC_CONTROL_TOKEN``).
 
 Between hosts, use CURVE: ``--curve-secret`` (this receiver's ``.key_secret``, made by

@@ -29,7 +29,7 @@ def _one_torch_thread() -> Iterator[None]:
 # Fault tests record what they measured (versions published and applied, resyncs, integrity
 # errors caught, reconnects, digests equal) through the ``reliability`` fixture. The figures
 # are printed in the terminal summary and merged into tests/.reliability.json (gitignored),
-# keyed by test id, which the README's reliability table is made from.
+# keyed by test id, which docs/reliability.md's table is made from.
 RELIABILITY_FILE = Path(__file__).resolve().parent / ".reliability.json"
 _FIGURES: dict[str, dict[str, Any]] = {}
 

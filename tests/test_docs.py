@@ -1,10 +1,10 @@
-"""The README's configuration reference covers every knob the code has.
+"""The docs say what the code does: the configuration reference covers every knob, and
+every link between the pages resolves.
 
 Walks the config dataclasses, the ``Sender`` / ``Receiver`` signatures and the CLI
 parsers (``python -m sender``, ``python -m sender keygen``, ``python -m receiver``,
 ``python -m receiver ctl``) and fails when one of their keys, keyword arguments or flags
-is missing from its table under "Configuration reference" in README.md, or documents
-another default. Nothing is listed by hand: a new field, argument or flag must be
+is missing from its table in docs/configuration.md, or documents another default. Nothing is listed by hand: a new field, argument or flag must be
 documented to pass.
 """
 
@@ -24,10 +24,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "configuration.md"
 REFERENCE = "Configuration reference"
 
 
-# -- the README's reference tables -------------------------------------------------------------
+# -- the the reference's reference tables -------------------------------------------------------------
 def sections(text: str) -> dict[str, str]:
     """Body of every heading, keyed by its title (without '#' and backticks), up to the
     next heading of the same or a higher level. Headings inside code blocks don't count."""
@@ -62,15 +63,15 @@ def rows(body: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
-    found = sections(README.read_text())
-    assert REFERENCE in found, f"README.md has no '## {REFERENCE}' section"
+    found = sections(PAGE.read_text())
+    assert REFERENCE in found, f"docs/configuration.md has no '# {REFERENCE}' section"
     return found
 
 
 def table(reference: dict[str, str], title: str) -> list[list[str]]:
-    assert title in reference, f"README.md lacks the '### {title}' table under '{REFERENCE}'"
+    assert title in reference, f"docs/configuration.md lacks the '## {title}' table"
     got = rows(reference[title])
-    assert got, f"README.md '### {title}' has no table"
+    assert got, f"docs/configuration.md '## {title}' has no table"
     return got
 
 
@@ -108,11 +109,11 @@ def test_every_config_key_is_documented(reference: dict[str, str]) -> None:
     keys = list(config_keys())
     assert len(keys) > 10, keys  # the walk found the nested dataclasses
     missing = [k for k, _ in keys if k not in documented]
-    assert not missing, f"config keys missing from README's 'YAML keys' table: {missing}"
+    assert not missing, f"config keys missing from the reference's 'YAML keys' table: {missing}"
     wrong = [
         (k, yaml_form(v), documented[k][1]) for k, v in keys if f"`{yaml_form(v)}`" not in documented[k][1]
     ]
-    assert not wrong, f"README's 'YAML keys' table documents other defaults (key, code default, README cell): {wrong}"
+    assert not wrong, f"the reference's 'YAML keys' table documents other defaults (key, code default, reference cell): {wrong}"
 
 
 # -- constructor arguments -----------------------------------------------------------------------
@@ -133,14 +134,14 @@ def test_every_constructor_argument_is_documented(reference: dict[str, str], nam
     assert params
     documented = {span: cells for cells in table(reference, f"{name}(...)") for span in code_spans(cells[0])}
     missing = [p.name for p in params if p.name not in documented]
-    assert not missing, f"{name}(...) arguments missing from README's '{name}(...)' table: {missing}"
+    assert not missing, f"{name}(...) arguments missing from the reference's '{name}(...)' table: {missing}"
     wrong = []
     for p in params:
         cell = documented[p.name][1]
         expected = "required" if p.default is p.empty else f"`{python_form(p.default)}`"
         if expected not in cell:
             wrong.append((p.name, expected, cell))
-    assert not wrong, f"README's '{name}(...)' table documents other defaults (argument, expected, README cell): {wrong}"
+    assert not wrong, f"the reference's '{name}(...)' table documents other defaults (argument, expected, reference cell): {wrong}"
 
 
 # -- CLI flags ---------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def help_flags(argv: list[str]) -> set[str]:
 
 
 def cli_parsers() -> dict[str, tuple[Callable[[], Any], list[str]]]:
-    """README table title -> (a call that builds and parses, the module argv for --help)."""
+    """Reference table title -> (a call that builds and parses, the module argv for --help)."""
 
     def sender_main() -> None:
         from sender import __main__ as m
@@ -223,17 +224,17 @@ def test_every_cli_flag_is_documented(reference: dict[str, str], title: str, mon
     parser = capture_parser(build)
     if parser is None:  # the module no longer builds its parser where this test looks: ask --help
         missing = sorted(help_flags(argv) - documented.keys())
-        assert not missing, f"{title} flags missing from README's '{title}' table: {missing}"
+        assert not missing, f"{title} flags missing from the reference's '{title}' table: {missing}"
         return
     actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
     options = [a for a in actions if a.option_strings]
     assert options
     missing = [a.option_strings[-1] for a in options if not any(s in documented for s in a.option_strings)]
-    assert not missing, f"{title} flags missing from README's '{title}' table: {missing}"
+    assert not missing, f"{title} flags missing from the reference's '{title}' table: {missing}"
     body = reference[title]
     for positional in (a for a in actions if not a.option_strings):  # subcommands: each choice named
         absent = [c for c in positional.choices or () if f"`{c}`" not in body]
-        assert not absent, f"{title}: {positional.dest} choices missing from README: {absent}"
+        assert not absent, f"{title}: {positional.dest} choices missing from the reference: {absent}"
     wrong = []
     for a in options:
         cells = next(documented[s] for s in a.option_strings if s in documented)
@@ -247,7 +248,7 @@ def test_every_cli_flag_is_documented(reference: dict[str, str], title: str, mon
             expected = f"`{a.default}`"
         if expected not in cells[1]:
             wrong.append((a.option_strings[-1], expected, cells[1]))
-    assert not wrong, f"README's '{title}' table documents other defaults (flag, expected, README cell): {wrong}"
+    assert not wrong, f"the reference's '{title}' table documents other defaults (flag, expected, reference cell): {wrong}"
 
 
 # -- the test's own parsing ------------------------------------------------------------------
@@ -259,3 +260,38 @@ def test_reference_parsing_finds_tables() -> None:
     assert flags_of(rows(found["T"])[0]) == ["--x"]
     parser = capture_parser(lambda: argparse.ArgumentParser(prog="x").parse_args(["--nope"]))
     assert parser is not None and parser.prog == "x"
+
+
+# -- the pages and their links ----------------------------------------------------------------
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a page's headings (outside code blocks)."""
+    out, fenced = set(), False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^#{1,6}\s+(.*?)\s*$", line)):
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower().replace("`", "")).replace(" ", "-"))
+    return out
+
+
+def test_the_front_page_gives_the_two_commands() -> None:
+    quick = sections(README.read_text())["Quick start"]
+    assert "make demo" in quick and "make test" in quick
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_link_between_pages_resolves(page: Path) -> None:
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"^[a-z]+:", target):
+            continue  # http(s), mailto
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor}")
+    assert not broken, broken
