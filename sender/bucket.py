@@ -34,6 +34,18 @@ class BucketBuilder:
         self.device = None if config.bucket_device == "auto" else torch.device(config.bucket_device)
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("bucket_device: cuda, but torch sees no CUDA device (use cpu or auto)")
+        self.retained: dict[str, torch.Tensor] = {}  # the current version (``hold``)
+
+    async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep ``tensors``' version (``retain``): resyncs are built from it."""
+        self.retained = await asyncio.to_thread(self.retain, tensors)
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """The tracked tensors of the current version, as retained."""
+        return self.retained
+
+    async def settled(self) -> None:
+        """The retained copy is always whole."""
 
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype

@@ -21,7 +21,7 @@ from protocol.wire.dtypes import bits_dtype
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
 
 from .base import Send, SenderBase
-from .plan import Source, SyncPlan
+from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
 
@@ -76,12 +76,17 @@ class PatchBuilder:
         fastdiff.warm_up({(tensors[k].dtype, self.plan.receiver_dtype(k)) for k in self.plan.tracked})
         entropy.warm_up()
 
-    async def source(self, tensors: dict[str, torch.Tensor]) -> Source:
-        """Tensors for a bootstrap at the snapshot's version: tracked keys from the
-        snapshot, frozen ones from the model."""
+    async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Start holding the version in ``tensors`` (the first receiver's dtypes are known)."""
+        await asyncio.to_thread(self.capture, tensors)
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """The tracked tensors of the current version at rest (after ``settled``)."""
+        return self.snapshot.tensors
+
+    async def settled(self) -> None:
+        """Until ``held`` is the current version: the snapshot's write-back is done."""
         await self.snapshot.wait_writeback()
-        snap = self.snapshot.tensors
-        return lambda key: snap[key] if key in snap else tensors[key]
 
     async def build(self, tensors: dict[str, torch.Tensor], version: int, base: int | None) -> tuple[Message, SyncStats]:
         """The PATCH from ``base`` to ``version``; advances the snapshot to ``version``."""

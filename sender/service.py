@@ -89,7 +89,6 @@ class Sender(VersionServer):
         self._state: ModelState | None = None
         self._plan: SyncPlan | None = None
         self._builder: PatchBuilder | BucketBuilder | None = None
-        self._retained: dict[str, torch.Tensor] | None = None  # bucket mode: the current version
         self._held: dict[str, torch.Tensor] | None = None  # the current version, before any receiver
         self._encoding: asyncio.Task[None] | None = None  # the newest patch being encoded
 
@@ -141,15 +140,15 @@ class Sender(VersionServer):
         if builder is None:  # no receiver yet: nothing to diff against, only the version moves
             self._hold(tensors)
             return SyncStats(version, self.strategy)
-        if isinstance(builder, PatchBuilder):
+        if isinstance(builder, PatchBuilder):  # encoded in the background, in version order
             changes, stats = await builder.collect(tensors, version)
             base, previous = self.version, self._encoding
             self._pending_bases.add(base)
-            self._encoding = self._spawn(self._encode(previous, changes, version, base, stats), f"encode-v{version}")
+            self._encoding = self._spawn(self._encode(builder, previous, changes, version, base, stats), f"encode-v{version}")
             return stats
         started = time.perf_counter()
-        self._retained = await asyncio.to_thread(builder.retain, tensors)
-        messages, stats = builder.build(self._retained, version, copy=False)
+        await builder.hold(tensors)
+        messages, stats = builder.build(builder.held(), version, copy=False)
         frames_list = [self.stamp(m) for m in await asyncio.to_thread(list, messages)]
         self._set_bucket(version, frames_list)
         stats.messages, stats.wire_bytes = len(frames_list), sum(len(f) for fr in frames_list for f in fr)
@@ -157,13 +156,13 @@ class Sender(VersionServer):
         return stats
 
     async def _encode(
-        self, previous: asyncio.Task[None] | None, changes: list[Changes], version: int, base: int | None, stats: SyncStats
+        self, builder: PatchBuilder, previous: asyncio.Task[None] | None, changes: list[Changes], version: int, base: int | None,
+        stats: SyncStats,
     ) -> None:
         """Encode a collected version into the ring, after the versions before it."""
         if previous is not None:
             await previous
-        assert isinstance(self._builder, PatchBuilder)
-        msg = await self._builder.encode(changes, version, base, stats)
+        msg = await builder.encode(changes, version, base, stats)
         frames = self.stamp(msg)
         stats.messages, stats.wire_bytes = 1, sum(len(f) for f in frames)
         self._add_patch(base, version, frames)
@@ -192,22 +191,18 @@ class Sender(VersionServer):
     def _source(self) -> Source:
         """Tensors of the current version at rest: the snapshot or retained copy for
         tracked keys, the model for frozen ones (which training does not change)."""
-        assert self._state is not None
+        assert self._state is not None and self._builder is not None
         model = resolve_state(self._model).tensors if self._model is not None else self._state.tensors
-        if isinstance(self._builder, PatchBuilder):
-            held = self._builder.snapshot.tensors
-        else:
-            held = self._retained or {}
+        held = self._builder.held()
         return lambda key: held[key] if key in held else model[key]
 
     # -- what the server asks ---------------------------------------------------------
     async def _bootstrap(self) -> list[Message]:
         """The init-sync keys, plus every tracked key once the trainer has moved past its
         initial weights."""
-        plan = self._plan
-        assert plan is not None
-        if isinstance(self._builder, PatchBuilder):
-            await self._builder.snapshot.wait_writeback()
+        plan, builder = self._plan, self._builder
+        assert plan is not None and builder is not None
+        await builder.settled()
         keys = plan.bootstrap_keys() if plan.init_sync.enabled else []
         if self.version is not None:
             keys = [k for k in plan.state.tensors if k in set(keys) | set(plan.tracked)]
@@ -215,10 +210,9 @@ class Sender(VersionServer):
         return await asyncio.to_thread(list, messages)
 
     async def _compute_digest(self) -> str:
-        plan = self._plan
-        assert plan is not None
-        if isinstance(self._builder, PatchBuilder):
-            await self._builder.snapshot.wait_writeback()
+        plan, builder = self._plan, self._builder
+        assert plan is not None and builder is not None
+        await builder.settled()
         source, aliases = self._source(), plan.state.aliases
 
         def compute() -> str:
@@ -244,12 +238,8 @@ class Sender(VersionServer):
             builder: PatchBuilder | BucketBuilder
             held = self._held
             assert held is not None
-            if self.strategy == "patch":
-                builder = PatchBuilder(plan, self.config.patch)
-                await asyncio.to_thread(builder.capture, held)
-            else:
-                builder = BucketBuilder(plan, self.config.bucket)
-                self._retained = await asyncio.to_thread(builder.retain, held)
+            builder = PatchBuilder(plan, self.config.patch) if self.strategy == "patch" else BucketBuilder(plan, self.config.bucket)
+            await builder.hold(held)
             self._plan, self._builder = plan, builder
             self._held = None  # the snapshot (or retained copy) holds the version from now on
             return

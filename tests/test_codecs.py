@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.codec.compress import Codec, compress, decompress, parse_compression, shuffle, unshuffle
-from protocol.codec.coo import as_2d, coo_shape, delta_decode, delta_encode, split_rows_cols
+from protocol.codec.coo import coo_shape, delta_decode, delta_encode, split_rows_cols
 from protocol.codec.positions import decode_positions, downscale, encode_positions
 from protocol.codec.tensorcodec import ZSTD_MIN_BYTES, DecodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_buffer
-from protocol.errors import ConfigError, LayoutError, ProtocolError, WeightSyncError
+from protocol.errors import ConfigError, ProtocolError
 from protocol.wire.dtypes import bits_dtype, dtype_code, itemsize, smallest_unsigned
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
 
@@ -255,29 +255,6 @@ def test_coo_shape(shape, expected):
     assert coo_shape(shape) == expected
     assert coo_shape(torch.Size(shape)) == expected
 
-
-@pytest.mark.parametrize("shape", [(), (7,), (3, 4), (2, 3, 4, 5)])
-def test_as_2d_is_a_view(shape):
-    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-    v = as_2d(t)
-    assert tuple(v.shape) == coo_shape(shape)
-    v.view(-1)[-1] = -5.0  # writes through: a view, not a copy
-    assert t.reshape(-1)[-1].item() == -5.0
-    assert v.data_ptr() == t.data_ptr()
-
-
-def test_as_2d_rejects_a_non_viewable_tensor():
-    t = torch.zeros(2, 3, 4).transpose(1, 2)  # shape (2, 4, 3), trailing dims not flattenable
-    with pytest.raises(LayoutError) as err:
-        as_2d(t)
-    assert "(2, 4, 3)" in str(err.value)
-    assert isinstance(err.value, WeightSyncError)
-
-
-def test_as_2d_accepts_strided_views_that_flatten():
-    t = torch.zeros(4, 6)[::2]  # non-contiguous rows, contiguous within a row
-    assert tuple(as_2d(t).shape) == (2, 6)
-    assert tuple(as_2d(torch.zeros(10)[::3]).shape) == (1, 4)
 
 
 def test_delta_encoding_hand_worked_example():

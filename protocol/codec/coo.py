@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from protocol.errors import LayoutError, ProtocolError
+from protocol.errors import ProtocolError
 
 
 def coo_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
@@ -24,17 +24,6 @@ def coo_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
     if len(shape) == 1:
         return (1, shape[0])
     return (shape[0], math.prod(shape[1:]))
-
-
-def as_2d(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D view of ``t`` (never a copy); ``LayoutError`` when the trailing dims cannot be flattened."""
-    try:
-        return t.view(coo_shape(t.shape))
-    except RuntimeError as e:
-        raise LayoutError(
-            f"tensor of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
-            f"{coo_shape(t.shape)} without a copy: {e}"
-        ) from None
 
 
 def split_rows_cols(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
