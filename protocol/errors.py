@@ -6,10 +6,17 @@ for what they can act on: a bad message (``ProtocolError``), corrupted bytes
 an update that does not apply on top of the current version
 (``StaleVersionError``), a setting that cannot work here (``ConfigError``; an engine
 whose loader transforms a tensor: ``PlacementError``), or a
-receiver that kept refusing its resyncs and was given up on (``ResyncLimitError``).
+receiver that kept refusing its resyncs and was given up on (``ResyncLimitError``), or a
+wait that ran out of time (``WeightSyncTimeout``, which is also a ``TimeoutError``).
+
+Errors travel by ``code``: the ERROR message a server sends a receiver and the sidecar
+hand-off's error reply carry ``error_code(err)``; the side that reads one raises
+``error_from_code(code, message)``. ``WIRE_CODES`` is the one table of both directions.
 """
 
 from __future__ import annotations
+
+import sys
 
 
 class WeightSyncError(Exception):
@@ -68,3 +75,53 @@ class ResyncLimitError(WeightSyncError):
     server stopped serving it rather than send whole models forever. Something on that
     receiver's side (its limits, its wire, a version it holds that the server has not)
     needs a look: reconnecting would only start the same run again."""
+
+
+if sys.version_info >= (3, 11):
+
+    class WeightSyncTimeout(WeightSyncError, TimeoutError):
+        """A public call ran out of time (a wait for a version, an answer, a handshake).
+        Also a ``TimeoutError`` (since Python 3.11, ``asyncio.TimeoutError`` too), so
+        ``except TimeoutError`` catches it."""
+
+else:  # Python 3.10: asyncio's and concurrent.futures' TimeoutError are other classes
+    import asyncio
+    import concurrent.futures
+
+    class WeightSyncTimeout(WeightSyncError, TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError):
+        """A public call ran out of time (a wait for a version, an answer, a handshake).
+        Also a ``TimeoutError``, ``asyncio.TimeoutError`` and ``concurrent.futures.TimeoutError``."""
+
+
+# -- on the wire --------------------------------------------------------------------------
+# The ``code`` of an ERROR message's body and of a sidecar hand-off error reply. The most
+# specific class listed wins (a PlacementError travels as "config"); an error of no class
+# here travels as GENERIC_CODE and is read back as a plain WeightSyncError. These strings
+# are on the wire: never rename one.
+WIRE_CODES: dict[type[WeightSyncError], str] = {
+    MetadataMismatchError: "metadata_mismatch",
+    StaleVersionError: "stale_version",
+    SharedMemoryError: "shared_memory",
+    ConfigError: "config",
+    ProtocolError: "protocol",
+    ResyncLimitError: "resync_limit",
+    StateError: "state",
+}
+GENERIC_CODE = "error"
+UNKNOWN_PEER = "unknown_peer"  # a server's ERROR to a receiver it has no HELLO from: say HELLO
+_BY_CODE = {code: cls for cls, code in WIRE_CODES.items()}
+
+
+def error_code(error: BaseException) -> str:
+    """The wire code of ``error``: that of the most specific class of it in ``WIRE_CODES``."""
+    for cls in type(error).__mro__:
+        code = WIRE_CODES.get(cls)
+        if code is not None:
+            return code
+    return GENERIC_CODE
+
+
+def error_from_code(code: object, message: str) -> WeightSyncError:
+    """The error a peer reported under ``code`` (an unknown or missing one: ``WeightSyncError``).
+    A ``StaleVersionError`` read back has no ``current``/``got``: they do not travel."""
+    return _BY_CODE.get(str(code), WeightSyncError)(message)  # StaleVersionError's other arguments are keywords

@@ -18,15 +18,7 @@ import torch
 from protocol.codec.parallel import map_ordered
 from protocol.codec.tensorcodec import decode_entry
 from protocol.config import SyncConfig, load_config
-from protocol.errors import (
-    ConfigError,
-    MetadataMismatchError,
-    ProtocolError,
-    ResyncLimitError,
-    StaleVersionError,
-    StateError,
-    WeightSyncError,
-)
+from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError, error_from_code
 from protocol.state import StateLike, find_aliases, resolve_state
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
@@ -39,15 +31,6 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[Sequence[Buffer]], Awaitable[Any]]
 Recv = Callable[[], Awaitable[Sequence[Buffer]]]
-
-_ERRORS: dict[str, type[WeightSyncError]] = {
-    "metadata_mismatch": MetadataMismatchError,
-    "protocol": ProtocolError,
-    "config": ConfigError,
-    "resync_limit": ResyncLimitError,
-    "state": StateError,
-}
-
 
 @dataclass
 class PendingVersion:
@@ -354,7 +337,7 @@ class ReceiverBase:
         msg = await asyncio.to_thread(decode_message, frames)
         if msg.type is MessageType.ERROR:
             code, text = msg.body.get("code"), msg.body.get("message")
-            raise _ERRORS.get(str(code), WeightSyncError)(f"sender reported: {text}")
+            raise error_from_code(code, f"sender reported: {text}")
         if self.session is not None and msg.session != self.session:
             raise ProtocolError(f"{msg.describe()}: from session {msg.session[:8]}, expected {self.session[:8]}")
         return msg

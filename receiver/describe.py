@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import zmq.asyncio
 
-from protocol.errors import ProtocolError, WeightSyncError
+from protocol.errors import ProtocolError, WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, check_transport
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message
 from protocol.wire.metadata import ModelMetadata
@@ -34,7 +34,7 @@ async def ask_metadata(
 
     Upstreams are tried in turn until ``timeout`` runs out, each given an equal share
     of it; one that has no model yet answers None, and the next is asked.
-    ``asyncio.TimeoutError`` when none answered with metadata."""
+    ``WeightSyncTimeout`` (a ``TimeoutError``) when none answered with metadata."""
     upstreams = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     if not upstreams:
         raise WeightSyncError("no upstream endpoint to ask")
@@ -59,7 +59,7 @@ async def ask_metadata(
             if loop.time() >= deadline:
                 break
         await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
-    raise asyncio.TimeoutError(f"no upstream described its model within {timeout}s ({'; '.join(errors[-len(upstreams):])})")
+    raise WeightSyncTimeout(f"no upstream described its model within {timeout}s ({'; '.join(errors[-len(upstreams):])})")
 
 
 async def _ask(sock: DealerSocket) -> ModelMetadata | None:

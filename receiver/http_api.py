@@ -89,6 +89,12 @@ def status_of(error: BaseException) -> int:
     return 400 if isinstance(error, ConfigError) else 500
 
 
+def error_type(error: BaseException) -> str:
+    """The body's ``error_type``: the exception's class, and ``TimeoutError`` for every
+    timeout (``WeightSyncTimeout`` included: clients match on the name)."""
+    return "TimeoutError" if isinstance(error, (TimeoutError, asyncio.TimeoutError)) else type(error).__name__
+
+
 def control_response(
     status: int = 200, result: Any = None, *, error: str | None = None, error_type: str | None = None,
     ignored: Iterable[str] = (),
@@ -124,7 +130,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception as e:
         if not isinstance(e, (WeightSyncError, TimeoutError, asyncio.TimeoutError)):
             log.exception("control call %s %s failed", request.method, request.path)
-        return failure(status_of(e), type(e).__name__, str(e) or type(e).__name__)
+        return failure(status_of(e), error_type(e), str(e) or type(e).__name__)
 
 
 def bearer_auth(token: str) -> Any:

@@ -33,13 +33,17 @@ import zmq.asyncio
 
 from protocol.config import SyncConfig, load_config
 from protocol.errors import (
+    UNKNOWN_PEER,
+    WIRE_CODES,
     ConfigError,
     IntegrityError,
     MetadataMismatchError,
     ProtocolError,
     ResyncLimitError,
     StaleVersionError,
+    StateError,
     WeightSyncError,
+    WeightSyncTimeout,
 )
 from protocol.net.security import CurveClient, CurveServer, check_transport
 from protocol.state import Placed, StateLike, resolve_state
@@ -213,7 +217,7 @@ class Receiver:
             await self._control_server.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"weightsync-receiver-{self.identity}")
         self._task.add_done_callback(self._run_done)
-        await self._wait(lambda: self._ready.is_set(), timeout)
+        await self._wait(lambda: self._ready.is_set(), timeout, what="the first handshake")
         if self.relay is not None:
             self.relay.start()
             log.info("receiver %s relays at %s", self.identity, self.relay.endpoint)
@@ -240,7 +244,7 @@ class Receiver:
 
     async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Wait until ``version`` (or a later one) is applied; returns the applied version."""
-        await self._wait(lambda: self.version is not None and self.version >= version, timeout)
+        await self._wait(lambda: self.version is not None and self.version >= version, timeout, what=f"v{version}")
         assert self.version is not None
         return self.version
 
@@ -420,7 +424,7 @@ class Receiver:
             try:
                 return await asyncio.wait_for(reply, left)
             except asyncio.TimeoutError:
-                raise asyncio.TimeoutError(f"the sender at {self.endpoint} did not answer within {timeout}s") from None
+                raise WeightSyncTimeout(f"the sender at {self.endpoint} did not answer within {timeout}s") from None
         finally:
             self._queries.pop(nonce, None)
 
@@ -467,9 +471,7 @@ class Receiver:
             try:
                 await asyncio.wait_for(self._changed.wait_for(check), timeout)
             except asyncio.TimeoutError:
-                if not what:
-                    raise
-                raise asyncio.TimeoutError(f"timed out after {timeout:.3g}s waiting for {what} (at v{self.version})") from None
+                raise WeightSyncTimeout(f"timed out after {timeout:.3g}s waiting for {what or 'the receiver'} (at v{self.version})") from None
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -558,9 +560,9 @@ class Receiver:
                 welcomed = welcomed or kind is MessageType.WELCOME
                 if kind is MessageType.BYE:
                     inbox.put_nowait(_Reconnect("the sender said goodbye"))
-                elif kind is MessageType.ERROR and _error_code(frames) == "unknown_peer":
+                elif kind is MessageType.ERROR and _error_code(frames) == UNKNOWN_PEER:
                     inbox.put_nowait(_Reconnect("the sender does not know this receiver (restarted?)"))
-                elif kind is MessageType.ERROR and _error_code(frames) == "state":  # e.g. a relay asleep
+                elif kind is MessageType.ERROR and _error_code(frames) == WIRE_CODES[StateError]:  # e.g. a relay asleep
                     inbox.put_nowait(_Reconnect(f"the upstream cannot serve this receiver now: {_error_text(frames)}"))
                 else:
                     inbox.put_nowait(frames)
@@ -679,7 +681,7 @@ class Receiver:
             if not done and self._at_gate:  # a held resync, staged: it waits for update_weights as long as it takes
                 done, _ = await asyncio.wait({handshake})
             if not done:
-                raise asyncio.TimeoutError(f"no complete handshake from the sender within {self.peer_timeout + 60.0:.3g}s")
+                raise WeightSyncTimeout(f"no complete handshake from the sender within {self.peer_timeout + 60.0:.3g}s")
             version = handshake.result()
         except MetadataMismatchError as e:
             if self._names is None:

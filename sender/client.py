@@ -33,7 +33,16 @@ from typing import Any
 import msgpack
 import zmq
 
-from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, WeightSyncError
+from protocol.errors import (
+    ConfigError,
+    ProtocolError,
+    SharedMemoryError,
+    StaleVersionError,
+    WeightSyncError,
+    WeightSyncTimeout,
+    error_code,
+    error_from_code,
+)
 from protocol.host.shm import Layout, Region
 from protocol.host.snapfile import write_snapshot
 from protocol.state import StateLike, materialize, resolve_state
@@ -41,16 +50,6 @@ from protocol.state import StateLike, materialize, resolve_state
 __all__ = ["SidecarClient", "write_snapshot"]
 
 log = logging.getLogger(__name__)
-
-ERROR_CODES: dict[type[WeightSyncError], str] = {
-    MetadataMismatchError: "metadata_mismatch",
-    StaleVersionError: "stale_version",
-    SharedMemoryError: "shared_memory",
-    ConfigError: "config",
-    ProtocolError: "protocol",
-}
-_BY_CODE = {code: cls for cls, code in ERROR_CODES.items()}
-
 
 def encode(op: str, **fields: Any) -> bytes:
     return msgpack.packb({"op": op, **fields})
@@ -68,8 +67,7 @@ def decode(frame: bytes) -> dict[str, Any]:
 
 
 def error_reply(version: int, error: WeightSyncError) -> bytes:
-    code = next((c for cls, c in ERROR_CODES.items() if isinstance(error, cls)), "error")
-    return encode("error", version=version, code=code, message=str(error))
+    return encode("error", version=version, code=error_code(error), message=str(error))
 
 
 class SidecarClient:
@@ -109,7 +107,7 @@ class SidecarClient:
         the region, and returns: the trainer may change the model right away. Raises
         ``MetadataMismatchError`` if the state no longer matches the region (names,
         shapes, dtypes), ``StaleVersionError`` if ``version`` does not increase, and
-        ``TimeoutError`` if the sidecar does not answer within ``timeout``.
+        ``WeightSyncTimeout`` (a ``TimeoutError``) if the sidecar does not answer within ``timeout``.
         """
         if self._closed:
             raise WeightSyncError("client is closed")
@@ -140,7 +138,7 @@ class SidecarClient:
                 self._on_reply(decode(self._socket.recv()))
                 continue
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the sender sidecar at {self.handoff} did not collect v{self._pending} within {timeout}s")
+                raise WeightSyncTimeout(f"the sender sidecar at {self.handoff} did not collect v{self._pending} within {timeout}s")
             self._send()  # lost, or the sidecar restarted: ask again (repeats are harmless)
 
     def close(self, timeout: float | None = None, *, wait: bool = True) -> None:
@@ -179,7 +177,6 @@ class SidecarClient:
             self.sidecar_session = msg.get("session")
         elif msg["op"] == "error":
             self._pending = None
-            cls = _BY_CODE.get(str(msg.get("code")), WeightSyncError)
-            raise cls(f"sender sidecar: {msg.get('message')}")
+            raise error_from_code(msg.get("code"), f"sender sidecar: {msg.get('message')}")
         else:
             raise ProtocolError(f"unexpected hand-off reply {msg['op']!r}")

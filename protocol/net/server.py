@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from protocol.errors import ConfigError, ResyncLimitError, WeightSyncError
+from protocol.errors import UNKNOWN_PEER, ConfigError, ResyncLimitError, WeightSyncError, WeightSyncTimeout
 from protocol.net.peers import Peer
 from protocol.net.router import PeerGone, RouterSocket
 from protocol.net.security import CurveServer, check_transport
@@ -174,12 +174,18 @@ class VersionServer:
             return all(p.acked is not None and p.acked >= version for p in self._peers.values())
 
         async with self._acked:
-            await asyncio.wait_for(self._acked.wait_for(done), timeout)
+            try:
+                await asyncio.wait_for(self._acked.wait_for(done), timeout)
+            except asyncio.TimeoutError:
+                raise WeightSyncTimeout(f"timed out after {timeout:.3g}s waiting for every receiver to apply v{version}") from None
 
     async def wait_for_receivers(self, count: int, timeout: float | None = None) -> None:
         """Wait until at least ``count`` receivers are connected."""
         async with self._acked:
-            await asyncio.wait_for(self._acked.wait_for(lambda: self._check_running() or len(self._peers) >= count), timeout)
+            try:
+                await asyncio.wait_for(self._acked.wait_for(lambda: self._check_running() or len(self._peers) >= count), timeout)
+            except asyncio.TimeoutError:
+                raise WeightSyncTimeout(f"timed out after {timeout:.3g}s waiting for {count} receivers ({len(self._peers)} connected)") from None
 
     async def close(self) -> None:
         """Say goodbye to the receivers, stop every task and close the socket."""
@@ -324,7 +330,7 @@ class VersionServer:
                 if identity in self._greeting:
                     continue  # its HELLO is being answered: heartbeats meanwhile are expected
                 if msg.type is not MessageType.BYE:  # e.g. after a restart: ask it to say HELLO
-                    self._try_send(Peer(identity), self.stamp(Message(MessageType.ERROR, body={"code": "unknown_peer", "message": "say HELLO"})))
+                    self._try_send(Peer(identity), self.stamp(Message(MessageType.ERROR, body={"code": UNKNOWN_PEER, "message": "say HELLO"})))
             elif msg.type in (MessageType.ACK, MessageType.HEARTBEAT):
                 below_changed = peer.report_below(msg.body)
                 # Heartbeats repeat the applied version, so a lost ACK is never waited on forever.

@@ -34,7 +34,7 @@ from typing import Any
 import msgpack
 
 from protocol.codec.compress import Codec
-from protocol.errors import ConfigError, IntegrityError, MetadataMismatchError, ProtocolError, ResyncLimitError, StateError, WeightSyncError
+from protocol.errors import IntegrityError, ProtocolError, WeightSyncError, error_code
 from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import dtype_from_code
@@ -379,10 +379,6 @@ class Stamper:
 
 def error_message(error: WeightSyncError) -> Message:
     """The ERROR a server sends a receiver it cannot serve; the code names the error type
-    (``state``: not now, e.g. a relay asleep; the receiver tries again later)."""
-    codes = {
-        MetadataMismatchError: "metadata_mismatch", ConfigError: "config", ProtocolError: "protocol",
-        ResyncLimitError: "resync_limit", StateError: "state",
-    }
-    code = codes.get(type(error), "error")
-    return Message(MessageType.ERROR, body={"code": code, "message": str(error)})
+    (``protocol.errors.error_code``; ``state``: not now, e.g. a relay asleep; the receiver
+    tries again later)."""
+    return Message(MessageType.ERROR, body={"code": error_code(error), "message": str(error)})

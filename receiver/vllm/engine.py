@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from protocol.errors import ConfigError, WeightSyncError
+from protocol.errors import ConfigError, WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, KeyPair, z85_key
 from protocol.wire.framing import MessageType
 from protocol.wire.metadata import ModelMetadata
@@ -147,7 +147,7 @@ class _LoopThread:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             future.cancel()
-            raise TimeoutError(f"weightsync: {what or 'the call'} did not finish within {timeout:.3g}s") from None
+            raise WeightSyncTimeout(f"weightsync: {what or 'the call'} did not finish within {timeout:.3g}s") from None
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
