@@ -198,6 +198,23 @@ def test_corrupted_patch_and_killed_trainer_under_vllm() -> None:
     assert out["tokens_equal"] and out["logprobs_equal"] and out["checksums_equal"], out
 
 
+def test_tensor_parallel_workers_on_different_versions_are_evened_out() -> None:
+    """tests/vllm_diverge.py, TP=2: one worker's copy of v1 is corrupted and delayed until
+    v2 exists, so its resync stages at v2 while the other worker stages v1. Updating to v1
+    commits v1 there and the resync (v2) here; both must end at v2, equal to a fresh engine."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_diverge.py")], cwd=ROOT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        capture_output=True, text=True, timeout=420,
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    out = lines[-1]
+    assert out["staged_before"] == [1, 2] and out["resync_versions"] == [2] and out["flipped"] > 0, out
+    assert out["versions_after"] == [2, 2], out
+    assert out["tokens_equal"] and out["logprobs_equal"] and out["checksums_equal"], out
+
+
 def test_async_engine_keeps_sampling_across_updates() -> None:
     """examples/vllm_async_rl.py on AsyncLLM: requests in flight survive pause(mode=keep)
     and every update, every version reaches the engine, samples come from several versions."""
