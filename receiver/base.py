@@ -18,10 +18,11 @@ import torch
 from protocol.codec.parallel import map_ordered
 from protocol.codec.tensorcodec import decode_entry
 from protocol.config import SyncConfig, load_config
-from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError, error_from_code
+from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
 from protocol.state import StateLike, find_aliases, resolve_state
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
+from protocol.wire.messages import ErrorReport, Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
 from .commit import StagedUpdate, Target, commit
@@ -102,21 +103,15 @@ class ReceiverBase:
         tensors = resolve_state(model).tensors
         self.metadata = ModelMetadata.of(tensors)
         self._own_ties = find_aliases(tensors)
-        body = {
-            **self.metadata.to_body(),
-            "receiver": receiver_id,
-            "applied": self.version,
-            "digest": digest,
-            "session": self.session,  # the sender session it last followed, to resume from its ring
-        }
-        await send(encode_message(Message(MessageType.HELLO, version=self.version, body=body)))
+        # session: the sender session it last followed, to resume from its ring
+        hello = Hello(self.metadata, receiver=receiver_id, applied=self.version, digest=digest, session=self.session)
+        await send(encode_message(hello.to_message(self.version)))
         self.session = None  # WELCOME may come from a new sender session
         await self.prepare()  # while the sender builds the bootstrap
         welcome = await self._next(recv)
         if welcome.type is not MessageType.WELCOME:
             raise ProtocolError(f"expected WELCOME, got {welcome.describe()}")
-        self._welcome(welcome)
-        parts = welcome.body["bootstrap"]
+        parts = self._welcome(welcome).bootstrap
         if parts:
             pending = await self.receive(model, recv, bootstrap=True)
             if pending.stats.messages != parts or pending.version != welcome.version:
@@ -133,25 +128,20 @@ class ReceiverBase:
     async def prepare(self) -> None:
         """Hook: one-time work that can overlap the handshake (compiling kernels)."""
 
-    def _welcome(self, msg: Message) -> None:
+    def _welcome(self, msg: Message) -> Welcome:
         assert self.metadata is not None
-        strategy, aliases, parts = msg.body.get("strategy"), msg.body.get("aliases"), msg.body.get("bootstrap")
-        if strategy != self.strategy:
-            raise ConfigError(f"sender uses the {strategy!r} strategy, this receiver is {self.strategy!r}")
-        if type(parts) is not int or parts < 0:
-            raise ProtocolError(f"WELCOME announces a bad bootstrap size {parts!r}")
-        if not isinstance(aliases, list):
-            raise ProtocolError("WELCOME lacks its alias list")
+        welcome = Welcome.from_body(msg.body)  # the fields' types; what needs the model is checked here
+        if welcome.strategy != self.strategy:
+            raise ConfigError(f"sender uses the {welcome.strategy!r} strategy, this receiver is {self.strategy!r}")
         n = len(self.metadata.keys)
         self.aliases = {}
         meta = self.metadata
-        for pair in aliases:
-            if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int and 0 <= x < n for x in pair)):
-                raise ProtocolError(f"WELCOME has a bad alias entry {pair!r:.60}")
-            alias, canonical = pair
-            if alias == canonical or (meta.shapes[alias], meta.dtypes[alias]) != (meta.shapes[canonical], meta.dtypes[canonical]):
-                raise ProtocolError(f"WELCOME ties {meta.keys[alias]!r} to {meta.keys[canonical]!r}, which differ in shape or dtype")
-            self.aliases.setdefault(canonical, []).append(alias)
+        for tied, to in welcome.aliases:
+            if tied >= n or to >= n:
+                raise ProtocolError(f"WELCOME has a bad alias entry {[tied, to]!r:.60}: this model has {n} tensors")
+            if tied == to or (meta.shapes[tied], meta.dtypes[tied]) != (meta.shapes[to], meta.dtypes[to]):
+                raise ProtocolError(f"WELCOME ties {meta.keys[tied]!r} to {meta.keys[to]!r}, which differ in shape or dtype")
+            self.aliases.setdefault(to, []).append(tied)
         # A tie only this side has would get two different tensors written into one storage.
         group = {a: c for c, tied in self.aliases.items() for a in tied}
         for alias, canonical in self._own_ties.items():
@@ -162,6 +152,7 @@ class ReceiverBase:
                     "tensors: untie them on the rollout or tie them on the trainer"
                 )
         self.session = msg.session
+        return welcome
 
     # -- applying versions ------------------------------------------------------------
     async def apply(self, model: StateLike, recv: Recv) -> int:
@@ -336,8 +327,11 @@ class ReceiverBase:
         frames = await recv()
         msg = await asyncio.to_thread(decode_message, frames)
         if msg.type is MessageType.ERROR:
-            code, text = msg.body.get("code"), msg.body.get("message")
-            raise error_from_code(code, f"sender reported: {text}")
+            try:
+                report = ErrorReport.from_body(msg.body)
+            except ProtocolError as e:
+                raise WeightSyncError(f"sender reported an error, unreadably: {e}") from None
+            raise report.error("sender reported: ")
         if self.session is not None and msg.session != self.session:
             raise ProtocolError(f"{msg.describe()}: from session {msg.session[:8]}, expected {self.session[:8]}")
         return msg

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 
 import zmq.asyncio
 
-from protocol.errors import ProtocolError, WeightSyncError, WeightSyncTimeout
+from protocol.errors import WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, check_transport
-from protocol.wire.framing import Message, MessageType, decode_message, encode_message
+from protocol.wire.framing import MessageType, decode_message, encode_message
+from protocol.wire.messages import Description, DigestRequest
 from protocol.wire.metadata import ModelMetadata
 
 from .dealer import DealerSocket
@@ -64,13 +65,10 @@ async def ask_metadata(
 
 async def _ask(sock: DealerSocket) -> ModelMetadata | None:
     nonce = uuid.uuid4().hex
-    await sock.send(encode_message(Message(MessageType.DIGEST_REQUEST, body={"nonce": nonce, "metadata": True})))
+    await sock.send(encode_message(DigestRequest(nonce, metadata=True).to_message()))
     while True:
         msg = decode_message(await sock.recv())
-        if msg.type is MessageType.DIGEST and msg.body.get("nonce") == nonce:
-            body = msg.body.get("metadata")
-            if body is None:
-                return None
-            if not isinstance(body, dict):
-                raise ProtocolError("the upstream's metadata is not a map")
-            return ModelMetadata.from_body(body)
+        if msg.type is MessageType.DIGEST:
+            answer = Description.from_body(msg.body)
+            if answer.nonce == nonce:
+                return answer.metadata

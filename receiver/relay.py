@@ -34,6 +34,7 @@ from protocol.state import StateLike, resolve_state
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.limits import Limits
+from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
 from .base import PendingVersion, ReceiverBase
@@ -111,7 +112,7 @@ class Relay(VersionServer):
         metadata = self._strategy.metadata
         if metadata is None:
             raise WeightSyncError("this relay has not completed its own handshake yet")
-        metadata.require_same(ModelMetadata.from_body(hello.body), "this relay's model")
+        metadata.require_same(Hello.from_body(hello.body).metadata, "this relay's model")
 
     async def _bootstrap(self) -> list[Message]:
         metadata = self._strategy.metadata
@@ -139,6 +140,5 @@ class Relay(VersionServer):
         return self._strategy.metadata
 
     def _welcome(self, version: int | None, bootstrap_parts: int) -> Message:
-        aliases = [[a, c] for c, group in self._strategy.aliases.items() for a in group]
-        body = {"strategy": self._strategy.strategy, "aliases": aliases, "bootstrap": bootstrap_parts}
-        return Message(MessageType.WELCOME, version=version, body=body)
+        aliases = tuple((a, c) for c, group in self._strategy.aliases.items() for a in group)
+        return Welcome(self._strategy.strategy, aliases, bootstrap_parts).to_message(version)

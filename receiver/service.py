@@ -51,6 +51,7 @@ from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type
 from protocol.wire.limits import LimitError, Limits
+from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport, Nack
 
 from . import memory
 from .base import PendingVersion
@@ -401,8 +402,7 @@ class Receiver:
         """Ask the sender for a resync of its current version."""
         self.metrics.nack(reason)
         if self._socket is not None:
-            nack = Message(MessageType.NACK, version=self.version, body={"reason": reason, "message": message})
-            self._socket.try_send(encode_message(nack))
+            self._socket.try_send(encode_message(Nack(reason, message).to_message(self.version)))
 
     async def _ask_sender(self, digest: bool, timeout: float | None) -> tuple[int | None, str | None]:
         """The sender's current version and, if asked, its state digest (one round trip)."""
@@ -419,7 +419,7 @@ class Receiver:
         reply: asyncio.Future[tuple[int | None, str | None]] = loop.create_future()
         self._queries[nonce] = reply
         try:
-            sock.try_send(encode_message(Message(MessageType.DIGEST_REQUEST, version=self.version, body={"nonce": nonce, "digest": digest})))
+            sock.try_send(encode_message(DigestRequest(nonce, digest=digest).to_message(self.version)))
             left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 return await asyncio.wait_for(reply, left)
@@ -432,13 +432,13 @@ class Receiver:
         """A DIGEST reply: resolves the ``_ask_sender`` call waiting for its nonce."""
         try:
             msg = decode_message(frames)
+            answer = DigestReply.from_body(msg.body)
         except WeightSyncError as e:
             log.warning("receiver %s: dropping a bad DIGEST reply: %s", self.identity, e)
             return
-        reply = self._queries.get(str(msg.body.get("nonce")))
-        digest = msg.body.get("digest")
+        reply = self._queries.get(answer.nonce)
         if reply is not None and not reply.done():
-            reply.set_result((msg.version, digest if isinstance(digest, str) else None))
+            reply.set_result((msg.version, answer.digest))
 
     def _state(self) -> StateLike:
         """What is synced: the model, or its tensors under the trainer's names."""
@@ -571,7 +571,7 @@ class Receiver:
             tick = time.monotonic()
             while True:
                 await asyncio.sleep(self.heartbeat_interval)
-                sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=self.version, body=self._below())))
+                sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=self.version, body=self._below().to_body())))
                 now = time.monotonic()
                 # Woken late, this loop was blocked and the sender's messages are still
                 # unread: a stalled loop is not a dead sender. Judge on the next tick.
@@ -701,7 +701,7 @@ class Receiver:
         if (boot is not None and boot.kind == "bootstrap") or version != self.version:
             await self._publish(version, sock)
         else:  # resumed where it was: nothing new to announce to hooks, only to the sender
-            sock.try_send(encode_message(Message(MessageType.ACK, version=version, body=self._below())))
+            sock.try_send(encode_message(self._below().to_message(version)))
         self._ready.set()
         log.info("receiver %s connected to %s at v%s", self.identity, self.endpoint, version)
 
@@ -748,9 +748,9 @@ class Receiver:
             self._record(pending.stats)
             await self._publish(pending.version, sock)
 
-    def _below(self) -> dict[str, Any]:
+    def _below(self) -> Ack:
         """A relay tells its parent about the receivers below it (see ``Sender.wait_acked(tree=True)``)."""
-        return {} if self.relay is None else {"below": list(self.relay.subtree())}
+        return Ack(None if self.relay is None else self.relay.subtree())
 
     def _record(self, stats: ApplyStats) -> None:
         self.metrics.applied(stats)
@@ -761,7 +761,7 @@ class Receiver:
 
     async def _publish(self, version: int | None, sock: DealerSocket) -> None:
         self.version = version
-        sock.try_send(encode_message(Message(MessageType.ACK, version=version, body=self._below())))
+        sock.try_send(encode_message(self._below().to_message(version)))
         for hook in self._hooks:
             try:
                 result = hook(version)
@@ -846,13 +846,13 @@ def _describe_error(error: BaseException | None) -> str | None:
 
 def _error_code(frames: Sequence[Buffer]) -> str | None:
     try:
-        return str(decode_message(frames).body.get("code"))
+        return ErrorReport.from_body(decode_message(frames).body).code
     except WeightSyncError:
         return None
 
 
 def _error_text(frames: Sequence[Buffer]) -> str:
     try:
-        return str(decode_message(frames).body.get("message"))[:200]
+        return ErrorReport.from_body(decode_message(frames).body).message[:200]
     except WeightSyncError:
         return "(undecodable)"

@@ -12,8 +12,8 @@ from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
 from protocol.state import ModelState, StateLike, resolve_state
 from protocol.wire.buffers import Buffer
-from protocol.wire.framing import Message, MessageType, Stamper, decode_message, error_message
-from protocol.wire.metadata import ModelMetadata
+from protocol.wire.framing import Message, MessageType, Stamper, decode_message
+from protocol.wire.messages import ErrorReport, Hello
 
 from .plan import SyncPlan
 
@@ -35,7 +35,7 @@ def plan_for(state: ModelState, hello: Message, config: SyncConfig) -> SyncPlan:
     """Check a HELLO against the trainer's model; ``MetadataMismatchError`` names the key."""
     if hello.type is not MessageType.HELLO:
         raise ProtocolError(f"expected HELLO, got {hello.describe()}")
-    return SyncPlan(state, ModelMetadata.from_body(hello.body), config.init_sync)
+    return SyncPlan(state, Hello.from_body(hello.body).metadata, config.init_sync)
 
 
 async def send_all(send: Send, stamp: Stamper, messages: Iterator[Message]) -> int:
@@ -82,7 +82,7 @@ class SenderBase:
         try:
             plan = plan_for(state, hello, self.config)
         except (MetadataMismatchError, ConfigError) as e:
-            await send(self.stamp(error_message(e)))
+            await send(self.stamp(ErrorReport.of(e).to_message()))
             raise
         self.plan, self.version = plan, version
         parts, bootstrap = plan.bootstrap(version)

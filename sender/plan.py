@@ -13,6 +13,7 @@ from protocol.config import InitSyncConfig
 from protocol.errors import ConfigError
 from protocol.state import ModelState, sync_keys
 from protocol.wire.framing import Message, MessageType
+from protocol.wire.messages import Welcome
 from protocol.wire.metadata import ModelMetadata
 
 Source = Callable[[str], torch.Tensor]
@@ -81,5 +82,5 @@ class SyncPlan:
         return len(buckets), messages
 
     def welcome(self, strategy: str, version: int | None, bootstrap_parts: int) -> Message:
-        body = {"strategy": strategy, "aliases": self.wire_aliases(), "bootstrap": bootstrap_parts}
-        return Message(MessageType.WELCOME, version=version, body=body)
+        aliases = tuple((a, c) for a, c in self.wire_aliases())
+        return Welcome(strategy, aliases, bootstrap_parts).to_message(version)

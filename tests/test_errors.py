@@ -35,7 +35,8 @@ from protocol.errors import (
     error_code,
     error_from_code,
 )
-from protocol.wire.framing import MessageType, decode_message, encode_message, error_message
+from protocol.wire.framing import MessageType, decode_message, encode_message
+from protocol.wire.messages import ErrorReport
 from receiver import Receiver
 from receiver.describe import ask_metadata
 from sender import Sender
@@ -65,7 +66,7 @@ def test_every_code_round_trips(code: str) -> None:
     back = error_from_code(code, "boom")
     assert type(back) is cls and str(back) == "boom"
     # both directions carry it: an ERROR message, and a sidecar's error reply
-    msg = decode_message(encode_message(error_message(cls("boom"))))
+    msg = decode_message(encode_message(ErrorReport.of(cls("boom")).to_message()))
     assert msg.type is MessageType.ERROR and msg.body == {"code": code, "message": "boom"}
     assert msgpack.unpackb(error_reply(7, cls("boom"))) == {"op": "error", "version": 7, "code": code, "message": "boom"}
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.errors import ProtocolError
+from protocol.wire.messages import Ack
 
 
 @dataclass
@@ -42,15 +47,16 @@ class Peer:
         self.inflight = [v for v in self.inflight if v is not None and (version is None or v > version)]
         self.wake.set()
 
-    def report_below(self, body: dict[str, object]) -> bool:
-        """Take a relay's ``{"below": [receivers, lowest applied version]}`` from its ACK or
-        HEARTBEAT body (untrusted: anything malformed is ignored); True if it changed."""
-        below = body.get("below")
-        if not (isinstance(below, list) and len(below) == 2 and type(below[0]) is int and below[0] >= 0):
+    def report_below(self, body: Mapping[Any, Any]) -> bool:
+        """Take a relay's ``below`` (``messages.Ack``) from its ACK or HEARTBEAT body
+        (untrusted: anything malformed is ignored); True if it changed."""
+        try:
+            below = Ack.from_body(body).below
+        except ProtocolError:
+            return False
+        if below is None:
             return False
         count, acked = below
-        if not (acked is None or (type(acked) is int and acked >= 0)):
-            return False
         changed = (count, acked) != (self.below, self.below_acked)
         self.below, self.below_acked = count, acked
         return changed

@@ -27,13 +27,14 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from protocol.errors import UNKNOWN_PEER, ConfigError, ResyncLimitError, WeightSyncError, WeightSyncTimeout
+from protocol.errors import UNKNOWN_PEER, ConfigError, ProtocolError, ResyncLimitError, WeightSyncError, WeightSyncTimeout
 from protocol.net.peers import Peer
 from protocol.net.router import PeerGone, RouterSocket
 from protocol.net.security import CurveServer, check_transport
 from protocol.wire.buffers import Buffer
-from protocol.wire.framing import Message, MessageType, Stamper, decode_message, error_message
+from protocol.wire.framing import Message, MessageType, Stamper, decode_message
 from protocol.wire.limits import Limits
+from protocol.wire.messages import Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack
 from protocol.wire.metadata import ModelMetadata
 
 log = logging.getLogger(__name__)
@@ -317,6 +318,13 @@ class VersionServer:
             peer = self._peers.get(identity)
             if peer is not None:
                 peer.last_seen = time.monotonic()
+            request: DigestRequest | None = None
+            if msg.type is MessageType.DIGEST_REQUEST:
+                try:
+                    request = DigestRequest.from_body(msg.body)
+                except ProtocolError as e:
+                    log.warning("dropping a bad message from %r: %s", identity, e)
+                    continue
             if msg.type is MessageType.HELLO:
                 # Handled in its own task: a bootstrap can take a while to build, and the
                 # other receivers' acks and heartbeats must keep flowing meanwhile.
@@ -324,13 +332,13 @@ class VersionServer:
                 if previous is not None:
                     previous.cancel()
                 self._greeting[identity] = self._spawn(self._on_hello(identity, msg), f"hello-{identity!r}")
-            elif peer is None and msg.type is MessageType.DIGEST_REQUEST and msg.body.get("metadata") is True:
-                self._describe_to(identity, msg)  # before HELLO: what a receiver must declare
+            elif peer is None and request is not None and request.metadata is True:
+                self._describe_to(identity, request)  # before HELLO: what a receiver must declare
             elif peer is None:
                 if identity in self._greeting:
                     continue  # its HELLO is being answered: heartbeats meanwhile are expected
                 if msg.type is not MessageType.BYE:  # e.g. after a restart: ask it to say HELLO
-                    self._try_send(Peer(identity), self.stamp(Message(MessageType.ERROR, body={"code": UNKNOWN_PEER, "message": "say HELLO"})))
+                    self._try_send(Peer(identity), self.stamp(ErrorReport(UNKNOWN_PEER, "say HELLO").to_message()))
             elif msg.type in (MessageType.ACK, MessageType.HEARTBEAT):
                 below_changed = peer.report_below(msg.body)
                 # Heartbeats repeat the applied version, so a lost ACK is never waited on forever.
@@ -345,30 +353,29 @@ class VersionServer:
                     await self._notify()
                 self._release_resync()
             elif msg.type is MessageType.NACK:
-                log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, msg.body.get("message"))
+                log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, _reported(Nack, msg))
                 peer.ack(msg.version)
                 peer.inflight.clear()  # it drops whatever else is queued until the resync
                 peer.needs_resync = True
-            elif msg.type is MessageType.DIGEST_REQUEST:
-                self._spawn(self._answer_digest(peer, msg), f"digest-{peer.name}")
+            elif request is not None:
+                self._spawn(self._answer_digest(peer, request), f"digest-{peer.name}")
             elif msg.type is MessageType.BYE:
                 await self._drop(peer, "said goodbye")
             elif msg.type is MessageType.ERROR:
-                log.error("receiver %s reported: %s", peer.name, msg.body.get("message"))
+                log.error("receiver %s reported: %s", peer.name, _reported(ErrorReport, msg))
 
-    def _describe_to(self, identity: bytes, request: Message) -> None:
-        metadata = self._describe()
-        body = {"nonce": request.body.get("nonce"), "digest": None, "metadata": None if metadata is None else metadata.to_body()}
+    def _describe_to(self, identity: bytes, request: DigestRequest) -> None:
+        reply = Description(request.nonce, self._describe())
         try:
-            self._try_send(Peer(identity), self.stamp(Message(MessageType.DIGEST, version=self.version, body=body)))
+            self._try_send(Peer(identity), self.stamp(reply.to_message(self.version)))
         except PeerGone:
             pass
 
-    async def _answer_digest(self, peer: Peer, request: Message) -> None:
+    async def _answer_digest(self, peer: Peer, request: DigestRequest) -> None:
         """Tell a receiver the current version and, when asked, its state digest: what a
         paused receiver updates to, and what ``verify_checksum`` compares against."""
         version, digest = self.version, None
-        if request.body.get("digest") is True:
+        if request.digest is True:
             for _ in range(3):  # a new version may arrive meanwhile: the pair must be consistent
                 version = self.version
                 try:
@@ -381,7 +388,7 @@ class VersionServer:
                     break
             else:
                 digest = None
-        reply = Message(MessageType.DIGEST, version=version, body={"nonce": request.body.get("nonce"), "digest": digest})
+        reply = DigestReply(request.nonce, digest).to_message(version)
         try:
             self._try_send(peer, self.stamp(reply))
         except PeerGone:
@@ -396,7 +403,7 @@ class VersionServer:
             await self._greet(peer, hello)
         except WeightSyncError as e:  # this receiver cannot be served; the others carry on
             log.error("receiver %s refused: %s", peer.name, e)
-            self._try_send(peer, self.stamp(error_message(e)))
+            self._try_send(peer, self.stamp(ErrorReport.of(e).to_message()))
         finally:
             if self._greeting.get(identity) is asyncio.current_task():
                 del self._greeting[identity]
@@ -405,7 +412,8 @@ class VersionServer:
         identity = peer.identity
         async with self._lock:  # a new version must not move what is at rest mid-check
             await self._admit(hello)
-        applied, digest, session = hello.body.get("applied"), hello.body.get("digest"), hello.body.get("session")
+        said = Hello.from_body(hello.body)
+        applied, digest, session = said.applied, said.digest, said.session
         known = {self.version} | {e.base for e in self._ring} | self._pending_bases
         greeting: list[Message]
         if session == self.session and applied in known:
@@ -452,7 +460,7 @@ class VersionServer:
         except WeightSyncError as e:
             log.error("%s cannot serve receiver %s: %s: %s", self.role, peer.name, type(e).__name__, e)
             with contextlib.suppress(PeerGone):
-                self._try_send(peer, self.stamp(error_message(e)))
+                self._try_send(peer, self.stamp(ErrorReport.of(e).to_message()))
             await self._drop(peer, f"{type(e).__name__}: {e}")
         except Exception as e:
             self._failure = e  # before the drop wakes the waiters: they must see it, not one receiver fewer
@@ -534,3 +542,11 @@ class VersionServer:
                     self._try_send(peer, self.stamp(Message(MessageType.HEARTBEAT, version=self.version)))
                 except PeerGone:
                     await self._drop(peer, "disconnected")
+
+
+def _reported(record: type[Nack] | type[ErrorReport], msg: Message) -> str:
+    """The text a receiver's NACK or ERROR carries, for the log (a malformed one says so)."""
+    try:
+        return record.from_body(msg.body).message
+    except ProtocolError as e:
+        return f"(unreadable: {e})"

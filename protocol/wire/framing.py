@@ -34,7 +34,7 @@ from typing import Any
 import msgpack
 
 from protocol.codec.compress import Codec
-from protocol.errors import IntegrityError, ProtocolError, WeightSyncError, error_code
+from protocol.errors import IntegrityError, ProtocolError
 from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import dtype_from_code
@@ -376,9 +376,3 @@ class Stamper:
         self._seq += 1
         return encode_message(msg)
 
-
-def error_message(error: WeightSyncError) -> Message:
-    """The ERROR a server sends a receiver it cannot serve; the code names the error type
-    (``protocol.errors.error_code``; ``state``: not now, e.g. a relay asleep; the receiver
-    tries again later)."""
-    return Message(MessageType.ERROR, body={"code": error_code(error), "message": str(error)})

@@ -1,0 +1,262 @@
+"""The bodies of the messages one side builds and the other reads, as typed records.
+
+A message's ``body`` is a small msgpack map (``framing.Message.body``). Each record here
+is one such body: ``to_body()`` is the map that travels (keys and values exactly as
+they always have, in the same order: the bytes on the wire are the contract), and
+``from_body(body)`` reads an untrusted one, checking every field's type and raising a
+``ProtocolError`` that names the message and the field. Keys a reader does not know are
+ignored. Checks that need the model (an alias ordinal in range, shapes that match) stay
+with the reader that has it. ``to_message(version)`` wraps a record in its ``Message``.
+
+    HELLO           receiver -> sender  Hello         metadata, who, applied version, digest, session
+    WELCOME         sender -> receiver  Welcome       strategy, aliases, bootstrap size
+    ACK, HEARTBEAT  receiver -> sender  Ack           a relay's receivers below it
+    NACK            receiver -> sender  Nack          why an update was rejected
+    DIGEST_REQUEST  receiver -> sender  DigestRequest nonce; the digest? the metadata?
+    DIGEST          sender -> receiver  DigestReply   nonce, state digest
+                                        Description   nonce, metadata (before HELLO)
+    ERROR           either way          ErrorReport   wire code (``protocol.errors``), text
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from protocol.errors import ProtocolError, WeightSyncError, error_code, error_from_code
+from protocol.wire.framing import Message, MessageType
+from protocol.wire.metadata import ModelMetadata
+
+__all__ = ["Ack", "Description", "DigestReply", "DigestRequest", "ErrorReport", "Hello", "Nack", "Welcome"]
+
+_MISSING = object()
+
+
+def _field(kind: MessageType, body: Mapping[Any, Any], name: str, want: str, ok: Any, *, optional: bool = False) -> Any:
+    """``body[name]`` if ``ok(value)``; absent reads as None where ``optional``."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING and optional:
+        return None
+    if value is _MISSING or not ok(value):
+        got = "nothing" if value is _MISSING else f"{value!r:.60}"
+        raise ProtocolError(f"{kind.name} body: {name!r} must be {want}, got {got}")
+    return value
+
+
+def _str(v: object) -> bool:
+    return type(v) is str
+
+
+def _str_or_none(v: object) -> bool:
+    return v is None or type(v) is str
+
+
+def _int_or_none(v: object) -> bool:
+    return v is None or type(v) is int
+
+
+def _count(v: object) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _bool(v: object) -> bool:
+    return type(v) is bool
+
+
+class _Body:
+    TYPE: ClassVar[MessageType]
+
+    def to_body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_message(self, version: int | None = None) -> Message:
+        """This body in a message of its type."""
+        return Message(self.TYPE, version=version, body=self.to_body())
+
+
+@dataclass(frozen=True)
+class Hello(_Body):
+    """A receiver's first message: its model's metadata, its identity, the version it
+    holds (``applied``), that version's state digest, and the sender session it last
+    followed (to resume from that sender's ring)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.HELLO
+    metadata: ModelMetadata
+    receiver: str = ""
+    applied: int | None = None
+    digest: str | None = None
+    session: str | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return {**self.metadata.to_body(), "receiver": self.receiver, "applied": self.applied, "digest": self.digest, "session": self.session}
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> Hello:
+        k = cls.TYPE
+        return cls(
+            ModelMetadata.from_body(body),
+            receiver=_field(k, body, "receiver", "a string", _str, optional=True) or "",
+            applied=_field(k, body, "applied", "an int or nil", _int_or_none, optional=True),
+            digest=_field(k, body, "digest", "a string or nil", _str_or_none, optional=True),
+            session=_field(k, body, "session", "a string or nil", _str_or_none, optional=True),
+        )
+
+
+@dataclass(frozen=True)
+class Welcome(_Body):
+    """A server's answer to HELLO: its strategy, its tied tensors as (alias, canonical)
+    ordinal pairs, and how many BOOTSTRAP messages follow (0: none)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.WELCOME
+    strategy: str
+    aliases: tuple[tuple[int, int], ...]
+    bootstrap: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "aliases": [[a, c] for a, c in self.aliases], "bootstrap": self.bootstrap}
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> Welcome:
+        k = cls.TYPE
+        strategy = _field(k, body, "strategy", "a string", _str)
+        bootstrap = _field(k, body, "bootstrap", "an int >= 0 (the bootstrap size)", _count)
+        aliases = _field(k, body, "aliases", "a list of [alias, canonical] ordinals", lambda v: isinstance(v, list))
+        for pair in aliases:
+            if not (isinstance(pair, list) and len(pair) == 2 and all(_count(x) for x in pair)):
+                raise ProtocolError(f"{k.name} body: 'aliases' has a bad entry {pair!r:.60}")
+        return cls(strategy, tuple((a, c) for a, c in aliases), bootstrap)
+
+
+@dataclass(frozen=True)
+class Ack(_Body):
+    """The body of an ACK or a HEARTBEAT: empty, or, from a relay, ``below``: how many
+    receivers it feeds and the lowest version any of them applied (None until all have
+    one). ``TYPE`` is ACK; a heartbeat is ``Message(MessageType.HEARTBEAT, body=...)``."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ACK
+    below: tuple[int, int | None] | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return {} if self.below is None else {"below": list(self.below)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any], kind: MessageType = MessageType.ACK) -> Ack:
+        below = _field(kind, body, "below", "[receivers >= 0, lowest applied version >= 0 or nil]", _below, optional=True)
+        return cls(None if below is None else (below[0], below[1]))
+
+
+def _below(v: object) -> bool:
+    return isinstance(v, list) and len(v) == 2 and _count(v[0]) and (v[1] is None or _count(v[1]))
+
+
+@dataclass(frozen=True)
+class Nack(_Body):
+    """A receiver rejected an update (``reason``: the error's class) and asks for a resync."""
+
+    TYPE: ClassVar[MessageType] = MessageType.NACK
+    reason: str
+    message: str
+
+    def to_body(self) -> dict[str, Any]:
+        return {"reason": self.reason, "message": self.message}
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> Nack:
+        k = cls.TYPE
+        return cls(_field(k, body, "reason", "a string", _str), _field(k, body, "message", "a string", _str))
+
+
+@dataclass(frozen=True)
+class DigestRequest(_Body):
+    """Ask the server its current version; with ``digest``, that version's state digest
+    too; with ``metadata`` (before HELLO), the metadata a receiver must declare. A flag
+    left None does not travel."""
+
+    TYPE: ClassVar[MessageType] = MessageType.DIGEST_REQUEST
+    nonce: str
+    digest: bool | None = None
+    metadata: bool | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"nonce": self.nonce}
+        if self.digest is not None:
+            body["digest"] = self.digest
+        if self.metadata is not None:
+            body["metadata"] = self.metadata
+        return body
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> DigestRequest:
+        k = cls.TYPE
+        return cls(
+            _field(k, body, "nonce", "a string", _str),
+            digest=_field(k, body, "digest", "true or false", _bool, optional=True),
+            metadata=_field(k, body, "metadata", "true or false", _bool, optional=True),
+        )
+
+
+@dataclass(frozen=True)
+class DigestReply(_Body):
+    """The answer to a DIGEST_REQUEST (the message's version is the server's): the
+    request's nonce and, when asked and available, the state digest."""
+
+    TYPE: ClassVar[MessageType] = MessageType.DIGEST
+    nonce: str
+    digest: str | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return {"nonce": self.nonce, "digest": self.digest}
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> DigestReply:
+        k = cls.TYPE
+        return cls(_field(k, body, "nonce", "a string", _str), _field(k, body, "digest", "a string or nil", _str_or_none, optional=True))
+
+
+@dataclass(frozen=True)
+class Description(_Body):
+    """The answer to a DIGEST_REQUEST for ``metadata``, from a server that has no HELLO
+    from the asker: the keys and shapes it must declare (None: no model yet)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.DIGEST
+    nonce: str
+    metadata: ModelMetadata | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return {"nonce": self.nonce, "digest": None, "metadata": None if self.metadata is None else self.metadata.to_body()}
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> Description:
+        k = cls.TYPE
+        nonce = _field(k, body, "nonce", "a string", _str)
+        metadata = _field(k, body, "metadata", "a map or nil", lambda v: v is None or isinstance(v, dict), optional=True)
+        return cls(nonce, None if metadata is None else ModelMetadata.from_body(metadata))
+
+
+@dataclass(frozen=True)
+class ErrorReport(_Body):
+    """An ERROR: the error's wire code (``protocol.errors.WIRE_CODES``, or ``UNKNOWN_PEER``)
+    and its text."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ERROR
+    code: str
+    message: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> ErrorReport:
+        """The ERROR that reports ``error`` (``state``: not now, e.g. a relay asleep; the
+        receiver tries again later)."""
+        return cls(error_code(error), str(error))
+
+    def error(self, prefix: str = "") -> WeightSyncError:
+        """The error this reports, as its class on this side."""
+        return error_from_code(self.code, prefix + self.message)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message}
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> ErrorReport:
+        k = cls.TYPE
+        return cls(_field(k, body, "code", "a string", _str), _field(k, body, "message", "a string", _str))
