@@ -14,7 +14,6 @@ from protocol.config import BucketConfig, InitSyncConfig, PatchConfig, SyncConfi
 from protocol.errors import (
     ConfigError,
     IntegrityError,
-    LayoutError,
     MetadataMismatchError,
     ProtocolError,
     ResyncLimitError,
@@ -46,7 +45,6 @@ __all__ = [
     "Encoding",
     "InitSyncConfig",
     "IntegrityError",
-    "LayoutError",
     "Message",
     "MessageType",
     "MetadataMismatchError",

@@ -52,10 +52,6 @@ class ConfigError(WeightSyncError, ValueError):
     """A setting is invalid, or needs a package or device that is not available."""
 
 
-class LayoutError(WeightSyncError, ValueError):
-    """A tensor cannot be viewed in the 2-D COO layout the patch format needs."""
-
-
 class PlacementError(ConfigError):
     """A checkpoint tensor's place in an engine's runtime parameters cannot be patched
     element by element (its loader transforms the values); names the tensor."""

@@ -28,6 +28,7 @@ from protocol.state import ModelState, StateLike, materialize, resolve_state, sy
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message
 from protocol.wire.limits import Limits
+from protocol.wire.messages import Hello
 from protocol.wire.metadata import ModelMetadata
 
 from .base import check_next_version, plan_for
@@ -243,4 +244,4 @@ class Sender(VersionServer):
             self._plan, self._builder = plan, builder
             self._held = None  # the snapshot (or retained copy) holds the version from now on
             return
-        self._plan.metadata.require_same(ModelMetadata.from_body(hello.body), "the other receivers")
+        self._plan.metadata.require_same(Hello.from_body(hello.body).metadata, "the other receivers")

@@ -22,7 +22,6 @@ from protocol.errors import (
     WIRE_CODES,
     ConfigError,
     IntegrityError,
-    LayoutError,
     MetadataMismatchError,
     PlacementError,
     ProtocolError,
@@ -78,7 +77,7 @@ def test_the_most_specific_class_names_the_code() -> None:
     assert error_code(PlacementError("p")) == "config"  # a ConfigError
     assert error_code(Asleep("a")) == "state"
     assert error_code(StaleVersionError("s", current=3, got=1, held=True)) == "stale_version"
-    for plain in (WeightSyncError("w"), IntegrityError("i"), LayoutError("l"), WeightSyncTimeout("t"), ValueError("v")):
+    for plain in (WeightSyncError("w"), IntegrityError("i"), WeightSyncTimeout("t"), ValueError("v")):
         assert error_code(plain) == GENERIC_CODE, plain
 
 
