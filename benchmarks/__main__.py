@@ -1,4 +1,7 @@
-"""python -m benchmarks --suite quick|full --json OUT.json [--plot OUT.png]"""
+"""python -m benchmarks --suite quick|full|lowbw --json OUT.json [--plot OUT.png]
+
+lowbw: the receivers behind a shaped link in a network namespace (--mbit, --rtt-ms; root,
+iproute2), see benchmarks/lowbw.py; skipped with the reason where that cannot run."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 
 from .bandwidth import copy_bandwidth, zmq_raw_throughput
-from .e2e import finish, run_workload
+from .e2e import finish, fixed_cost, run_workload
 from .memory import free_port
 from .peers import PeerGroup, maxrss_bytes
 from .report import evaluate_targets, missing_keys, plot, table
@@ -45,6 +48,7 @@ async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool 
             pending[-1]["wall_s"] = time.perf_counter() - t0
             print(f"  {w.name}: {pending[-1]['wall_s']:.1f}s", file=sys.stderr, flush=True)
             del w
+        fixed = await fixed_cost() if not only else None
         copy_samples.append(copy_bandwidth(suite.copy_bytes))
         zmq_samples.append(zmq_raw_throughput(suite.zmq_bytes, suite.zmq_frame))
         copy_bps, zmq_bps = max(copy_samples), max(zmq_samples)
@@ -76,9 +80,10 @@ async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool 
         "copy_method": f"dst.copy_(src) of {suite.copy_bytes} B fp32 CPU tensors, bytes read per second; best sample of the run",
         "peer_worker_peak_rss": peer_rss,
         "results": results,
+        "fixed_cost": fixed,
     }
     doc["harness_peak_rss"] = maxrss_bytes()  # this process: trainer, both Senders, 4 Receivers, references
-    doc["targets"] = evaluate_targets(results)
+    doc["targets"] = evaluate_targets(results, fixed)
     doc["wall_s"] = time.perf_counter() - started
     return doc
 
@@ -116,13 +121,16 @@ def missing_packages(memory_pass: bool, plot: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    p.add_argument("--suite", choices=sorted(SUITES), default="quick")
+    p.add_argument("--suite", choices=[*sorted(SUITES), "lowbw"], default="quick")
     p.add_argument("--json", type=Path, required=True, help="write the results here")
     p.add_argument("--plot", type=Path, help="also write a PNG: bytes and time per step, per workload")
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads (by name)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-workload memory processes")
     p.add_argument("--dense-above", metavar="VALUE", help="patch.dense_above for the patch runs: auto (the default), "
                    "a share in [0, 1], or JSON such as '{\"link_gbps\": 10}'")
+    p.add_argument("--mbit", type=float, help="lowbw: the link's rate towards the receivers, Mbit/s (default 100)")
+    p.add_argument("--rtt-ms", type=float, help="lowbw: the round trip the proxy adds, ms (default 40)")
+    p.add_argument("--tiny", action="store_true", help="lowbw: one small synthetic workload (the smoke test)")
     args = p.parse_args(argv)
     if args.dense_above is not None:
         from protocol.config import dense_rule
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         value = args.dense_above if args.dense_above == "auto" else json.loads(args.dense_above)
         dense_rule(value)  # a ConfigError now, not from a worker process
         e2e.PATCH_OPTIONS["dense_above"] = value
+    if args.suite == "lowbw":
+        return lowbw_main(args)
     memory_pass = False if args.no_memory else SUITES[args.suite].memory_pass
     missing = missing_packages(memory_pass, args.plot is not None)
     if missing:  # say so now, not minutes later from a worker process
@@ -150,6 +160,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(doc, args.plot)
         print(f"plot: {args.plot}")
+    return 0
+
+
+def lowbw_main(args: argparse.Namespace) -> int:
+    from . import lowbw
+
+    reason = lowbw.why_not()
+    if reason:
+        print(f"python -m benchmarks --suite lowbw: skipped: {reason}")
+        return 0
+    if args.plot:
+        raise SystemExit("--plot: not for the lowbw suite (its table is the result)")
+    chosen = [w for w in lowbw.workloads(args.tiny) if not args.only or w.name in args.only]
+    logging.basicConfig(level=logging.WARNING)
+    doc = asyncio.run(lowbw.run(chosen, args.mbit or lowbw.DEFAULT_MBIT, lowbw.DEFAULT_RTT_MS if args.rtt_ms is None else args.rtt_ms))
+    missing = missing_keys(doc)
+    if missing:
+        raise SystemExit(f"result is missing keys: {missing}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2, default=str))
+    print(lowbw.table(doc))
+    print(f"\nwall time {doc['wall_s']:.1f}s; JSON: {args.json}")
     return 0
 
 

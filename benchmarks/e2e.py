@@ -40,6 +40,7 @@ RECEIVERS = 2
 DAEMON_KW: dict[str, Any] = {"peer_timeout": 300.0}  # the harness blocks the loop while it measures peers
 
 
+EMPTY_SYNCS = 3  # per workload, after the measured steps: the state synced again unchanged
 PATCH_OPTIONS: dict[str, Any] = {}  # python -m benchmarks --dense-above sets one
 
 
@@ -51,22 +52,47 @@ def bucket_config(dtype: torch.dtype) -> dict[str, Any]:
     return {"type": "bucket", "bucket": {"bucket_dtype": dtype_name(dtype)}}
 
 
+class Loopback:
+    """Where the rigs' receivers run and how they reach their sender: here, tcp loopback.
+    ``benchmarks.lowbw`` puts a shaped, delayed link in between instead."""
+
+    bind = "127.0.0.1"  # the Sender's bind address
+    insecure_plaintext = False
+    prefix: tuple[str, ...] = ()  # prepended to each receiver process's command (``ip netns exec NS``)
+
+    async def route(self, sender_endpoint: str) -> tuple[str, Any]:
+        """The endpoint receivers connect to, and a handle ``unroute`` takes back."""
+        return sender_endpoint, None
+
+    async def unroute(self, handle: Any) -> None:
+        pass
+
+    def link_bytes(self) -> int | None:
+        """Bytes sent over the link so far (None: not counted)."""
+        return None
+
+
+NETWORK: Loopback = Loopback()  # benchmarks.lowbw sets another
+
+
 class Rig:
     """One Sender in this process (beside the trainer) and its Receivers, each in its own
-    process (as rollouts run), on tcp loopback."""
+    process (as rollouts run), on tcp loopback (or ``NETWORK``'s link)."""
 
-    def __init__(self, sender: Sender, receivers: RemoteReceivers) -> None:
-        self.sender, self.receivers = sender, receivers
+    def __init__(self, sender: Sender, receivers: RemoteReceivers, route: Any = None) -> None:
+        self.sender, self.receivers, self.route = sender, receivers, route
         self.closed = False
 
     @classmethod
     async def open(cls, workload: Workload, config: dict[str, Any], name: str, count: int = RECEIVERS) -> Rig:
-        sender = Sender("tcp://127.0.0.1:0", config, **DAEMON_KW)
+        net = NETWORK
+        sender = Sender(f"tcp://{net.bind}:0", config, insecure_plaintext=net.insecure_plaintext, **DAEMON_KW)
         await sender.start(workload.trainer_state(), version=0)
-        receivers = await RemoteReceivers.start(workload.receiver_spec(), sender.endpoint, config, name, count)
+        endpoint, route = await net.route(sender.endpoint)
+        receivers = await RemoteReceivers.start(workload.receiver_spec(), endpoint, config, name, count, prefix=net.prefix)
         await sender.wait_for_receivers(count, timeout=TIMEOUT)
         await sender.wait_acked(0, timeout=TIMEOUT)
-        return cls(sender, receivers)
+        return cls(sender, receivers, route)
 
     def incidents(self) -> int:
         """Resyncs the sender counted plus reconnects of the receivers, so far."""
@@ -106,6 +132,17 @@ class Rig:
             await self.receivers.stop()
         finally:
             await self.sender.close()
+            await NETWORK.unroute(self.route)
+
+
+def link_deltas(marks: dict[str, int | None]) -> dict[str, int] | None:
+    """Bytes each path put on the link, from the counter read before and after it (the
+    digest checks between them are left out); None where the link is not counted."""
+    if marks["start"] is None:
+        return None
+    m = {k: int(v or 0) for k, v in marks.items()}
+    return {"patch": m["patch"] - m["start"], "bucket": m["bucket"] - m["verify"],
+            "safetensors": m["safetensors"] - m["verify2"], "gloo": m["gloo"] - m["safetensors"]}
 
 
 def _median(xs: list[float]) -> float:
@@ -144,7 +181,9 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
             if last and memory_pass:
                 memory.dump_state(workload.tracked(), pre_path)
             workload.step()
+            link = {"start": NETWORK.link_bytes()}
             p = await patch.sync(workload.trainer_state(), version)
+            link["patch"] = NETWORK.link_bytes()
             cast_started = time.perf_counter()
             new = workload.receiver_view()  # the peers' input: the state dict at the receivers' dtype
             cast_s = time.perf_counter() - cast_started
@@ -153,10 +192,15 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
                 prev = new
                 continue
             verified &= await patch.verify(new)
+            link["verify"] = NETWORK.link_bytes()
             b = await bucket.sync(workload.trainer_state(), version)
+            link["bucket"] = NETWORK.link_bytes()
             verified &= await bucket.verify(new)
+            link["verify2"] = NETWORK.link_bytes()
             st = peers.safetensors(new)
+            link["safetensors"] = NETWORK.link_bytes()
             gl = peers.gloo(new)
+            link["gloo"] = NETWORK.link_bytes()
             sizes = update_sizes(prev, new)
             if last:
                 verified &= set(peers.digests()) == {digest(new)}
@@ -197,7 +241,16 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
                 "gloo_pack_s": gl["pack_s"],
                 "peer_cast_s": cast_s,
                 "loss": getattr(workload, "last_loss", None),
+                "link_bytes": link_deltas(link),
             })
+        # Unchanged state, the whole model: what a version costs when nothing moved (the
+        # compare still reads every tracked tensor and its snapshot).
+        empty = []
+        for version in range(total + 1, total + 1 + EMPTY_SYNCS):
+            e = await patch.sync(workload.trainer_state(), version)
+            empty.append({"version": version, "e2e_s": e["e2e_s"], "build_s": e["build_s"], "wire_bytes": e["stats"].wire_bytes,
+                          "changed_elements": e["stats"].changed_elements, "phases_ms": e["phases_ms"], "applied_as": e["applied_as"]})
+        verified &= await patch.verify(workload.receiver_view())
         mem = None
         if memory_pass:
             memory.dump_state(workload.tracked(), post_path)
@@ -213,7 +266,7 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
         scratch.rmdir()
     return {
         "workload": workload.name, "kind": workload.kind, "config": described,
-        "steps": steps, "warmup": warmup, "read_bytes": read_bytes, "memory": mem, "verified": verified,
+        "steps": steps, "warmup": warmup, "empty": empty, "read_bytes": read_bytes, "memory": mem, "verified": verified,
         "receivers": RECEIVERS, "model_bytes": sum(t.numel() * t.element_size() for t in tracked.values()),
     }
 
@@ -258,6 +311,7 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         return _median([s[k] for s in steps])
 
     e2e_bucket = median("e2e_bucket_s")
+    empty = run.get("empty") or []
     out: dict[str, Any] = {
         "workload": run["workload"],
         "kind": run["kind"],
@@ -281,6 +335,9 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "safetensors_bytes": mean("safetensors_bytes"),
         "gloo_bytes": mean("gloo_bytes"),
         "patch_phases_ms": phase_medians(steps, "patch_phases_ms"),
+        "e2e_empty_patch_s": _median([e["e2e_s"] for e in empty]) if empty else None,
+        "build_empty_patch_s": _median([e["build_s"] for e in empty]) if empty else None,
+        "empty_patch_phases_ms": phase_medians(empty, "phases_ms") if empty else None,
         "bucket_phases_ms": phase_medians(steps, "bucket_phases_ms"),
         "sender_peak_rss": mem["sender"]["peak_rss"] if mem else None,
         "receiver_peak_rss": max(r["peak_rss"] for r in mem["receivers"]) if mem else None,
@@ -294,7 +351,10 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "config": run["config"],
         "steps": steps,
         "warmup": run.get("warmup", []),
+        "empty": empty,
         "notes": [
+            "e2e_empty_patch_s / build_empty_patch_s: median of the state synced again unchanged (EMPTY_SYNCS times, after "
+            "the measured steps): the whole model is still compared, nothing is sent but the (empty) PATCH",
             "bytes: mean over the measured steps; times: median over them",
             "e2e_patch_s / e2e_bucket_s: the Sender in the trainer's process, 2 Receivers in 2 processes, tcp loopback; "
             "from sync() until both acknowledged the version",
@@ -315,3 +375,32 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         ],
     }
     return out
+
+
+async def fixed_cost(syncs: int = 10) -> dict[str, Any]:
+    """What a version costs when the model is trivial and nothing changed: one 16-element
+    bf16 tensor, synced unchanged ``syncs`` times to 2 receivers (their own processes) over
+    tcp loopback; e2e from ``sync()`` until both acknowledged. Issue 14's fixed cost."""
+    from .workloads import SyntheticWorkload
+
+    w = SyntheticWorkload("fixed-cost", 0.0, [(16,)], measured_steps=0)
+    w.setup()
+    rig = await Rig.open(w, patch_config(), "fixed-cost")
+    samples = []
+    try:
+        with phases.sender_timers():
+            for version in range(1, syncs + 2):
+                r = await rig.sync(w.trainer_state(), version)
+                if version > 1:  # the first pays one-time costs
+                    samples.append(r)
+        verified = await rig.verify(w.receiver_view())
+    finally:
+        await rig.close()
+        w.teardown()
+    return {
+        "state": "1 bf16 tensor of 16 elements, unchanged", "receivers": RECEIVERS, "transport": "tcp loopback",
+        "e2e_s": _median([s["e2e_s"] for s in samples]), "build_s": _median([s["build_s"] for s in samples]),
+        "e2e_s_samples": [s["e2e_s"] for s in samples], "wire_bytes": samples[-1]["stats"].wire_bytes,
+        "phases_ms": phase_medians([{"p": s["phases_ms"]} for s in samples], "p"), "verified_bit_exact": verified,
+        "applied_as": sorted({k for s in samples for k in s["applied_as"]}),
+    }

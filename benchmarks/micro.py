@@ -7,7 +7,9 @@ untimed call that compiles or loads the kernels). ``mark_serial`` / ``mark_paral
 call the compare kernel of ``sender.fastdiff`` directly (it does not write the
 snapshot); ``diff`` is ``diff_and_update`` on a fresh snapshot copy (mark, collect and
 the snapshot update); ``encode_tensor`` / ``decode_tensor`` are one entropy-coded
-tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``rice_parameter``,
+tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``scaling`` the same at
+1 to 300k changes (per change: the slope at the top; per tensor: at 1 change; each against
+issue 14's 20 us a tensor + 10 ns a change), ``rice_parameter``,
 ``pack_entry`` and the rANS kernels their parts. ``header`` is ``decode_message`` and
 ``peek_type`` of a 300-tensor patch; ``recv`` receives such a message (~2,100 frames) over
 TCP loopback with ``DealerSocket.recv`` (one await a message) and with one await a frame
@@ -135,6 +137,47 @@ def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
     return out
 
 
+def scaling_cases(repeat: int, n: int = 1 << 20, changes: tuple[int, ...] = (1, 1000, 10_000, 30_000, 100_000, 300_000)) -> dict[str, Any]:
+    """One bf16 tensor of ``n`` elements with each count of +-1-ulp changes in ``changes``
+    (random positions), encoded (``encode_sparse``) and decoded (``decode_entry``) with the
+    default options. The cost is not one line (small counts take other encodings), so per
+    change is the slope between the two largest counts, per tensor the time at the smallest,
+    and each count's time is also given as a multiple of issue 14's budget, 20 us + 10 ns a change."""
+    from protocol.codec.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse
+    from protocol.wire.framing import Message, MessageType, decode_message, encode_message
+
+    g = torch.Generator().manual_seed(8)
+    old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+    options, cpu = PatchOptions(), torch.device("cpu")
+    out: dict[str, Any] = {}
+    points: dict[str, list[tuple[int, float]]] = {"encode": [], "decode": []}
+    for k in changes:
+        flat = torch.randperm(n, generator=g)[:k].sort().values
+        bits = old.view(torch.int16).clone()
+        bits[flat] += (torch.randint(0, 2, (k,), generator=g) * 2 - 1).to(torch.int16)
+        new = bits.view(torch.bfloat16)
+        newv, oldv = new[flat], old[flat]
+        r = timed(functools.partial(encode_sparse, 0, flat, newv, oldv, (n,), options), repeat)
+        out[f"scaling encode_tensor n={n} changes={k}"] = {**r, "changes": k}
+        points["encode"].append((k, r["median_s"]))
+        entry = encode_sparse(0, flat, newv, oldv, (n,), options)
+        specs, frames = assemble([entry])
+        msg = decode_message(encode_message(Message(MessageType.PATCH, version=1, base_version=0, tensors=specs, frames=frames)))
+        r = timed(functools.partial(decode_entry, msg.tensors[0], msg.frames, (n,), torch.bfloat16, cpu), repeat)
+        out[f"scaling decode_tensor n={n} changes={k}"] = {**r, "changes": k}
+        points["decode"].append((k, r["median_s"]))
+    for side, pts in points.items():
+        (k1, t1), (k2, t2) = pts[-2], pts[-1]
+        out[f"scaling {side} n={n}"] = {
+            "median_s": pts[0][1], "best_s": pts[0][1],
+            "per_change_ns": (t2 - t1) / (k2 - k1) * 1e9, "per_tensor_us": pts[0][1] * 1e6,
+            "how": f"per change: the slope between {k1} and {k2} changes; per tensor: the time at {pts[0][0]} change",
+            # issue 14's budget: 20 us a tensor + 10 ns a change, at each count measured
+            "over_budget": {str(k): t / (20e-6 + 10e-9 * k) for k, t in pts},
+        }
+    return out
+
+
 def compress_cases(repeat: int) -> dict[str, Any]:
     from protocol.codec.compress import Codec, compress
 
@@ -245,7 +288,7 @@ def recv_cases(repeat: int) -> dict[str, Any]:
     return asyncio.run(run())
 
 
-CASES = ("mark", "codec", "compress", "pool", "header", "recv")
+CASES = ("mark", "codec", "scaling", "compress", "pool", "header", "recv")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     if "codec" in args.only:
         results.update(codec_cases(1 << 20, 0.024, args.repeat))
         results.update(codec_cases(1 << 16, 0.024, args.repeat))
+    if "scaling" in args.only:
+        results.update(scaling_cases(args.repeat))
     if "compress" in args.only:
         results.update(compress_cases(args.repeat))
     if "pool" in args.only:
@@ -273,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         results.update(recv_cases(max(5, args.repeat // 3)))
     for name, r in results.items():
         extra = f"  {r['ns_per_element']:.3f} ns/elem" if "ns_per_element" in r else ""
+        if "per_change_ns" in r:
+            budget = ", ".join(f"{k}: {x:.2f}x" for k, x in r["over_budget"].items())
+            extra = f"  -> {r['per_change_ns']:.2f} ns a change, {r['per_tensor_us']:.1f} us a tensor; vs 20 us + 10 ns/change: {budget}"
         print(f"{name:70s} median {r['median_s'] * 1e6:10.1f} us  best {r['best_s'] * 1e6:10.1f} us{extra}")
     if args.json:
         doc = {"command": "python -m benchmarks.micro " + " ".join(sys.argv[1:] if argv is None else argv),

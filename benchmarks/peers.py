@@ -27,6 +27,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -108,9 +109,9 @@ def unpack_into(flat: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
 
 
 # -- the worker ------------------------------------------------------------------------------
-def worker(rank: int, port: int, world: int) -> None:
+def worker(rank: int, port: int, world: int, master: str = "127.0.0.1") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     out = sys.stdout
     model: nn.Module | None = None
     flat: torch.Tensor | None = None
@@ -137,6 +138,20 @@ def worker(rank: int, port: int, world: int) -> None:
             started = time.perf_counter()
             model.load_state_dict(load_file(cmd["path"]), strict=True)
             answer(seconds=time.perf_counter() - started)
+        elif op == "safetensors_fetch":  # the file over the network: read it whole from a socket, then load
+            import socket
+
+            from safetensors.torch import load
+
+            assert model is not None
+            started = time.perf_counter()
+            data = bytearray()
+            with socket.create_connection((cmd["host"], cmd["port"]), timeout=300) as conn:
+                while chunk := conn.recv(1 << 20):
+                    data += chunk
+            fetched = time.perf_counter()
+            model.load_state_dict(load(bytes(data)), strict=True)
+            answer(seconds=time.perf_counter() - started, fetch_s=fetched - started, received=len(data))
         elif op == "gloo":
             assert flat is not None
             dist.broadcast(flat, src=0)
@@ -161,20 +176,49 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 # -- the trainer's side ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PeerLink:
+    """Where the workers run when they are not on this host's loopback (``benchmarks.lowbw``):
+    ``ip netns exec ns``, gloo on ``ns_if`` there and ``host_if`` here (rank 0 and the
+    rendezvous at ``host_ip``), and the safetensors file fetched over TCP from ``host_ip``
+    through ``fetch`` (host, port as the workers reach it: a delaying proxy)."""
+
+    ns: str
+    host_ip: str
+    host_if: str
+    ns_if: str
+    file_port: int  # this side serves the file here, on host_ip
+    fetch: tuple[str, int]
+
+
 class PeerGroup:
     """Two worker processes and this process as rank 0 of a gloo group."""
 
-    def __init__(self, port: int, workers: int = 2) -> None:
-        self.port, self.world = port, workers + 1
+    def __init__(self, port: int, workers: int = 2, link: PeerLink | None = None, listener: Any = None) -> None:
+        self.port, self.world, self.link, self.listener = port, workers + 1, link, listener
+        master = link.host_ip if link else "127.0.0.1"
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+        if link:
+            env["GLOO_SOCKET_IFNAME"] = link.ns_if
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.peers", "--rank", str(r), "--port", str(port), "--world", str(self.world)],
+                [*(["ip", "netns", "exec", link.ns] if link else []), sys.executable, "-m", "benchmarks.peers", "--rank", str(r),
+                 "--port", str(port), "--world", str(self.world), "--master", master],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
             )
             for r in range(1, self.world)
         ]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world, timeout=timedelta(seconds=300))
+        saved = os.environ.get("GLOO_SOCKET_IFNAME")
+        if link:
+            os.environ["GLOO_SOCKET_IFNAME"] = link.host_if  # read when the group is made
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=0, world_size=self.world, timeout=timedelta(seconds=300))
+        finally:
+            if link:
+                if saved is None:
+                    os.environ.pop("GLOO_SOCKET_IFNAME", None)
+                else:
+                    os.environ["GLOO_SOCKET_IFNAME"] = saved
         self._answers()
         self.directory = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
         self.flat: torch.Tensor | None = None
@@ -211,8 +255,14 @@ class PeerGroup:
             started = time.perf_counter()
             save_file(tensors, str(path))
             written = time.perf_counter()
-            self._send(op="safetensors", path=str(path))
-            loads = self._answers()
+            if self.link is None:
+                self._send(op="safetensors", path=str(path))
+                loads = self._answers()
+            else:  # each worker downloads the file over the link, as from a file server, then loads it
+                server = self._serve(path)
+                self._send(op="safetensors_fetch", host=self.link.fetch[0], port=self.link.fetch[1])
+                loads = self._answers()
+                server.join(60)
             ended = time.perf_counter()
             return {
                 "e2e_s": ended - started, "write_s": written - started,
@@ -220,6 +270,27 @@ class PeerGroup:
             }
         finally:
             path.unlink(missing_ok=True)
+
+    def _serve(self, path: Path) -> Any:
+        """A thread that sends ``path`` whole to each of the workers' connections, in parallel."""
+        import threading
+
+        def send(conn: Any) -> None:
+            with conn, open(path, "rb") as f:
+                conn.sendfile(f)
+
+        def serve() -> None:
+            senders = []
+            for _ in self.procs:
+                conn, _addr = self.listener.accept()
+                senders.append(threading.Thread(target=send, args=(conn,), daemon=True))
+                senders[-1].start()
+            for t in senders:
+                t.join()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        return thread
 
     def gloo(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         """Broadcast the packed state dict to both workers; until both copied it in."""
@@ -258,8 +329,9 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--world", type=int, default=3)
+    p.add_argument("--master", default="127.0.0.1", help="rank 0's address (the gloo rendezvous)")
     args = p.parse_args()
-    worker(args.rank, args.port, args.world)
+    worker(args.rank, args.port, args.world, args.master)
 
 
 if __name__ == "__main__":

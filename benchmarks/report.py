@@ -68,11 +68,27 @@ TARGETS = (
            lambda r: r.get("receiver_memory_excess") is not None, lambda r: r["receiver_memory_excess"], 0.05),
     Target("bucket_vs_zmq_raw", "every workload: bucket_Bps >= 0.8 * zmq_raw_Bps",
            lambda r: True, _ratio("bucket_Bps", "zmq_raw_Bps"), 0.8, at_least=True),
+    # issue 14's targets (beside the benchmark issue's above)
+    Target("wire_vs_entropy_floor_under_50pct", "every workload under 50% changed: wire_bytes <= 1.1 * entropy_floor_bytes",
+           lambda r: r["density"] < 0.5, _ratio("wire_bytes", "entropy_floor_bytes"), 1.1),
+    Target("e2e_patch_vs_gloo_real", "real workloads: e2e_patch_s <= 2 * e2e_gloo_s",
+           lambda r: r.get("kind") == "real", _ratio("e2e_patch_s", "e2e_gloo_s"), 2.0),
 )
+FIXED_COST_LIMIT_S = 0.005  # issue 14: an empty patch, end to end, <= 5 ms
 
 
-def evaluate_targets(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per workload, each target that applies: pass, the measured ratio and its limit."""
+def evaluate_fixed_cost(fixed: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The suite's empty-patch figure against issue 14's 5 ms (None where not measured)."""
+    if not fixed:
+        return None
+    x = fixed["e2e_s"]
+    return {"rule": "an empty patch (nothing changed, 1 tiny tensor), end to end to 2 receivers: e2e <= 5 ms",
+            "pass": bool(x <= FIXED_COST_LIMIT_S), "ratio": x / FIXED_COST_LIMIT_S, "limit": 1.0, "e2e_s": x}
+
+
+def evaluate_targets(results: list[dict[str, Any]], fixed_cost: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per workload, each target that applies: pass, the measured ratio and its limit;
+    ``fixed_cost`` (the suite's empty-patch figure) under ``suite``."""
     per: dict[str, dict[str, Any]] = {}
     passed = failed = 0
     for r in results:
@@ -80,7 +96,13 @@ def evaluate_targets(results: list[dict[str, Any]]) -> dict[str, Any]:
         per[r["workload"]] = checks
         passed += sum(c["pass"] for c in checks.values())
         failed += sum(not c["pass"] for c in checks.values())
-    return {"rules": {t.name: t.rule for t in TARGETS}, "workloads": per, "passed": passed, "failed": failed}
+    suite: dict[str, Any] = {}
+    fixed = evaluate_fixed_cost(fixed_cost)
+    if fixed is not None:
+        suite["fixed_cost_empty_patch"] = fixed
+        passed += fixed["pass"]
+        failed += not fixed["pass"]
+    return {"rules": {t.name: t.rule for t in TARGETS}, "workloads": per, "suite": suite, "passed": passed, "failed": failed}
 
 
 def missing_keys(doc: dict[str, Any]) -> list[str]:
@@ -136,9 +158,16 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(" ".join(f"{fmt(r):>{w}}" for _, w, fmt in cols))
     t = doc["targets"]
     lines.append(f"\ntargets: {t['passed']} passed, {t['failed']} failed")
-    for name, checks in t["workloads"].items():
+    for name, checks in [*t["workloads"].items(), *([("suite", t["suite"])] if t.get("suite") else [])]:
         items = [f"{k}={'PASS' if c['pass'] else 'FAIL'}({c['ratio']:.3g} vs {c['limit']:g})" for k, c in checks.items()]
         lines.append(f"  {name}: " + ", ".join(items))
+    fixed = doc.get("fixed_cost")
+    if fixed:
+        lines.append(f"fixed cost per version (empty patch, 1 tiny tensor, 2 receivers): e2e {_ms(fixed['e2e_s'])} ms, "
+                     f"build {_ms(fixed['build_s'])} ms (median of {len(fixed['e2e_s_samples'])})")
+    empty = [(r["workload"], r.get("e2e_empty_patch_s")) for r in doc["results"] if r.get("e2e_empty_patch_s") is not None]
+    if empty:
+        lines.append("unchanged state, whole model (the compare included): " + ", ".join(f"{n} {_ms(v)} ms" for n, v in empty))
     return "\n".join(lines)
 
 

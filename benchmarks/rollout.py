@@ -36,11 +36,13 @@ class RemoteReceivers:
         self._readers = [asyncio.ensure_future(self._read(i)) for i in range(len(procs))]
 
     @classmethod
-    async def start(cls, spec: dict[str, Any], endpoint: str, config: dict[str, Any], name: str, count: int = 2) -> RemoteReceivers:
+    async def start(cls, spec: dict[str, Any], endpoint: str, config: dict[str, Any], name: str, count: int = 2,
+                    prefix: tuple[str, ...] = ()) -> RemoteReceivers:
+        """``prefix`` goes before each worker's command (``ip netns exec NS`` runs it in a namespace)."""
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
         procs = [
             await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "benchmarks.rollout", "--endpoint", endpoint, "--config", json.dumps(config),
+                *prefix, sys.executable, "-m", "benchmarks.rollout", "--endpoint", endpoint, "--config", json.dumps(config),
                 "--spec", json.dumps(spec), "--identity", f"bench-{name}-{i}",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env,
             )

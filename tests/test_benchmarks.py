@@ -238,3 +238,33 @@ async def test_fanout_over_a_shaped_uplink_in_a_namespace_and_cleans_up() -> Non
     assert tree["trainer_bytes_per_version"] < 0.55 * direct["trainer_bytes_per_version"]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert "wsfan-" not in listed
+
+
+# -- low bandwidth: the receivers behind a shaped link in a network namespace ------------------
+def test_lowbw_suite_runs_every_path_across_the_shaped_link(tmp_path: Path) -> None:
+    """``python -m benchmarks --suite lowbw --tiny``: one small workload, patch, bucket,
+    safetensors (downloaded over the link) and gloo, all to receivers in a namespace behind a
+    tc-tbf-shaped veth and (but gloo) a delaying proxy; each path reports a time and the
+    bytes it put on the link, receivers are bit-exact, and the namespace is gone after."""
+    from benchmarks.lowbw import PATHS, TIMES, why_not
+
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "lowbw.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--suite", "lowbw", "--tiny", "--mbit", "400", "--rtt-ms", "40",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "lowbw" and doc["link"]["mbit"] == 400 and doc["link"]["rtt_ms"] == 40
+    assert missing_keys(doc) == []
+    (r,) = doc["results"]
+    assert r["verified_bit_exact"] is True and r["incidents"] == 0
+    for path in PATHS:
+        assert r[TIMES[path]] > 0, path
+        assert r["link_bytes"][path] > 0, path  # it crossed the shaped link
+    # the sparse patch moves less over the link than any dense path
+    assert r["link_bytes"]["patch"] < min(r["link_bytes"][p] for p in ("bucket", "safetensors", "gloo"))
+    assert "| synthetic-tiny-2% |" in done.stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert "wsfan-" not in listed
