@@ -251,8 +251,8 @@ def recv_cases(repeat: int) -> dict[str, Any]:
     import zmq
     import zmq.asyncio
 
+    from protocol.net.sockets import DealerSocket
     from protocol.wire.limits import read_bounded
-    from receiver.dealer import DealerSocket
 
     wire = [bytes(f) for f in _many_tensor_patch()]
 

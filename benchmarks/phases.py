@@ -110,22 +110,22 @@ class _TimedKernel:
 def sender_timers() -> Iterator[None]:
     """Time the sender's phases in this process while inside; the library's own functions
     are put back on exit (the harness runs in-process under pytest too)."""
-    from protocol.net import router
+    from protocol.net import sockets
     from protocol.wire import framing
     from sender import fastdiff
 
     kernels = dict(fastdiff._KERNELS)
-    stamp, send = framing.Stamper.__call__, router.RouterSocket.try_send
+    stamp, send = framing.Stamper.__call__, sockets.RouterSocket.try_send
     for parallel, (mark, collect) in kernels.items():
         fastdiff._KERNELS[parallel] = (_TimedKernel("mark", mark), _TimedKernel("collect", collect))
     framing.Stamper.__call__ = _timed("frame", stamp)  # type: ignore[method-assign]
-    router.RouterSocket.try_send = _timed("send", send)  # type: ignore[method-assign]
+    sockets.RouterSocket.try_send = _timed("send", send)  # type: ignore[method-assign]
     try:
         yield
     finally:
         fastdiff._KERNELS.update(kernels)
         framing.Stamper.__call__ = stamp  # type: ignore[method-assign]
-        router.RouterSocket.try_send = send  # type: ignore[method-assign]
+        sockets.RouterSocket.try_send = send  # type: ignore[method-assign]
 
 
 def install_receiver() -> None:
@@ -133,8 +133,9 @@ def install_receiver() -> None:
     if "receiver" in _installed:
         return
     _installed.add("receiver")
+    from protocol.net import sockets
     from protocol.wire.framing import MessageType, peek_type
-    from receiver import base, commit, dealer
+    from receiver import base, commit
 
     def is_ack(self: Any, frames: Any) -> bool:
         try:
@@ -142,8 +143,8 @@ def install_receiver() -> None:
         except Exception:
             return False
 
-    dealer.DealerSocket.recv = _timed_async("arrived", dealer.DealerSocket.recv)  # type: ignore[method-assign]
-    dealer.DealerSocket.try_send = _timed("ack", dealer.DealerSocket.try_send, when=is_ack)  # type: ignore[method-assign]
+    sockets.DealerSocket.recv = _timed_async("arrived", sockets.DealerSocket.recv)  # type: ignore[method-assign]
+    sockets.DealerSocket.try_send = _timed("ack", sockets.DealerSocket.try_send, when=is_ack)  # type: ignore[method-assign]
     base.decode_message = _timed("validate", base.decode_message)
     base.decode_entry = _timed("decode", base.decode_entry)
     stage = commit.StagedUpdate.stage.__func__  # type: ignore[attr-defined]

@@ -16,11 +16,10 @@ import zmq.asyncio
 
 from protocol.errors import WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, check_transport
+from protocol.net.sockets import DealerSocket
 from protocol.wire.framing import MessageType, decode_message, encode_message
 from protocol.wire.messages import Description, DigestRequest
 from protocol.wire.metadata import ModelMetadata
-
-from .dealer import DealerSocket
 
 
 async def ask_metadata(

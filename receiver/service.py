@@ -46,6 +46,7 @@ from protocol.errors import (
     WeightSyncTimeout,
 )
 from protocol.net.security import CurveClient, CurveServer, check_transport
+from protocol.net.sockets import DealerSocket
 from protocol.state import Placed, StateLike, resolve_state
 from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import state_digest
@@ -56,7 +57,6 @@ from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport,
 from . import memory
 from .base import PendingVersion
 from .controller import Controller
-from .dealer import DealerSocket
 from .engine import AbortHook, EngineHooks, Hook
 from .factory import make_receiver
 from .lifecycle import ControlState

@@ -45,6 +45,7 @@ from protocol.errors import (
 )
 from protocol.host.shm import Layout, Region
 from protocol.host.snapfile import write_snapshot
+from protocol.net.sockets import handoff_socket
 from protocol.state import StateLike, materialize, resolve_state
 
 __all__ = ["SidecarClient", "write_snapshot"]
@@ -95,8 +96,7 @@ class SidecarClient:
         self.sidecar_session: str | None = None
         self._region: Region | None = None
         self._pending: int | None = None
-        self._socket = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket = handoff_socket(context or zmq.Context.instance(), zmq.DEALER)
         self._socket.connect(handoff)
         self._closed = False
 
@@ -134,7 +134,7 @@ class SidecarClient:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._pending is not None:
-            if self._socket.poll(self.resend_interval * 1000):
+            if self._socket.poll(max(1, int(self.resend_interval * 1000))):
                 self._on_reply(decode(self._socket.recv()))
                 continue
             if deadline is not None and time.monotonic() > deadline:

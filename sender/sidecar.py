@@ -23,6 +23,7 @@ import zmq.asyncio
 from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, WeightSyncError
 from protocol.host.cli import report
 from protocol.host.shm import Layout, Region
+from protocol.net.sockets import handoff_socket
 
 from .client import decode, encode, error_reply
 from .service import Sender
@@ -128,8 +129,7 @@ class ShmSidecar:
 async def serve_shm(args: argparse.Namespace, stop: asyncio.Event) -> None:
     """Run the ``ipc`` sidecar until ``stop``."""
     context = zmq.asyncio.Context.instance()
-    handoff = context.socket(zmq.ROUTER)
-    handoff.setsockopt(zmq.LINGER, 0)
+    handoff = handoff_socket(context, zmq.ROUTER)
     handoff.bind(args.handoff)
     sidecar = ShmSidecar(args, context)
     report("handoff", endpoint=args.handoff, shm=args.shm)

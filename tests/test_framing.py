@@ -422,7 +422,7 @@ def test_config_unreadable_yaml(tmp_path):
         load_config(path)
 
 
-# -- routing and receiving (receiver/dealer.py) -----------------------------------------------
+# -- routing and receiving (protocol/net/sockets.py) -----------------------------------------------
 @pytest.mark.parametrize("mtype", list(MessageType))
 def test_peek_type_matches_the_decoded_type(mtype):
     frames = encode_message(Message(mtype, version=3, body={"pad": "x" * 1000}))
@@ -449,8 +449,8 @@ async def test_dealer_receives_a_many_frame_message_whole_and_bounded():
     import zmq
     import zmq.asyncio
 
+    from protocol.net.sockets import DealerSocket
     from protocol.wire.limits import LimitError, Limits
-    from receiver.dealer import DealerSocket
 
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)

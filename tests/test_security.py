@@ -51,7 +51,6 @@ from daemon_helpers import (
 from protocol.codec.compress import Codec
 from protocol.codec.tensorcodec import assemble, encode_dense
 from protocol.errors import ConfigError, ProtocolError, WeightSyncError
-from protocol.net.router import RouterSocket
 from protocol.net.security import (
     CurveClient,
     CurveServer,
@@ -62,10 +61,10 @@ from protocol.net.security import (
     load_secret,
     write_keypair,
 )
+from protocol.net.sockets import DealerSocket, RouterSocket
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message
 from protocol.wire.limits import LimitError, Limits
 from receiver import Receiver
-from receiver.dealer import DealerSocket
 from sender import Sender
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE (built without libsodium)")
@@ -148,7 +147,7 @@ async def test_curve_admits_only_allowed_keys_and_logs_the_rest(
     keys: dict[str, KeyPair], tmp_path: Path, caplog: pytest.LogCaptureFixture, reliability: Any
 ) -> None:
     caplog.set_level(logging.WARNING, logger="protocol.net.zap")
-    caplog.set_level(logging.WARNING, logger="receiver.dealer")
+    caplog.set_level(logging.WARNING, logger="protocol.net.sockets")
     trainer = Trainer()
     async with daemons() as made:
         sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], curve=server(keys, tmp_path), **DAEMON_KW)
@@ -174,7 +173,7 @@ async def test_curve_admits_only_allowed_keys_and_logs_the_rest(
         assert list(sender.receivers) == ["allowed"]
         assert sender.rejected_handshakes >= 1 and sender.rejected_keys == {stranger_key}
         assert any(stranger_key in r.getMessage() and "not in the allowlist" in r.getMessage() for r in caplog.records)
-        assert any(r.name == "receiver.dealer" and "refused this receiver's key" in r.getMessage() for r in caplog.records)
+        assert any(r.name == "protocol.net.sockets" and "refused this receiver's key" in r.getMessage() for r in caplog.records)
         reliability.record(curve_versions_applied=len(allowed.stats), curve_rejected_handshakes=sender.rejected_handshakes)
 
 
@@ -182,7 +181,7 @@ async def test_curve_admits_only_allowed_keys_and_logs_the_rest(
 async def test_receivers_without_the_right_keys_never_connect(
     keys: dict[str, KeyPair], tmp_path: Path, case: str, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="receiver.dealer")
+    caplog.set_level(logging.WARNING, logger="protocol.net.sockets")
     trainer = Trainer()
     async with daemons() as made:
         sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], curve=server(keys, tmp_path), **DAEMON_KW)

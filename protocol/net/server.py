@@ -29,8 +29,8 @@ import zmq.asyncio
 
 from protocol.errors import UNKNOWN_PEER, ConfigError, ProtocolError, ResyncLimitError, WeightSyncError, WeightSyncTimeout
 from protocol.net.peers import Peer
-from protocol.net.router import PeerGone, RouterSocket
 from protocol.net.security import CurveServer, check_transport
+from protocol.net.sockets import PeerGone, RouterSocket
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, Stamper, decode_message
 from protocol.wire.limits import Limits

@@ -1,0 +1,247 @@
+"""Every ZeroMQ socket weightsync opens, with its options, and how each sends: the one
+place that knows them.
+
+``RouterSocket`` serves versions (the sender's, and a relay's). Sends never block: a peer
+whose queue is full gets ``False`` back (the caller keeps the message and retries
+later), and a peer that is gone raises ``PeerGone`` (ROUTER_MANDATORY turns silent drops
+into errors). With ``curve`` it is a CURVE server: traffic is encrypted and only
+receivers whose public key is in the allowlist complete the handshake
+(``protocol/net/zap.py`` decides and logs each refused key).
+
+``DealerSocket`` is a receiver's connection to it, under a stable identity. With
+``curve`` it is a CURVE client: it completes a handshake only with the sender whose
+public key it was given, and only if the sender admits its own key; otherwise it keeps
+retrying and never connects. ``recv`` awaits a message's first part only: ZeroMQ
+delivers a multipart message atomically, so the rest is read at once without waiting,
+counted as it is read (``MessageCounter``), and dropped part by part past a limit. One
+await a message instead of one a frame (``python -m benchmarks.micro --only recv``).
+
+``handoff_socket``: the local hand-off between a trainer and its sender sidecar.
+
+Inbound messages are bounded by ``limits`` on both: ZeroMQ drops a connection that
+sends a frame over ``MAXMSGSIZE``, and ``recv`` refuses a message over its frame count or
+byte total without keeping its parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, overload
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from protocol.net import zap
+from protocol.net.security import CurveClient, CurveServer
+from protocol.wire.buffers import Buffer
+from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits, MessageCounter, read_bounded
+
+log = logging.getLogger(__name__)
+
+SNDHWM = 1000  # frames queued per peer before sends report "full"; credits bound it first
+
+
+class PeerGone(Exception):
+    """The peer's connection is gone (EHOSTUNREACH)."""
+
+
+def bindable(endpoint: str) -> str:
+    """``tcp://host:0`` means any free port, which ZeroMQ spells ``tcp://host:*``."""
+    return endpoint[:-2] + ":*" if endpoint.startswith("tcp://") and endpoint.endswith(":0") else endpoint
+
+
+class RouterSocket:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        endpoint: str,
+        *,
+        curve: CurveServer | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        on_reject: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """``on_reject(address, public_key)`` is called (from the ZAP thread) for each
+        CURVE handshake refused because its key is not allowed."""
+        sock = context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting receiver takes over its identity
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, 0)  # acks and heartbeats are tiny; never drop them
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_bytes)
+        self.limits = limits
+        self.oversized = 0  # messages discarded for exceeding a limit
+        self._context, self._domain = context, None
+        if curve is not None:
+            self._domain = f"weightsync-{uuid.uuid4().hex}"
+            zap.register(context, self._domain, curve.allowed, on_reject)  # before bind: no unchecked handshake
+            sock.setsockopt(zmq.ZAP_DOMAIN, self._domain.encode())
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.keys.secret)
+        try:
+            sock.bind(bindable(endpoint))
+        except BaseException:
+            sock.close(linger=0)
+            self._unregister()
+            raise
+        self.sock = sock
+        self.endpoint = bytes(sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
+
+    def _unregister(self) -> None:
+        if self._domain is not None:
+            zap.unregister(self._context, self._domain)
+            self._domain = None
+
+    async def recv(self) -> tuple[bytes, list[memoryview]]:
+        """The next message within ``limits``: the peer's identity and its frames.
+        Messages over a limit are drained part by part, logged and skipped."""
+        while True:
+            identity = bytes((await self.sock.recv(copy=False)).buffer)
+            try:
+                frames = await read_bounded(lambda: self.sock.recv(copy=False), self.limits)
+            except LimitError as e:
+                self.oversized += 1
+                log.warning("discarded a message from %r: %s", identity, e)
+                continue
+            return identity, frames
+
+    def try_send(self, identity: bytes, frames: Sequence[Buffer]) -> bool:
+        """Queue a whole message for ``identity`` without blocking; False when its queue is full."""
+        future: Any = self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        if not future.done():  # cannot happen with NOBLOCK; keep the message either way
+            return True
+        error = future.exception()
+        if error is None:
+            return True
+        if isinstance(error, zmq.Again):
+            return False
+        if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
+            raise PeerGone(identity.decode(errors="replace"))
+        raise error
+
+    async def aclose(self, timeout: float = 1.0) -> None:
+        """Close, and return only once the endpoint is free to bind again: ZeroMQ releases
+        it in the background, so a sender restarted at once could find it still taken."""
+        if self.endpoint.startswith("inproc://"):  # no listener to wait for
+            self.sock.close(linger=0)
+            self._unregister()
+            return
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        try:
+            self.sock.unbind(self.endpoint)
+            await asyncio.wait_for(monitor.recv_multipart(), timeout)
+        except (zmq.ZMQError, TimeoutError):
+            log.warning("endpoint %s may still be bound after close", self.endpoint)
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(linger=0)
+            self.sock.close(linger=0)
+            self._unregister()
+
+
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+class DealerSocket:
+    """Connects to the sender's ROUTER under a stable identity, so the sender knows a
+    reconnecting receiver (ROUTER_HANDOVER hands it the new connection)."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        endpoint: str,
+        identity: bytes,
+        *,
+        curve: CurveClient | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # the sender's credits bound what can be queued here
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_bytes)
+        if curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.keys.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.keys.secret)
+        self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        sock.connect(endpoint)
+        self.sock = sock
+        self._blocking: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, without the event loop: NOBLOCK reads
+        self.limits = limits
+        self.curve = curve
+        self.endpoint = endpoint
+        self.handshake_failures = 0
+
+    async def watch_handshakes(self, name: str) -> None:
+        """Log why handshakes with the sender fail (a wrong key otherwise looks like a
+        sender that never answers). Runs until cancelled; the first failure of each kind
+        is a warning, repeats (ZeroMQ retries) are debug."""
+        seen: set[int] = set()
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            self.handshake_failures += 1
+            kind = int(event["event"])
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                why = (f"the sender refused this receiver's key (ZAP status {event['value']}): "
+                       f"add {self.curve.keys.public.decode() if self.curve else 'its public key'} to the sender's allowlist")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                why = "the sender and this receiver disagree on security (CURVE on one side, plaintext on the other)"
+            elif self.curve is not None:
+                why = "CURVE handshake failed: the sender's key is not the --curve-server-key given here"
+            else:
+                why = "handshake failed"
+            (log.debug if kind in seen else log.warning)("receiver %s, sender %s: %s", name, self.endpoint, why)
+            seen.add(kind)
+
+    async def send(self, frames: Sequence[Buffer]) -> None:
+        await self.sock.send_multipart(list(frames), copy=False)
+
+    def try_send(self, frames: Sequence[Buffer]) -> bool:
+        """Queue a message without waiting; False when it cannot be queued now (no
+        connection, or a full queue). Acks and heartbeats repeat, so dropping one is safe."""
+        future: Any = self.sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
+        return not future.done() or future.exception() is None
+
+    async def recv(self) -> list[memoryview]:
+        """The next message; ``LimitError`` (after draining it) when it exceeds ``limits``.
+        The header's size is checked before anything reads it (the first part counted)."""
+        counter = MessageCounter(self.limits)
+        frame = await self.sock.recv(copy=False)
+        kept = [frame.buffer] if counter.add(len(frame)) else []
+        more = frame.more
+        del frame
+        while more:
+            try:
+                frame = self._blocking.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # not expected (delivery is atomic), but never spin or block here
+                frame = await self.sock.recv(copy=False)
+            if counter.add(len(frame)):
+                kept.append(frame.buffer)
+            elif kept:
+                kept.clear()
+            more = frame.more
+            del frame
+        if counter.error is not None:
+            raise counter.error
+        return kept
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+@overload
+def handoff_socket(context: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket: ...
+@overload
+def handoff_socket(context: zmq.Context[Any], kind: int) -> zmq.Socket[Any]: ...
+def handoff_socket(context: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+    """A socket of the trainer / sender-sidecar hand-off (local, tiny messages): closes
+    without lingering, so a stopped peer never holds its process open."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
