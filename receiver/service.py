@@ -45,6 +45,7 @@ from protocol.errors import (
     WeightSyncError,
     WeightSyncTimeout,
 )
+from protocol.net.heartbeat import ticks
 from protocol.net.security import CurveClient, CurveServer, check_transport
 from protocol.net.sockets import DealerSocket
 from protocol.state import Placed, StateLike, resolve_state
@@ -71,7 +72,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STALL_GRACE = 0.5  # seconds a heartbeat tick may be late before the loop counts as stalled
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
 _FATAL = (MetadataMismatchError, ConfigError, ResyncLimitError)  # reconnecting would not help
 Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's address before each session
@@ -568,14 +568,8 @@ class Receiver:
                     inbox.put_nowait(frames)
 
         async def beat() -> None:
-            tick = time.monotonic()
-            while True:
-                await asyncio.sleep(self.heartbeat_interval)
+            async for now, stalled in ticks(self.heartbeat_interval):  # a stalled loop is not a dead sender
                 sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=self.version, body=self._below().to_body())))
-                now = time.monotonic()
-                # Woken late, this loop was blocked and the sender's messages are still
-                # unread: a stalled loop is not a dead sender. Judge on the next tick.
-                stalled, tick = now - tick > 2 * self.heartbeat_interval + STALL_GRACE, now
                 silent = now - last_seen[0]
                 if silent > self.peer_timeout and not stalled:
                     inbox.put_nowait(_Reconnect(f"no message from the sender for {silent:.1f}s"))

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import UNKNOWN_PEER, ConfigError, ProtocolError, ResyncLimitError, WeightSyncError, WeightSyncTimeout
+from protocol.net.heartbeat import ticks
 from protocol.net.peers import Peer
 from protocol.net.security import CurveServer, check_transport
 from protocol.net.sockets import PeerGone, RouterSocket
@@ -40,7 +41,6 @@ from protocol.wire.metadata import ModelMetadata
 log = logging.getLogger(__name__)
 
 _Server = TypeVar("_Server", bound="VersionServer")
-STALL_GRACE = 0.5  # seconds a heartbeat tick may be late before the loop counts as stalled
 
 
 @dataclass
@@ -527,13 +527,7 @@ class VersionServer:
             await self._notify()
 
     async def _heartbeat(self) -> None:
-        tick = time.monotonic()
-        while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            now = time.monotonic()
-            # Woken late, this loop was blocked (a long GIL-holding call, say): the peers'
-            # messages are still queued, unread. Judge silence on the next tick instead.
-            stalled, tick = now - tick > 2 * self.heartbeat_interval + STALL_GRACE, now
+        async for now, stalled in ticks(self.heartbeat_interval):  # a stalled tick judges no silence
             for peer in list(self._peers.values()):
                 if now - peer.last_seen > self.peer_timeout and not stalled:
                     await self._drop(peer, f"silent for {now - peer.last_seen:.1f}s")
