@@ -57,6 +57,11 @@ class PlacementError(ConfigError):
     element by element (its loader transforms the values); names the tensor."""
 
 
+class GatherOrderError(WeightSyncError):
+    """A gather the other ranks are not making: out of order, twice, or outside a sync.
+    Raised before the collective, on the rank that would have made it."""
+
+
 class SharedMemoryError(WeightSyncError):
     """A shared-memory region is missing or malformed, or a writer that crashed left it torn."""
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
-from protocol.errors import ConfigError, WeightSyncError
+from protocol.errors import ConfigError, GatherOrderError, WeightSyncError
 from protocol.state import ModelState, gathering, is_dtensor, resolve_state, sync_keys
 
 if TYPE_CHECKING:
@@ -42,11 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RELEASE_WAIT = 1.0  # seconds a gather waits for the previous gathered tensor to be freed
-
-
-class GatherOrderError(WeightSyncError):
-    """A gather the other ranks are not making: out of order, twice, or outside a sync.
-    Raised before the collective, on the rank that would have made it."""
 
 
 def gather_order(state: ModelState) -> list[str]:

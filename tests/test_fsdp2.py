@@ -26,11 +26,12 @@ import torch.multiprocessing as mp
 
 from examples.fsdp2_trainer import build_sharded, free_port, full_bf16_digest
 from examples.tiny_model import build, train_step
+from protocol.errors import GatherOrderError
 from protocol.state import gathering, materialize, resolve_state
 from protocol.wire.checksum import state_digest
 from receiver import Receiver
 from sender import Sender, fsdp
-from sender.fsdp import GatherOrderError, ShardedSync, _Leader, gather_order
+from sender.fsdp import ShardedSync, _Leader, gather_order
 
 WORLD = 2
 VERSIONS = 4
