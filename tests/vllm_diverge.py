@@ -13,13 +13,10 @@ loaded from the trainer's v2 weights. Prints one JSON object.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from proxy import Corrupt, Proxy, Wire  # noqa: E402
+from vllm_faults import background_loop, wait  # noqa: E402
 
 from examples.vllm_rollout import CONFIG, Trainer, checksums, engine, generate  # noqa: E402
 from protocol.wire.framing import MessageType  # noqa: E402
@@ -74,20 +72,8 @@ def pendings(llm: Any) -> list[int | None]:
     return sorted((p for _, p in llm.collective_rpc(worker_versions)), key=lambda p: -1 if p is None else p)
 
 
-def wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def main() -> int:
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-
-    def run(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+    run = background_loop()
 
     trainer = Trainer(tie=False, lr=2e-6)
     port = int(trainer.sender.endpoint.rsplit(":", 1)[1])

@@ -92,12 +92,15 @@ def wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def main() -> int:
+def background_loop() -> Any:
+    """An event loop on a daemon thread (the proxy's), and how to run a coroutine on it."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
+    return lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)
 
-    def run(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+def main() -> int:
+    run = background_loop()
 
     trainer = TrainerProcess("tcp://127.0.0.1:0", seed=0)
     port = int(trainer.endpoint.rsplit(":", 1)[1])

@@ -44,6 +44,7 @@ from protocol.wire.framing import MessageType
 from protocol.wire.metadata import ModelMetadata
 
 from ..base import PendingVersion
+from ..commit import StagedUpdate
 from ..describe import ask_metadata
 from ..engine import parse_version
 from ..naming import AGENT_PREFIX
@@ -282,19 +283,20 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 self.layout.install(ahead.prepack, layer)
             installed = set(ahead.prepack.layers)
             self._installed += len(installed)
-        keys = [self._names[self._keys[o]] for o in self._ordinals(pending)]
-        for layer in self.layout.layers_of(dict.fromkeys(keys)):
+        names = {name for name, _ in self._writes(pending)}
+        for layer in self.layout.layers_of(names):
             if layer not in installed:
                 self._stale[layer] = None
             else:
                 self._stale.pop(layer, None)
 
-    def _ordinals(self, pending: PendingVersion) -> list[int]:
-        """Every tensor a version writes: each update's, and its untied aliases'."""
+    def _writes(self, pending: PendingVersion) -> list[tuple[str, StagedUpdate]]:
+        """(checkpoint name, update) of every tensor a version writes: each update's own,
+        and its untied aliases' (one update, several names)."""
         receiver = self.receiver
         assert receiver is not None
         aliases = receiver.strategy.aliases
-        return [o for u in pending.updates for o in (u.ordinal, *aliases.get(u.ordinal, ()))]
+        return [(self._names[self._keys[o]], u) for u in pending.updates for o in (u.ordinal, *aliases.get(u.ordinal, ()))]
 
     async def _prepack(self, pending: PendingVersion) -> None:
         """Once a patch is staged (before it can be committed): re-pack the layers it
@@ -304,19 +306,17 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._ahead = None
         if pending.type is not MessageType.PATCH:
             return  # a resync re-packs every layer inside update_weights
-        layout, receiver = self.layout, self.receiver
-        assert layout is not None and receiver is not None
-        aliases = receiver.strategy.aliases
-        names = {o: self._names[self._keys[o]] for u in pending.updates for o in (u.ordinal, *aliases.get(u.ordinal, ()))}
-        writes = [(names[o], u) for u in pending.updates for o in (u.ordinal, *aliases.get(u.ordinal, ()))]
+        layout = self.layout
+        assert layout is not None
+        writes = self._writes(pending)
         started = time.perf_counter()
         try:
-            prepack = await asyncio.to_thread(layout.prepack, layout.layers_of(dict.fromkeys(names.values())), writes)
+            prepack = await asyncio.to_thread(layout.prepack, layout.layers_of(dict.fromkeys(name for name, _ in writes)), writes)
         except Exception as e:  # logged; update_weights re-packs these layers inline
             log.warning("weightsync: re-packing v%s ahead failed, it will re-pack inside update_weights: %s", pending.version, e)
             return
-        held = {o: layout.holds(prepack, name) for o, name in names.items()}
-        pending.updates[:] = [u for u in pending.updates if not all(held[o] for o in (u.ordinal, *aliases.get(u.ordinal, ())))]
+        partly = {id(u) for name, u in writes if not layout.holds(prepack, name)}  # some name of it is not in the copies
+        pending.updates[:] = [u for u in pending.updates if id(u) in partly]
         self._ahead = _Ahead(pending, prepack)
         self.last_prepack_s = time.perf_counter() - started
 
