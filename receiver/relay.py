@@ -43,13 +43,12 @@ from .rwlock import ReadWriteLock
 WriteGuard = Callable[[], AbstractAsyncContextManager[Any]]
 
 
-class Relay(VersionServer):
-    """Serves ``strategy``'s applied versions of ``state()`` at ``endpoint``.
+class Relay:
+    """Serves ``strategy``'s applied versions of ``state()`` at ``endpoint``: the
+    ``VersionSource`` of its ``server``.
 
     Built by ``Receiver(..., relay_endpoint=...)``; ``lock`` is that receiver's model lock.
     """
-
-    role = "relay"
 
     def __init__(
         self,
@@ -62,7 +61,7 @@ class Relay(VersionServer):
         **server: Any,
     ) -> None:
         """``server``: ``VersionServer``'s options (ring size, credits, timings, context, CURVE)."""
-        super().__init__(endpoint, **server)
+        self.server = VersionServer(endpoint, role="relay", **server)
         self._strategy, self._state, self._model_lock = strategy, state, lock
         self._bucket_size = bucket_size
         strategy.keep_messages = True  # what it commits is what this relay forwards
@@ -70,10 +69,14 @@ class Relay(VersionServer):
 
     def start(self) -> None:
         """Bind and serve; the receiver has completed its first handshake."""
-        self._moved(self._strategy.version)
+        server = self.server
+        server.moved(self._strategy.version)
         if self._strategy.session is not None:
-            self.stamp.session = self._strategy.session
-        self._open(Limits.for_control(resolve_state(self._state()).tensors))
+            server.stamp.session = self._strategy.session
+        server.start(self, Limits.for_control(resolve_state(self._state()).tensors))
+
+    async def close(self) -> None:
+        await self.server.close()
 
     def guard(self, write: WriteGuard) -> WriteGuard:
         """Wrap the receiver's write guard: commits and what children are served exclude
@@ -81,42 +84,41 @@ class Relay(VersionServer):
 
         @asynccontextmanager
         async def guarded() -> AsyncIterator[None]:
-            async with self._lock, write():
+            async with self.server.lock, write():
                 yield
 
         return guarded
 
     def _committed(self, pending: PendingVersion) -> None:
         """The receiver applied ``pending`` (called inside ``guard``): serve it onwards."""
-        messages, version = pending.messages, pending.version
+        messages, version, server = pending.messages, pending.version, self.server
         pending.messages = []
         session = self._strategy.session
-        if session is not None and session != self.stamp.session:  # a new upstream lineage
-            self.stamp.session = session
-            self._ring.clear()
+        if session is not None and session != server.stamp.session:  # a new upstream lineage
+            server.stamp.session = session
+            server.forget()
         if pending.type is MessageType.PATCH and version is not None and len(messages) == 1:
-            self._moved(version)
-            self._add_patch(pending.base_version, version, self.stamp(messages[0]))
+            server.moved(version)
+            server.publish_patch(pending.base_version, version, server.stamp(messages[0]))
         elif pending.type is MessageType.BUCKET and version is not None:
-            self._moved(version)
-            self._set_bucket(version, [self.stamp(m) for m in messages])
-            self._wake_all()
+            server.moved(version)
+            server.publish_buckets(version, [server.stamp(m) for m in messages])
         else:  # a bootstrap (a resync from upstream): children behind it are resynced too
-            self._ring.clear()
-            self._bucket_frames = None
-            self._moved(version)
-            self._wake_all()
+            server.forget()
+            server.moved(version)
 
-    # -- what the server asks -----------------------------------------------------------
-    async def _admit(self, hello: Message) -> None:
+    # -- VersionSource: what the server asks ----------------------------------------------
+    async def admit(self, hello: Hello) -> Welcome:
         metadata = self._strategy.metadata
         if metadata is None:
             raise WeightSyncError("this relay has not completed its own handshake yet")
-        metadata.require_same(Hello.from_body(hello.body).metadata, "this relay's model")
+        metadata.require_same(hello.metadata, "this relay's model")
+        aliases = tuple((a, c) for c, group in self._strategy.aliases.items() for a in group)
+        return Welcome(self._strategy.strategy, aliases, 0)
 
-    async def _bootstrap(self) -> list[Message]:
+    async def bootstrap(self, version: int | None) -> list[Message]:
         metadata = self._strategy.metadata
-        if metadata is None or self._strategy.version != self.version:
+        if metadata is None or self._strategy.version != version:
             raise StateError("this relay's weights are released (asleep): it cannot build a bootstrap until it wakes")
         aliases = {a for group in self._strategy.aliases.values() for a in group}
         keys = [k for i, k in enumerate(metadata.keys) if i not in aliases]
@@ -124,21 +126,17 @@ class Relay(VersionServer):
         buckets = plan_buckets(keys, lambda k: tensors[k].numel() * tensors[k].element_size(), self._bucket_size)
         messages = bucket_messages(
             MessageType.BOOTSTRAP, buckets, tensors.__getitem__, metadata.ordinal, lambda _, t: t, None,
-            version=self.version, copy=True,  # copies: the model moves on while frames are queued
+            version=version, copy=True,  # copies: the model moves on while frames are queued
         )
         async with self._model_lock.reading():
             return await asyncio.to_thread(list, messages)
 
-    async def _compute_digest(self) -> str:
-        if self._strategy.version != self.version:  # under the lock, as the release is
+    async def digest(self, version: int | None) -> str:
+        if self._strategy.version != version:  # under the lock, as the release is
             raise StateError("this relay's weights are released (asleep): it has no digest until it wakes")
         tensors = resolve_state(self._state()).tensors
         async with self._model_lock.reading():
             return await asyncio.to_thread(state_digest, tensors, list(tensors))
 
-    def _describe(self) -> ModelMetadata | None:
+    def describe(self) -> ModelMetadata | None:
         return self._strategy.metadata
-
-    def _welcome(self, version: int | None, bootstrap_parts: int) -> Message:
-        aliases = tuple((a, c) for c, group in self._strategy.aliases.items() for a in group)
-        return Welcome(self._strategy.strategy, aliases, bootstrap_parts).to_message(version)

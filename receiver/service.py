@@ -221,7 +221,7 @@ class Receiver:
         await self._wait(lambda: self._ready.is_set(), timeout, what="the first handshake")
         if self.relay is not None:
             self.relay.start()
-            log.info("receiver %s relays at %s", self.identity, self.relay.endpoint)
+            log.info("receiver %s relays at %s", self.identity, self.relay.server.endpoint)
         return self
 
     @property
@@ -233,7 +233,7 @@ class Receiver:
     @property
     def relay_endpoint(self) -> str | None:
         """Where this receiver relays, with the real port once started; None if it does not."""
-        return None if self.relay is None else self.relay.endpoint
+        return None if self.relay is None else self.relay.server.endpoint
 
     def reading(self) -> AbstractAsyncContextManager[None]:
         """Hold the model still: no version is committed while inside."""
@@ -366,7 +366,7 @@ class Receiver:
     def healthy(self) -> bool:
         """Started, not closed, and not stopped by an error (its relay's included)."""
         running = self._task is not None and not self._task.done() and self._failure is None and not self._closed
-        return running and (self.relay is None or self.relay.failure is None)
+        return running and (self.relay is None or self.relay.server.failure is None)
 
     def status(self) -> dict[str, Any]:
         """Versions and state, as ``GET /v1/version`` reports them."""
@@ -374,7 +374,7 @@ class Receiver:
             "identity": self.identity,
             "endpoint": self.endpoint,
             "relay_endpoint": self.relay_endpoint,
-            "relay_receivers": None if self.relay is None else len(self.relay.receivers),
+            "relay_receivers": None if self.relay is None else len(self.relay.server.receivers),
             "version": self.version,
             "pending_version": self.pending_version,
             "is_paused": self._lifecycle.paused,
@@ -382,7 +382,7 @@ class Receiver:
             "connected": self.connected,
             "reconnects": self.reconnects,
             "healthy": self.healthy,
-            "error": _describe_error(self._failure or (None if self.relay is None else self.relay.failure)),
+            "error": _describe_error(self._failure or (None if self.relay is None else self.relay.server.failure)),
         }
 
     async def _leave_session(self) -> None:
@@ -744,7 +744,7 @@ class Receiver:
 
     def _below(self) -> Ack:
         """A relay tells its parent about the receivers below it (see ``Sender.wait_acked(tree=True)``)."""
-        return Ack(None if self.relay is None else self.relay.subtree())
+        return Ack(None if self.relay is None else self.relay.server.subtree())
 
     def _record(self, stats: ApplyStats) -> None:
         self.metrics.applied(stats)

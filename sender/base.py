@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from protocol.config import SyncConfig, load_config
-from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
+from protocol.errors import ConfigError, MetadataMismatchError, StaleVersionError, WeightSyncError
 from protocol.state import ModelState, StateLike, resolve_state
 from protocol.wire.buffers import Buffer
-from protocol.wire.framing import Message, MessageType, Stamper, decode_message
+from protocol.wire.framing import Message, Stamper, decode_message
 from protocol.wire.messages import ErrorReport, Hello
 
 from .plan import SyncPlan
@@ -31,11 +31,10 @@ def check_next_version(current: int | None, version: int) -> None:
         raise StaleVersionError(f"version {version} does not follow {current}", current=current, got=version)
 
 
-def plan_for(state: ModelState, hello: Message, config: SyncConfig) -> SyncPlan:
-    """Check a HELLO against the trainer's model; ``MetadataMismatchError`` names the key."""
-    if hello.type is not MessageType.HELLO:
-        raise ProtocolError(f"expected HELLO, got {hello.describe()}")
-    return SyncPlan(state, Hello.from_body(hello.body).metadata, config.init_sync)
+def plan_for(state: ModelState, hello: Hello, config: SyncConfig) -> SyncPlan:
+    """Check a HELLO against the trainer's model; ``MetadataMismatchError`` names the key.
+    The first receiver's handshake, here and in the daemon (``sender/source.py``)."""
+    return SyncPlan(state, hello.metadata, config.init_sync)
 
 
 async def send_all(send: Send, stamp: Stamper, messages: Iterator[Message]) -> int:
@@ -78,7 +77,7 @@ class SenderBase:
         ``MetadataMismatchError`` is raised here.
         """
         state = resolve_state(model, trainable_keys)
-        hello = decode_message(await recv())
+        hello = Hello.from_message(decode_message(await recv()))
         try:
             plan = plan_for(state, hello, self.config)
         except (MetadataMismatchError, ConfigError) as e:
@@ -86,7 +85,7 @@ class SenderBase:
             raise
         self.plan, self.version = plan, version
         parts, bootstrap = plan.bootstrap(version)
-        await send(self.stamp(plan.welcome(self.strategy, version, parts)))
+        await send(self.stamp(plan.welcome(self.strategy, parts).to_message(version)))
         started = time.perf_counter()
         nbytes = await send_all(send, self.stamp, bootstrap)
         log.info("bootstrap sent: %d buckets, %d bytes in %.3fs (version %s)", parts, nbytes, time.perf_counter() - started, version)

@@ -81,6 +81,6 @@ class SyncPlan:
         )
         return len(buckets), messages
 
-    def welcome(self, strategy: str, version: int | None, bootstrap_parts: int) -> Message:
-        aliases = tuple((a, c) for a, c in self.wire_aliases())
-        return Welcome(strategy, aliases, bootstrap_parts).to_message(version)
+    def welcome(self, strategy: str, bootstrap_parts: int = 0) -> Welcome:
+        """What a receiver of this plan is told in WELCOME."""
+        return Welcome(strategy, tuple((a, c) for a, c in self.wire_aliases()), bootstrap_parts)

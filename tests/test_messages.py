@@ -9,6 +9,7 @@ it, so the order is part of the bytes).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -182,7 +183,16 @@ async def test_a_senders_and_a_relays_welcome_are_the_old_dict() -> None:
     assert welcome.type is MessageType.WELCOME and bootstrap and all(m.type is MessageType.BOOTSTRAP for m in bootstrap)
     assert body_items(sent[0]) == list({"strategy": "patch", "aliases": [[1, 0]], "bootstrap": len(bootstrap)}.items())
 
-    relay = SimpleNamespace(_strategy=SimpleNamespace(strategy="patch", aliases={0: [1], 2: [3, 4]}))
-    msg = Relay._welcome(relay, 9, 2)  # type: ignore[arg-type]  # only its strategy is read
+    said = Hello.from_message(hello)
+    relay = SimpleNamespace(_strategy=SimpleNamespace(strategy="patch", aliases={0: [1], 2: [3, 4]}, metadata=said.metadata))
+    welcome = await Relay.admit(relay, said)  # type: ignore[arg-type]  # only its strategy is read
+    msg = dataclasses.replace(welcome, bootstrap=2).to_message(9)  # as the server sends it
     assert (msg.type, msg.version) == (MessageType.WELCOME, 9)
     assert body_items(encode_message(msg)) == list({"strategy": "patch", "aliases": [[1, 0], [3, 2], [4, 2]], "bootstrap": 2}.items())
+
+
+def test_from_message_refuses_a_message_of_another_type() -> None:
+    welcome = Welcome("patch", (), 0).to_message(3)
+    assert Welcome.from_message(welcome) == Welcome("patch", (), 0)
+    with pytest.raises(ProtocolError, match="expected HELLO, got WELCOME"):
+        Hello.from_message(welcome)

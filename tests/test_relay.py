@@ -90,12 +90,12 @@ async def test_two_level_tree_is_bit_identical_and_trainer_serves_each_version_o
             version = await t.step(relay, *leaves)
             await asyncio.wait_for(sender.wait_acked(version), T)
             assert relay.relay is not None
-            await asyncio.wait_for(relay.relay.wait_acked(version), T)
+            await asyncio.wait_for(relay.relay.server.wait_acked(version), T)
         assert list(sender.receivers) == ["relay"]
-        assert relay.relay is not None and sorted(relay.relay.receivers) == ["leaf-0", "leaf-1"]
+        assert relay.relay is not None and sorted(relay.relay.server.receivers) == ["leaf-0", "leaf-1"]
         assert relay.status()["relay_receivers"] == 2
         if mode == "patch":  # leaves were caught up by the forwarded patches, not resynced
-            assert all(p["resyncs"] == 0 for p in relay.relay.receivers.values())
+            assert all(p["resyncs"] == 0 for p in relay.relay.server.receivers.values())
             assert all(leaf.stats[v].kind == "patch" for leaf in leaves for v in range(1, 5))
 
 
@@ -133,7 +133,7 @@ async def test_late_leaf_is_bootstrapped_by_the_relay_and_a_slow_one_caught_up_f
         await late.wait_for_version(6, timeout=T)
         await assert_matches(late, t.trainer, 6)
         assert [late.stats[v].kind for v in (5, 6)] == ["patch", "patch"]
-        assert relay.relay.receivers["late"]["resyncs"] == 0
+        assert relay.relay.server.receivers["late"]["resyncs"] == 0
 
 
 async def test_a_corrupted_forward_is_nacked_and_the_leaf_resynced_from_the_relay():
@@ -146,19 +146,19 @@ async def test_a_corrupted_forward_is_nacked_and_the_leaf_resynced_from_the_rela
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await t.step(relay, leaf)
         # Corrupt the next patch on its way from the relay to the leaf: flip a payload byte.
-        original = relay.relay._add_patch
+        original = relay.relay.server.publish_patch
 
         def corrupt(base: int | None, version: int, frames: list[Any]) -> None:
             frames = [frames[0], *(bytes(f) for f in frames[1:])]
             payload = bytearray(frames[1])
             payload[len(payload) // 2] ^= 0x10
             frames[1] = bytes(payload)
-            relay.relay._add_patch = original  # type: ignore[method-assign]
+            relay.relay.server.publish_patch = original  # type: ignore[method-assign]
             original(base, version, frames)
 
-        relay.relay._add_patch = corrupt  # type: ignore[method-assign]
+        relay.relay.server.publish_patch = corrupt  # type: ignore[method-assign]
         await t.step(relay, leaf)  # the leaf rejected v2 and was resynced to it
-        assert relay.relay.receivers["leaf"]["resyncs"] == 1
+        assert relay.relay.server.receivers["leaf"]["resyncs"] == 1
         assert leaf.stats[2].kind == "bootstrap"
         assert sender.receivers["relay"]["resyncs"] == 0
         await t.step(relay, leaf)
@@ -178,11 +178,11 @@ async def test_children_move_to_another_relay_when_theirs_dies():
 
         await first.close()  # the relay dies (its children hear nothing more)
         t.receivers.remove(first)
-        await wait_until(lambda: "leaf" in second.relay.receivers, timeout=T)
+        await wait_until(lambda: "leaf" in second.relay.server.receivers, timeout=T)
         assert leaf.endpoint == second.relay_endpoint
         for _ in range(2):
             await t.step(second, leaf)
-        assert second.relay.receivers["leaf"]["resyncs"] == 0
+        assert second.relay.server.receivers["leaf"]["resyncs"] == 0
         assert leaf.reconnects >= 1
 
 
@@ -215,8 +215,8 @@ async def test_relay_serves_only_versions_it_applied():
         await relay.resume()
         await leaf.wait_for_version(version, timeout=T)
         await assert_matches(leaf, t.trainer, version)
-        assert relay.relay.session == sender.session
-        entry = relay.relay._ring[-1]
+        assert relay.relay.server.session == sender.session
+        entry = relay.relay.server._ring[-1]
         assert decode_message(entry.frames).type is MessageType.PATCH
         assert decode_message(entry.frames).session == sender.session
 
@@ -242,7 +242,7 @@ async def test_a_relay_sleeps_its_weights_and_wakes():
         joining = asyncio.ensure_future(late.start(timeout=T))
         await wait_until(lambda: late.reconnects >= 2 or joining.done())  # refused, and tried again
         assert not joining.done() and late.healthy and late.version is None
-        assert leaf.version == 1 and leaf.healthy and "late" not in relay.relay.receivers
+        assert leaf.version == 1 and leaf.healthy and "late" not in relay.relay.server.receivers
         await assert_matches(leaf, t.trainer, 1)
         woke = await relay.wakeup("weight")
         assert woke["asleep"] == [] and woke["version"] == version
@@ -263,7 +263,7 @@ async def test_a_leaf_the_sleeping_relay_cannot_serve_is_dropped_not_forgotten()
         sender = await t.start_sender()
         relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
         assert relay.relay_endpoint is not None and relay.relay is not None
-        server = relay.relay
+        server = relay.relay.server
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await t.step(relay, leaf)
         await leaf.pause()  # it stages the next version and holds it: its credits run out
@@ -305,7 +305,7 @@ async def test_a_damaged_first_bootstrap_is_asked_for_again():
         relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
         assert relay.relay_endpoint is not None and relay.relay is not None
         await t.step(relay)
-        original = relay.relay._resync_messages
+        original = relay.relay.server._resync_messages
         sent: list[bool] = []
 
         async def damaged_once() -> list[Message]:
@@ -318,7 +318,7 @@ async def test_a_damaged_first_bootstrap_is_asked_for_again():
             payload[0] ^= 0x01
             return [dataclasses.replace(first, frames=[bytes(payload), *first.frames[1:]]), *messages[1:]]
 
-        relay.relay._resync_messages = damaged_once  # type: ignore[method-assign]
+        relay.relay.server._resync_messages = damaged_once  # type: ignore[method-assign]
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await assert_matches(leaf, t.trainer, 1)
         assert sent and leaf.reconnects >= 1
@@ -346,8 +346,8 @@ async def test_curve_on_every_hop_and_an_intruder_refused_by_the_relay():
             await intruder.start(timeout=1.5)
         for _ in range(2):
             await t.step(relay, leaf)
-        assert relay.relay.rejected_handshakes >= 1 and relay.relay.rejected_keys == {intruder_keys.public.decode()}
-        assert intruder.version is None and sorted(relay.relay.receivers) == ["leaf"]
+        assert relay.relay.server.rejected_handshakes >= 1 and relay.relay.server.rejected_keys == {intruder_keys.public.decode()}
+        assert intruder.version is None and sorted(relay.relay.server.receivers) == ["leaf"]
 
 
 async def test_the_trainer_can_wait_for_the_whole_tree():

@@ -352,7 +352,7 @@ async def test_sender_discards_oversized_messages_and_keeps_serving(reliability:
             hostile.connect(sender.endpoint)
             for _ in range(3):  # many small frames: over the frame count, each under MAXMSGSIZE
                 await hostile.send_multipart([b"x"] * 1000)
-            socket = sender._socket
+            socket = sender.server._socket
             assert isinstance(socket, RouterSocket)
             await wait_until(lambda: socket.oversized == 3)
             hostile.close(linger=0)

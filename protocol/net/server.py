@@ -1,9 +1,11 @@
 """Serving versions to receivers over a ROUTER: what the sender daemon and a relay share.
 
-A ``VersionServer`` knows nothing of where versions come from. Its subclass puts each
-new version in front of it (``_add_patch``, ``_set_bucket``) and answers three
-questions: is this receiver's metadata acceptable (``_admit``), what is a bootstrap of
-the current version (``_bootstrap``), and what is its state digest (``_compute_digest``).
+A ``VersionServer`` knows nothing of where versions come from. It is composed with a
+``VersionSource`` (the trainer's, ``sender/source.py``; a relay's receiver,
+``receiver/relay.py``) that answers what only the source knows: is this receiver's HELLO
+acceptable and what WELCOME does it get (``admit``), what is a bootstrap of the current
+version (``bootstrap``), what is its state digest (``digest``). Whoever owns the server
+puts each new version in front of it (``moved``, ``publish_patch``, ``publish_buckets``).
 The server does the rest: handshakes, one pump task per receiver bounded by credits
 (versions in flight), so a slow or dead receiver never blocks the others, a ring of
 recent patches to catch receivers up, resyncs by bootstrap, heartbeats, and timeouts.
@@ -21,8 +23,8 @@ import collections
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -35,7 +37,7 @@ from protocol.net.sockets import PeerGone, RouterSocket
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, Stamper, decode_message
 from protocol.wire.limits import Limits
-from protocol.wire.messages import Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack
+from protocol.wire.messages import Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack, Welcome
 from protocol.wire.metadata import ModelMetadata
 
 log = logging.getLogger(__name__)
@@ -50,8 +52,33 @@ class RingEntry:
     frames: list[Buffer]
 
 
+class VersionSource(Protocol):
+    """What a ``VersionServer`` asks of where its versions come from. ``admit``,
+    ``bootstrap`` and ``digest`` are called under the server's ``lock``: the version at
+    rest does not move while they run."""
+
+    async def admit(self, hello: Hello) -> Welcome:
+        """Check a receiver's HELLO; the WELCOME it gets (the server fills in the bootstrap
+        size). Raise a ``WeightSyncError`` to refuse it: it is sent to the receiver."""
+        ...
+
+    async def bootstrap(self, version: int | None) -> list[Message]:
+        """The BOOTSTRAP messages of ``version``, the current one."""
+        ...
+
+    async def digest(self, version: int | None) -> str:
+        """The state digest of ``version``, the current one, at the receivers' dtypes."""
+        ...
+
+    def describe(self) -> ModelMetadata | None:
+        """The keys and shapes a receiver must declare in HELLO, with the dtypes held here
+        (None before there is a model). A receiver that derives its own layout from the
+        trainer's names asks for them first (``receiver.vllm``)."""
+        ...
+
+
 class VersionServer:
-    """Serves the versions its subclass provides to any number of receivers.
+    """Serves the versions of a ``VersionSource`` (given to ``start``) to any number of receivers.
 
     ``curve`` (``protocol.net.security.CurveServer``) encrypts the connection and admits only
     receivers whose public key it allows; a refused key is logged and counted in
@@ -63,12 +90,11 @@ class VersionServer:
     row (no ACK between) before it is dropped with a ``ResyncLimitError``.
     """
 
-    role = "sender"  # in log lines and errors
-
     def __init__(
         self,
         endpoint: str,
         *,
+        role: str = "sender",
         ring_size: int = 8,
         max_inflight: int = 2,
         heartbeat_interval: float = 0.5,
@@ -86,7 +112,9 @@ class VersionServer:
         if len(resync_backoff) != 2 or not 0 <= resync_backoff[0] <= resync_backoff[1]:
             raise ConfigError(f"resync_backoff must be (first, largest) seconds with 0 <= first <= largest, got {resync_backoff!r}")
         self.resync_backoff, self.max_resyncs = (float(resync_backoff[0]), float(resync_backoff[1])), max_resyncs
-        check_transport(endpoint, curve, insecure_plaintext, role=self.role)
+        self.role = role  # in log lines and errors
+        self._source: VersionSource | None = None
+        check_transport(endpoint, curve, insecure_plaintext, role=role)
         self.curve = curve
         self.rejected_handshakes = 0  # CURVE handshakes refused: key not in the allowlist
         self.rejected_keys: set[str] = set()
@@ -104,34 +132,12 @@ class VersionServer:
         self._digest: tuple[int | None, str] | None = None
         self._peers: dict[bytes, Peer] = {}
         self._greeting: dict[bytes, asyncio.Task[None]] = {}  # HELLOs being answered
-        self._lock = asyncio.Lock()  # the version at rest: new versions vs bootstraps and digests
+        self.lock = asyncio.Lock()  # the version at rest: new versions vs bootstraps and digests
         self._acked = asyncio.Condition()
         self._socket: RouterSocket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
         self._closed = False
-
-    # -- what a subclass provides -----------------------------------------------------
-    async def _admit(self, hello: Message) -> None:
-        """Check a receiver's HELLO (called under the lock); raise to refuse it."""
-        raise NotImplementedError
-
-    async def _bootstrap(self) -> list[Message]:
-        """A bootstrap of the current version (called under the lock)."""
-        raise NotImplementedError
-
-    async def _compute_digest(self) -> str:
-        """The current version's state digest at the receivers' dtypes (under the lock)."""
-        raise NotImplementedError
-
-    def _welcome(self, version: int | None, bootstrap_parts: int) -> Message:
-        raise NotImplementedError
-
-    def _describe(self) -> ModelMetadata | None:
-        """The keys and shapes a receiver must declare in HELLO, with the dtypes held here
-        (None before there is a model). A receiver that derives its own layout from the
-        trainer's names asks for them first (``receiver.vllm``)."""
-        raise NotImplementedError
 
     # -- public API -----------------------------------------------------------------
     @property
@@ -142,6 +148,13 @@ class VersionServer:
     @property
     def session(self) -> str:
         return self.stamp.session
+
+    @property
+    def source(self) -> VersionSource:
+        """Where the versions served come from (given to ``start``)."""
+        if self._source is None:
+            raise WeightSyncError(f"{self.role} is not started")
+        return self._source
 
     @property
     def failure(self) -> BaseException | None:
@@ -169,7 +182,7 @@ class VersionServer:
         with their heartbeats, so each level adds up to a heartbeat interval)."""
 
         def done() -> bool:
-            self._check_running()
+            self.check_running()
             if tree:
                 return all(p.subtree_acked(version) for p in self._peers.values())
             return all(p.acked is not None and p.acked >= version for p in self._peers.values())
@@ -184,7 +197,7 @@ class VersionServer:
         """Wait until at least ``count`` receivers are connected."""
         async with self._acked:
             try:
-                await asyncio.wait_for(self._acked.wait_for(lambda: self._check_running() or len(self._peers) >= count), timeout)
+                await asyncio.wait_for(self._acked.wait_for(lambda: self.check_running() or len(self._peers) >= count), timeout)
             except asyncio.TimeoutError:
                 raise WeightSyncTimeout(f"timed out after {timeout:.3g}s waiting for {count} receivers ({len(self._peers)} connected)") from None
 
@@ -213,29 +226,44 @@ class VersionServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- for subclasses -------------------------------------------------------------------
-    def _open(self, limits: Limits) -> None:
-        """Bind the socket and start serving."""
+    # -- for the owner: what it serves ----------------------------------------------------
+    def start(self, source: VersionSource, limits: Limits) -> None:
+        """Bind the socket and serve what ``source`` holds; ``limits`` bound what receivers may send."""
         if self._socket is not None:
             raise WeightSyncError(f"{self.role} already started")
+        self._source = source
         self._socket = RouterSocket(self._context, self._endpoint, curve=self.curve, limits=limits, on_reject=self._rejected)
-        self._spawn(self._serve(), "serve")
-        self._spawn(self._heartbeat(), "heartbeat")
+        self.spawn(self._serve(), "serve")
+        self.spawn(self._heartbeat(), "heartbeat")
 
-    def _add_patch(self, base: int | None, version: int, frames: list[Buffer]) -> None:
+    def moved(self, version: int | None) -> None:
+        """The current version is now ``version`` (call under ``lock``); receivers behind
+        it are served what ``publish_patch`` / ``publish_buckets`` give, or resynced."""
+        self.version = version
+        self._resync = self._digest = None
+        self._wake_all()
+
+    def expect_patch(self, base: int | None) -> None:
+        """A patch from ``base`` is being prepared: receivers at ``base`` wait for it
+        (``publish_patch``) instead of being resynced."""
+        self._pending_bases.add(base)
+
+    def publish_patch(self, base: int | None, version: int, frames: list[Buffer]) -> None:
         """A patch from ``base`` to ``version`` is ready: receivers at ``base`` get it."""
         self._ring.append(RingEntry(base, version, frames))
         self._pending_bases.discard(base)
         self._wake_all()
 
-    def _set_bucket(self, version: int, messages: list[list[Buffer]]) -> None:
+    def publish_buckets(self, version: int, messages: list[list[Buffer]]) -> None:
         """Bucket mode: every receiver behind ``version`` gets these messages."""
         self._bucket_frames = (version, messages)
+        self._wake_all()
 
-    def _moved(self, version: int | None) -> None:
-        """The current version is now ``version`` (call under the lock)."""
-        self.version = version
-        self._resync = self._digest = None
+    def forget(self) -> None:
+        """Drop the ring and the buckets (a new lineage, a bootstrap from upstream): every
+        receiver behind the current version is resynced."""
+        self._ring.clear()
+        self._bucket_frames = None
 
     def _wake_all(self) -> None:
         for peer in self._peers.values():
@@ -246,9 +274,9 @@ class VersionServer:
         self.rejected_handshakes += 1
         self.rejected_keys.add(public_key)
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         """Start a background task owned by this server: kept until it ends, cancelled and
-        awaited by ``close``; one that fails fails the server (``_check_running`` raises it
+        awaited by ``close``; one that fails fails the server (``check_running`` raises it
         to the owner, from ``sync``, ``wait_acked`` ...), logged."""
         task = asyncio.get_running_loop().create_task(coro, name=f"weightsync-{self.role}-{name}")
         self._tasks.add(task)
@@ -263,13 +291,14 @@ class VersionServer:
         if error is not None:
             log.error("%s task %s failed: %r", self.role, task.get_name(), error, exc_info=error)
             self._failure = error
-            self._spawn(self._notify(), "notify")  # waiters (wait_acked, ...) raise it now
+            self.spawn(self._notify(), "notify")  # waiters (wait_acked, ...) raise it now
 
     async def _notify(self) -> None:
         async with self._acked:
             self._acked.notify_all()
 
-    def _check_running(self) -> bool:
+    def check_running(self) -> bool:
+        """Raise why this server is not serving (failed, not started, closed); else False."""
         if self._failure is not None:
             raise WeightSyncError(f"{self.role} failed: {self._failure!r}") from self._failure
         if self._closed or self._socket is None:
@@ -289,19 +318,19 @@ class VersionServer:
 
     async def _resync_messages(self) -> list[Message]:
         """A bootstrap of the current version, cached per version."""
-        async with self._lock:
+        async with self.lock:
             if self._resync is not None and self._resync[0] == self.version:
                 return self._resync[1]
-            built = await self._bootstrap()
+            built = await self.source.bootstrap(self.version)
             self._resync = (self.version, built)
             return built
 
     async def _state_digest(self) -> str:
         """Digest of the current version at the receivers' dtypes, as a receiver computes it."""
-        async with self._lock:
+        async with self.lock:
             if self._digest is not None and self._digest[0] == self.version:
                 return self._digest[1]
-            digest = await self._compute_digest()
+            digest = await self.source.digest(self.version)
             self._digest = (self.version, digest)
             return digest
 
@@ -331,7 +360,7 @@ class VersionServer:
                 previous = self._greeting.pop(identity, None)
                 if previous is not None:
                     previous.cancel()
-                self._greeting[identity] = self._spawn(self._on_hello(identity, msg), f"hello-{identity!r}")
+                self._greeting[identity] = self.spawn(self._on_hello(identity, msg), f"hello-{identity!r}")
             elif peer is None and request is not None and request.metadata is True:
                 self._describe_to(identity, request)  # before HELLO: what a receiver must declare
             elif peer is None:
@@ -358,14 +387,14 @@ class VersionServer:
                 peer.inflight.clear()  # it drops whatever else is queued until the resync
                 peer.needs_resync = True
             elif request is not None:
-                self._spawn(self._answer_digest(peer, request), f"digest-{peer.name}")
+                self.spawn(self._answer_digest(peer, request), f"digest-{peer.name}")
             elif msg.type is MessageType.BYE:
                 await self._drop(peer, "said goodbye")
             elif msg.type is MessageType.ERROR:
                 log.error("receiver %s reported: %s", peer.name, _reported(ErrorReport, msg))
 
     def _describe_to(self, identity: bytes, request: DigestRequest) -> None:
-        reply = Description(request.nonce, self._describe())
+        reply = Description(request.nonce, self.source.describe())
         try:
             self._try_send(Peer(identity), self.stamp(reply.to_message(self.version)))
         except PeerGone:
@@ -410,9 +439,9 @@ class VersionServer:
 
     async def _greet(self, peer: Peer, hello: Message) -> None:
         identity = peer.identity
-        async with self._lock:  # a new version must not move what is at rest mid-check
-            await self._admit(hello)
         said = Hello.from_body(hello.body)
+        async with self.lock:  # a new version must not move what is at rest mid-check
+            welcome = await self.source.admit(said)
         applied, digest, session = said.applied, said.digest, said.session
         known = {self.version} | {e.base for e in self._ring} | self._pending_bases
         greeting: list[Message]
@@ -422,12 +451,12 @@ class VersionServer:
             greeting, version = [], applied  # already current (e.g. after a restart)
         else:
             greeting, version = await self._resync_messages(), self.version
-        welcome = self._welcome(version, len(greeting))
+        welcome_message = replace(welcome, bootstrap=len(greeting)).to_message(version)
         peer.sent = version
         peer.acked = None if greeting else version
         peer.inflight = [version] if greeting else []
         self._peers[identity] = peer
-        peer.task = self._spawn(self._pump(peer, [welcome, *greeting]), f"pump-{peer.name}")
+        peer.task = self.spawn(self._pump(peer, [welcome_message, *greeting]), f"pump-{peer.name}")
         log.info("receiver %s joined at v%s (bootstrap: %d buckets)", peer.name, applied, len(greeting))
         await self._notify()
 
@@ -475,7 +504,7 @@ class VersionServer:
                 if entry.base == peer.sent:
                     return entry.version, [entry.frames]
             if peer.sent in self._pending_bases:
-                return None  # its next patch is being prepared; _add_patch wakes it
+                return None  # its next patch is being prepared; publish_patch wakes it
             if self._bucket_frames is not None and (peer.sent is None or peer.sent < self._bucket_frames[0]):
                 return self._bucket_frames
         if peer.needs_resync:  # it NACKed: resync, later each time it refuses again, and not forever

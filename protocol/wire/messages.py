@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from protocol.errors import ProtocolError, WeightSyncError, error_code, error_from_code
 from protocol.wire.framing import Message, MessageType
@@ -69,6 +69,17 @@ class _Body:
 
     def to_body(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> Self:
+        raise NotImplementedError
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Self:
+        """The body of ``msg``, which must be of this record's type (``ProtocolError``)."""
+        if msg.type is not cls.TYPE:
+            raise ProtocolError(f"expected {cls.TYPE.name}, got {msg.describe()}")
+        return cls.from_body(msg.body)
 
     def to_message(self, version: int | None = None) -> Message:
         """This body in a message of its type."""

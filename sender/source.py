@@ -1,0 +1,103 @@
+"""The trainer's model as a ``VersionSource``: what the sender daemon's server serves.
+
+It holds the version at rest, the one every receiver is bootstrapped with or diffed
+against: before the first receiver a copy of the tracked tensors (``hold``), after it
+the builder's snapshot or retained copy. The first receiver's HELLO fixes the plan (its
+dtypes) and the builder; every later receiver must declare the same metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from protocol.config import SyncConfig
+from protocol.errors import ConfigError
+from protocol.state import ModelState, StateLike, materialize, resolve_state, sync_keys
+from protocol.wire.checksum import state_digest
+from protocol.wire.framing import Message
+from protocol.wire.messages import Hello, Welcome
+from protocol.wire.metadata import ModelMetadata
+
+from .base import plan_for
+from .bucket import BucketBuilder
+from .patch import PatchBuilder
+from .plan import Source, SyncPlan
+
+
+class TrainerSource:
+    """``state`` (the model given to ``Sender.start``) under ``config``; ``model`` is the
+    one last synced, whose frozen tensors the bootstraps read."""
+
+    def __init__(self, state: ModelState, model: StateLike, config: SyncConfig) -> None:
+        self.state, self.model, self.config = state, model, config
+        self.plan: SyncPlan | None = None
+        self.builder: PatchBuilder | BucketBuilder | None = None
+        self._held: dict[str, torch.Tensor] | None = None  # the current version, before any receiver
+        self.hold(state.tensors)
+
+    def hold(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep a copy of the current version until the first receiver says which dtypes
+        it wants: the weights may move on before it joins, and it must get this version."""
+        # Only what the first receiver's snapshot (or retained copy) takes: each tracked storage
+        # once. Frozen keys come from the model, as in every bootstrap.
+        keys, held = sync_keys(self.state), self._held
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise ConfigError(f"this model has no {missing[0]!r}, which the model given to start() has")
+        if held is None:
+            self._held = {k: materialize(tensors[k]).detach().clone() for k in keys}
+            return
+        for key in keys:
+            held[key].copy_(materialize(tensors[key]).detach())
+
+    def at_rest(self) -> Source:
+        """Tensors of the current version at rest: the snapshot or retained copy for
+        tracked keys, the model for frozen ones (which training does not change)."""
+        assert self.builder is not None
+        model = resolve_state(self.model).tensors
+        held = self.builder.held()
+        return lambda key: held[key] if key in held else model[key]
+
+    # -- VersionSource ----------------------------------------------------------------
+    async def admit(self, hello: Hello) -> Welcome:
+        """The first receiver fixes the plan; later ones must match it exactly."""
+        if self.plan is None:
+            plan = plan_for(self.state, hello, self.config)
+            held = self._held
+            assert held is not None
+            builder = PatchBuilder(plan, self.config.patch) if self.config.type == "patch" else BucketBuilder(plan, self.config.bucket)
+            await builder.hold(held)
+            self.plan, self.builder = plan, builder
+            self._held = None  # the snapshot (or retained copy) holds the version from now on
+        else:
+            self.plan.metadata.require_same(hello.metadata, "the other receivers")
+        return self.plan.welcome(self.config.type)
+
+    async def bootstrap(self, version: int | None) -> list[Message]:
+        """The init-sync keys, plus every tracked key once the trainer has moved past its
+        initial weights."""
+        plan, builder = self.plan, self.builder
+        assert plan is not None and builder is not None
+        await builder.settled()
+        keys = plan.bootstrap_keys() if plan.init_sync.enabled else []
+        if version is not None:
+            keys = [k for k in plan.state.tensors if k in set(keys) | set(plan.tracked)]
+        _, messages = plan.bootstrap(version, self.at_rest(), keys)
+        return await asyncio.to_thread(list, messages)
+
+    async def digest(self, version: int | None) -> str:
+        plan, builder = self.plan, self.builder
+        assert plan is not None and builder is not None
+        await builder.settled()
+        source, aliases = self.at_rest(), plan.state.aliases
+
+        def compute() -> str:
+            view = {k: source(aliases.get(k, k)).to(plan.receiver_dtype(k)) for k in plan.metadata.keys}
+            return state_digest(view, list(plan.metadata.keys))
+
+        return await asyncio.to_thread(compute)
+
+    def describe(self) -> ModelMetadata | None:
+        return ModelMetadata.of(self.state.tensors) if self.plan is None else self.plan.metadata
