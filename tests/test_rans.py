@@ -87,11 +87,11 @@ def test_damaged_streams_are_rejected(damage: str) -> None:
 def rice_reference(gaps: np.ndarray) -> int:
     """``entropy.rice_parameter`` as plain numpy: the median's neighbourhood, each
     candidate ``k`` costed as k low bits plus the entropy of ``gap >> k`` (escapes at 64 bits)."""
-    from protocol.codec.entropy import ESCAPE, HIGH_SYMBOLS, MAX_K
+    from protocol.codec.entropy import ESCAPE, HIGH_SYMBOLS, MAX_K, RICE_SAMPLE
 
     if len(gaps) == 0:
         return 0
-    sample = gaps[:: max(1, len(gaps) // 8192)]
+    sample = gaps[:: max(1, len(gaps) // RICE_SAMPLE)]
     start = min(MAX_K, max(0, int(np.log2(float(np.median(sample)) + 1))))
     ks = np.arange(max(0, start - 2), min(MAX_K, start + 2) + 1)
     counts = np.zeros((len(ks), HIGH_SYMBOLS), dtype=np.int64)

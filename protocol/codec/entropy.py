@@ -36,6 +36,9 @@ MAX_K = 40
 DIRECT_BITS = 4  # zigzag values below 16 are their own symbols
 DIRECT = 1 << DIRECT_BITS
 VALUE_SYMBOLS = DIRECT + 64 - DIRECT_BITS  # then one symbol per bit length 5..64
+# Gaps the Rice parameter is chosen on (a strided sample): 2,048 decide it as well as all of
+# them, and the choice costs ~4 ns a sampled gap (40 us at 10k gaps when it took 8,192).
+RICE_SAMPLE = 2048
 
 
 # -- bit streams (most significant bit first) ---------------------------------------------
@@ -135,7 +138,7 @@ def rice_parameter(gaps: torch.Tensor) -> int:
     """
     if gaps.numel() == 0:
         return 0
-    return int(_choose_k(gaps.numpy(), max(1, gaps.numel() // 8192)))
+    return int(_choose_k(gaps.numpy(), max(1, gaps.numel() // RICE_SAMPLE)))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -144,20 +147,29 @@ def _choose_k(gaps, stride):  # pragma: no cover - numba
     n = sample.shape[0]
     start = min(MAX_K, max(0, int(math.log2(np.median(sample) + 1.0))))  # gaps past 2**42: k stays in range
     lo, hi = max(0, start - 2), min(MAX_K, start + 2)
-    counts = np.zeros((hi - lo + 1, HIGH_SYMBOLS), dtype=np.int64)
+    # One histogram of gap >> lo serves every candidate: gap >> (lo + j) is its bucket >> j.
+    # Buckets from ESCAPE << (hi - lo) on escape at every candidate, so they share one.
+    top = ESCAPE << (hi - lo)
+    hist = np.zeros(top + 1, dtype=np.int64)
+    used = 0  # buckets below ``top`` in use
     for i in range(n):
-        g = np.uint64(sample[i])
-        for j in range(hi - lo + 1):
-            high = g >> np.uint64(lo + j)
-            counts[j, ESCAPE if high >= np.uint64(ESCAPE) else np.int64(high)] += 1
+        high = np.uint64(sample[i]) >> np.uint64(lo)
+        bucket = top if high >= np.uint64(top) else np.int64(high)
+        hist[bucket] += 1
+        if bucket < top:
+            used = max(used, bucket + 1)
     best_k, best_bits = lo, np.inf
     for j in range(hi - lo + 1):
+        counts = np.zeros(HIGH_SYMBOLS, dtype=np.int64)
+        for h in range(used):
+            counts[min(h >> j, ESCAPE)] += hist[h]
+        counts[ESCAPE] += hist[top]
         entropy_bits = 0.0
         for s in range(HIGH_SYMBOLS):
-            if counts[j, s]:
-                p = counts[j, s] / n
+            if counts[s]:
+                p = counts[s] / n
                 entropy_bits -= p * math.log2(p)
-        bits = n * ((lo + j) + entropy_bits) + 64 * counts[j, ESCAPE]
+        bits = n * ((lo + j) + entropy_bits) + 64 * counts[ESCAPE]
         if bits < best_bits:
             best_k, best_bits = lo + j, bits
     return best_k
@@ -305,6 +317,7 @@ def encode_values(diffs: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @numba.njit(cache=True, nogil=True)
 def _unzigzag(symbols, extra, out):  # pragma: no cover - numba
+    """Differences from their symbols and extra bits; returns the extra bits read."""
     bit = 0
     for i in range(symbols.shape[0]):
         s = symbols[i]
@@ -315,6 +328,7 @@ def _unzigzag(symbols, extra, out):  # pragma: no cover - numba
             z = (np.uint64(1) << np.uint64(below)) | _get_wide(extra, bit, below)
             bit += below
         out[i] = np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
+    return bit
 
 
 def decode_values(words: torch.Tensor, model: torch.Tensor, extra: torch.Tensor, n: int) -> torch.Tensor:

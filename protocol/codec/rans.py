@@ -38,12 +38,25 @@ def quantize(counts: np.ndarray) -> np.ndarray:
     Integer-only and deterministic: encoder and decoder derive the same table from the
     counts. The largest symbol absorbs the rounding (it keeps at least
     ``PROB_SCALE / len(counts) - len(counts)``, positive for alphabets below 181)."""
-    counts = counts.astype(np.int64)
-    total = int(counts.sum())
-    freq = counts * PROB_SCALE // max(total, 1)
-    freq[(counts > 0) & (freq == 0)] = 1
-    freq[int(np.argmax(counts))] += PROB_SCALE - int(freq.sum())
-    return freq.astype(np.uint32)
+    return quantize_into(np.ascontiguousarray(counts, dtype=np.int64))
+
+
+@numba.njit(cache=True, nogil=True)
+def quantize_into(counts):  # pragma: no cover - numba
+    """``quantize`` as a kernel, for encoders that run whole in numba (``packed``)."""
+    total = max(counts.sum(), 1)
+    freq = np.empty(counts.shape[0], dtype=np.uint32)
+    top, assigned = 0, 0
+    for s in range(counts.shape[0]):
+        f = counts[s] * PROB_SCALE // total
+        if counts[s] > 0 and f == 0:
+            f = 1
+        freq[s] = f
+        assigned += f
+        if counts[s] > counts[top]:
+            top = s
+    freq[top] += PROB_SCALE - assigned
+    return freq
 
 
 def tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,9 +28,10 @@ from protocol.wire.dtypes import UNSIGNED_INDEX_DTYPES, bits_dtype, dtype_code, 
 from protocol.wire.framing import BufferSpec, Encoding, Role, TensorEntry, ValueEncoding
 
 if TYPE_CHECKING:
-    from protocol.codec import entropy, rans
+    from protocol.codec import entropy, packed, rans
 else:  # numba loads on first use (protocol/lazy.py)
     entropy, rans = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.rans")
+    packed = lazy_module("protocol.codec.packed")
 
 _POSITION_ROLES = {
     Encoding.DENSE: frozenset(),
@@ -239,8 +240,10 @@ def sparse_buffers(
         max_gap = int(gaps_of(flat).max()) if nnz else 0
         gaps = positions_nbytes(nnz, numel, Encoding.GAPS, max_gap)
         encoding = Encoding.GAPS if gaps <= positions_nbytes(nnz, numel, Encoding.BITMAP, 0) else Encoding.BITMAP
-    buffers = encode_positions(flat, shape, encoding)
     values = options.values
+    if values is ValueEncoding.ULP and encoding is Encoding.ANS_GAPS and nnz >= ANS_MIN_CHANGES:
+        return encoding, values, {Role.VALUES: packed.encode(flat, new, old)}
+    buffers = encode_positions(flat, shape, encoding)
     if values is ValueEncoding.ULP and nnz >= ANS_MIN_CHANGES:
         coded = entropy.encode_values(entropy.ulp_differences(new, old).cpu())
         buffers.update({Role.VALUES: coded["words"], Role.VALUE_MODEL: coded["model"], Role.VALUE_EXTRA: coded["extra"]})
@@ -346,7 +349,7 @@ def decode_entry(
     """
     where = f"tensor {entry.key}"
     roles = {b.role for b in entry.buffers}
-    wanted = _POSITION_ROLES[entry.encoding] | _VALUE_ROLES[entry.values]
+    wanted = _wanted_roles(entry.encoding, entry.values)
     if roles != wanted:
         raise ProtocolError(f"{where}: {entry.encoding.name}/{entry.values.name} needs buffers {sorted(r.name for r in wanted)}")
     numel = math.prod(shape)
@@ -370,6 +373,9 @@ def decode_entry(
             )
     if entry.values in (ValueEncoding.RAW, ValueEncoding.XOR) and vspec.shape != (nnz,):
         raise ProtocolError(f"{where}: {vspec.shape[0]} values for {nnz} changes")
+    if _is_packed(entry.encoding, entry.values):
+        flat, diffs = packed.decode(_host_bytes(vspec, frames[vspec.frame - 1]), nnz, numel)
+        return DecodedTensor(entry.key, flat, diffs, entry.values)
     decoded = {b.role: unpack_buffer(b, frames[b.frame - 1], device) for b in entry.buffers}
     if entry.encoding is Encoding.ANS_GAPS:
         gaps = entropy.decode_gaps(
@@ -385,38 +391,38 @@ def decode_entry(
     return DecodedTensor(entry.key, flat, values, entry.values)
 
 
+def _is_packed(encoding: Encoding, values: ValueEncoding) -> bool:
+    """ANS_GAPS positions with ULP values travel as one uint8 VALUES buffer (protocol/codec/packed.py)."""
+    return encoding is Encoding.ANS_GAPS and values is ValueEncoding.ULP
+
+
+def _wanted_roles(encoding: Encoding, values: ValueEncoding) -> frozenset[Role]:
+    if _is_packed(encoding, values):
+        return frozenset({Role.VALUES})
+    return _POSITION_ROLES[encoding] | _VALUE_ROLES[values]
+
+
+def _host_bytes(spec: BufferSpec, frame: Buffer) -> np.ndarray:
+    """A buffer's bytes as a host uint8 array (a view of the frame when it is uncompressed)."""
+    if spec.codec is Codec.NONE:
+        return np.frombuffer(frame, dtype=np.uint8)
+    return unpack_buffer(spec, frame, torch.device("cpu")).numpy()
+
+
 def positions_of_gaps(gaps: torch.Tensor, numel: int) -> torch.Tensor:
     """Sorted flat positions from untrusted int64 zero-run ``gaps``, in place, in one pass
     (``positions.decode_positions`` makes five: max, +1, cumsum, -1, last); ``ProtocolError``
     for a negative gap or a position past ``numel``."""
-    if gaps.numel() and not _prefix_positions()(gaps.numpy(), numel):
+    if gaps.numel() and not packed.positions_in_place(gaps.numpy(), numel):
         raise ProtocolError(f"gaps run past the tensor's {numel} elements (or are negative)")
     return gaps
-
-
-@functools.cache
-def _prefix_positions() -> Any:
-    import numba
-
-    @numba.njit(cache=True, nogil=True)
-    def prefix(gaps, numel):  # pragma: no cover - numba
-        pos = -1
-        for i in range(gaps.shape[0]):
-            g = gaps[i]
-            if g < 0 or g >= numel:  # also keeps pos + g + 1 from overflowing
-                return False
-            pos += g + 1
-            if pos >= numel:
-                return False
-            gaps[i] = pos
-        return True
-
-    return prefix
 
 
 def _buffer_rule(role: Role, entry: TensorEntry, dtype: torch.dtype, numel: int) -> tuple[tuple[torch.dtype, ...], int]:
     """The dtypes a sparse entry's buffer may have, and its most elements."""
     nnz = entry.nnz
+    if role is Role.VALUES and _is_packed(entry.encoding, entry.values):
+        return (torch.uint8,), packed.max_nbytes(nnz)  # the packed buffer
     if role is Role.VALUES:
         if entry.values is ValueEncoding.ULP:
             return (torch.uint16,), nnz + rans.FLUSH_WORDS  # rANS: at most one word a symbol, plus the states

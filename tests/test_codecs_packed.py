@@ -1,0 +1,160 @@
+"""The packed entry (protocol/codec/packed.py): ANS_GAPS positions and ULP values in one buffer.
+
+Round trips are bit-exact for every dtype and difference; a hostile buffer (truncated,
+flipped, lying header fields or tables) is a ProtocolError or, where the corruption is in
+bits no check can see, decodes in bounds; the layout is never larger than the separate
+buffers it replaced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.codec import entropy, packed
+from protocol.codec.positions import gaps_of
+from protocol.codec.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse
+from protocol.errors import ProtocolError
+from protocol.wire.dtypes import bits_dtype
+from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
+
+NUMEL = 1 << 16
+
+
+def changes(nnz: int, dtype: torch.dtype, spread: int, seed: int, numel: int = NUMEL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted positions and old/new values whose bit patterns differ by up to ``spread`` (and a few extremes)."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randperm(numel, generator=gen)[:nnz].sort().values
+    bits = bits_dtype(dtype)
+    info = torch.iinfo(bits)
+    old = torch.randint(info.min, info.max, (nnz,), generator=gen, dtype=torch.int64).to(bits)
+    step = torch.randint(-spread, spread + 1, (nnz,), generator=gen, dtype=torch.int64)
+    step[: min(nnz, 3)] = torch.tensor([info.max, info.min, 1])[: min(nnz, 3)]  # wrap at the dtype's width
+    new = (old.to(torch.int64) + step).to(bits)
+    return flat, new.view(dtype), old.view(dtype)
+
+
+def roundtrip(flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor, numel: int = NUMEL) -> None:
+    buf = packed.encode(flat, new, old).numpy()
+    got_flat, diffs = packed.decode(buf, flat.numel(), numel)
+    assert torch.equal(got_flat, flat)
+    bits = bits_dtype(new.dtype)
+    assert torch.equal(entropy.apply_differences(old, diffs).view(bits), new.view(bits))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    nnz=st.integers(1, 3000),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.uint8, torch.int32]),
+    spread=st.sampled_from([1, 2, 40, 5000, 1 << 40]),
+    seed=st.integers(0, 2**16),
+)
+def test_roundtrip_is_bit_exact(nnz: int, dtype: torch.dtype, spread: int, seed: int) -> None:
+    roundtrip(*changes(nnz, dtype, spread, seed))
+
+
+def test_huge_gaps_escape_and_come_back() -> None:
+    numel = 1 << 50  # gaps past the table: escaped, carried raw
+    flat = torch.tensor([0, 5, 1 << 45, (1 << 45) + 1, (1 << 49) + 7] * 1 + list(range((1 << 49) + 8, (1 << 49) + 2000)))
+    old = torch.zeros(flat.numel(), dtype=torch.bfloat16)
+    buf = packed.encode(flat, old + 1, old).numpy()
+    assert int(buf[4:12].view(np.uint64)[0]) > 0  # some gaps escaped
+    roundtrip(flat, old + 1, old, numel)
+
+
+def test_not_larger_than_the_separate_buffers_it_replaced() -> None:
+    for nnz in (512, 5000, 30000):
+        flat, new, old = changes(nnz, torch.bfloat16, 2, nnz, numel=1 << 20)
+        gaps = entropy.encode_gaps(gaps_of(flat))
+        values = entropy.encode_values(entropy.ulp_differences(new, old))
+        separate = sum(t.numel() * t.element_size() for t in (*gaps.values(), *values.values()))
+        assert packed.encode(flat, new, old).numel() <= separate
+
+
+def test_an_entry_is_one_uncompressed_values_buffer_and_decodes_through_decode_entry() -> None:
+    flat, new, old = changes(2000, torch.bfloat16, 3, 1)
+    entry = encode_sparse(4, flat, new, old, (NUMEL,), PatchOptions())
+    assert (entry.encoding, entry.values) == (Encoding.ANS_GAPS, ValueEncoding.ULP)
+    ((spec, _),) = entry.buffers
+    assert spec.role is Role.VALUES and spec.dtype == 9 and int(spec.codec) == 0  # uint8, Codec.NONE
+    specs, frames = assemble([entry])
+    msg = decode_message(encode_message(Message(MessageType.PATCH, version=1, base_version=0, tensors=specs, frames=frames)))
+    decoded = decode_entry(msg.tensors[0], msg.frames, (NUMEL,), torch.bfloat16, torch.device("cpu"))
+    assert decoded.flat is not None and torch.equal(decoded.flat, flat)
+    assert torch.equal(decoded.new_values(old).view(torch.int16), new.view(torch.int16))
+    with pytest.raises(ProtocolError, match="changes for a tensor"):  # checked against the target before decoding
+        decode_entry(msg.tensors[0], msg.frames, (1500,), torch.bfloat16, torch.device("cpu"))
+
+
+def good_buffer() -> tuple[np.ndarray, int]:
+    flat, new, old = changes(700, torch.float32, 300, 7)
+    return packed.encode(flat, new, old).numpy(), flat.numel()
+
+
+def decodes_in_bounds_or_refuses(buf: np.ndarray, nnz: int) -> None:
+    try:
+        flat, _ = packed.decode(buf, nnz, NUMEL)
+    except ProtocolError:
+        return
+    assert flat.numel() == nnz and (nnz == 0 or (int(flat[0]) >= 0 and int(flat[-1]) < NUMEL))
+    assert nnz < 2 or bool((flat[1:] > flat[:-1]).all())
+
+
+def test_every_truncation_and_extension_is_refused() -> None:
+    buf, nnz = good_buffer()
+    for cut in range(len(buf)):
+        with pytest.raises(ProtocolError):
+            packed.decode(buf[:cut].copy(), nnz, NUMEL)
+    with pytest.raises(ProtocolError):
+        packed.decode(np.concatenate([buf, np.zeros(1, np.uint8)]), nnz, NUMEL)
+
+
+def test_bit_flips_anywhere_are_refused_or_stay_in_bounds() -> None:
+    buf, nnz = good_buffer()
+    rng = np.random.default_rng(3)
+    for at in rng.integers(0, len(buf), 600):
+        bad = buf.copy()
+        bad[at] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        decodes_in_bounds_or_refuses(bad, nnz)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [(0, entropy.MAX_K + 1), (1, 0), (1, entropy.HIGH_SYMBOLS + 1), (2, 0), (2, entropy.VALUE_SYMBOLS + 1), (3, 1)],
+)
+def test_header_bytes_out_of_range_are_refused(field: int, value: int) -> None:
+    buf, nnz = good_buffer()
+    buf[field] = value
+    with pytest.raises(ProtocolError, match="header"):
+        packed.decode(buf, nnz, NUMEL)
+
+
+@pytest.mark.parametrize("at", [4, 12, 20])
+@pytest.mark.parametrize("value", [2**64 - 1, 2**63, 10**6, 0])
+def test_lying_sizes_are_refused_before_anything_is_read(at: int, value: int) -> None:
+    buf, nnz = good_buffer()
+    buf[at : at + 8].view(np.uint64)[0] = value
+    decodes_in_bounds_or_refuses(buf, nnz)
+    if value:
+        with pytest.raises(ProtocolError):
+            packed.decode(buf, nnz, NUMEL)
+
+
+def test_a_frequency_table_that_does_not_sum_to_the_scale_is_refused() -> None:
+    buf, nnz = good_buffer()
+    table = buf[packed.TABLE_START : packed.TABLE_START + 2].view(np.uint16)
+    table[0] += 1
+    with pytest.raises(ProtocolError, match="frequency table"):
+        packed.decode(buf, nnz, NUMEL)
+
+
+def test_positions_past_the_target_are_refused() -> None:
+    flat, new, old = changes(600, torch.bfloat16, 2, 9)
+    buf = packed.encode(flat, new, old).numpy()
+    with pytest.raises(ProtocolError, match="past the tensor"):
+        packed.decode(buf, flat.numel(), int(flat[-1]))  # the last position is one too many
+    with pytest.raises(ProtocolError):
+        packed.decode(buf, flat.numel() + 1, NUMEL)  # more changes than were coded
