@@ -1,9 +1,10 @@
 """The receiver daemon: follows one sender, applies its versions in the background.
 
 Receiving, decoding and validating run off the event loop; a version is committed
-under the write side of ``lock`` and only then published as ``version``. Lost
-connections (no message within ``peer_timeout``) are re-established with backoff,
-resuming from the applied version.
+under the write side of ``lock`` and only then published as ``version``. Each connection
+to the upstream is a ``Session`` (``receiver/session.py``: its socket, inbox, heartbeats
+and queries); lost ones (no message within ``peer_timeout``) are re-established with
+backoff, resuming from the applied version.
 
 The control calls (``pause``, ``resume``, ``sleep``, ``wakeup``, ``update_weights``) are
 methods of this class, carried out by the ``Controller`` it composes
@@ -21,7 +22,6 @@ import inspect
 import logging
 import os
 import socket
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -33,27 +33,22 @@ import zmq.asyncio
 
 from protocol.config import SyncConfig, load_config
 from protocol.errors import (
-    UNKNOWN_PEER,
-    WIRE_CODES,
     ConfigError,
     IntegrityError,
     MetadataMismatchError,
     ProtocolError,
     ResyncLimitError,
     StaleVersionError,
-    StateError,
     WeightSyncError,
     WeightSyncTimeout,
 )
-from protocol.net.heartbeat import ticks
 from protocol.net.security import CurveClient, CurveServer, check_transport
-from protocol.net.sockets import DealerSocket
 from protocol.state import Placed, StateLike, resolve_state
 from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import state_digest
-from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type
+from protocol.wire.framing import Message, MessageType, peek_type
 from protocol.wire.limits import LimitError, Limits
-from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport, Nack
+from protocol.wire.messages import Ack, Nack
 
 from . import memory
 from .base import PendingVersion
@@ -65,6 +60,7 @@ from .metrics import ReceiverMetrics, ReceiverState
 from .naming import NameMapping, NameMappingSpec
 from .relay import Relay
 from .rwlock import ReadWriteLock
+from .session import Leave, Reconnect, Session
 from .stats import ApplyStats
 
 if TYPE_CHECKING:
@@ -75,15 +71,6 @@ log = logging.getLogger(__name__)
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
 _FATAL = (MetadataMismatchError, ConfigError, ResyncLimitError)  # reconnecting would not help
 Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's address before each session
-_EARLIER_CONNECTION = frozenset({MessageType.PATCH, MessageType.BUCKET, MessageType.BOOTSTRAP})
-
-
-class _Reconnect(Exception):
-    """The connection to the sender is lost or was reset: start a new session."""
-
-
-class _Leave(Exception):
-    """End the session on purpose (sleep): start no new one until allowed."""
 
 
 class Receiver:
@@ -187,7 +174,7 @@ class Receiver:
         self._notifying: set[asyncio.Task[None]] = set()  # wake-ups after the task ended, kept until done
         self._ready = asyncio.Event()
         self._failure: BaseException | None = None
-        self._socket: DealerSocket | None = None
+        self._link: Session | None = None  # the connection to the upstream, while there is one
         self._closed = False
         self._names = None if name_mapping is None else NameMapping(name_mapping, resolve_state(model).tensors)
         # -- control state (see pause / sleep / update_weights)
@@ -197,8 +184,6 @@ class Receiver:
         self._at_gate = False  # a held resync waits, staged, for update_weights
         self._in_session = False
         self._handshaking = False
-        self._inbox: asyncio.Queue[Any] | None = None
-        self._queries: dict[str, asyncio.Future[tuple[int | None, str | None]]] = {}
         self._last_bootstrap: ApplyStats | None = None
         self.metrics = ReceiverMetrics(self._metric_state)
         self._control_address = control_address
@@ -258,8 +243,8 @@ class Receiver:
             await self._control_server.close()
         if self.relay is not None:
             await self.relay.close()
-        if self._socket is not None:
-            self._socket.try_send(encode_message(Message(MessageType.BYE, version=self.version)))
+        if self._link is not None:
+            self._link.try_send(Message(MessageType.BYE, version=self.version))
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, *self._notifying, return_exceptions=True)
@@ -390,8 +375,8 @@ class Receiver:
         if not self._in_session:
             return
         self._lifecycle.leaving = True
-        if self._inbox is not None:
-            self._inbox.put_nowait(_Leave("asked to leave"))
+        if self._link is not None:
+            self._link.leave("asked to leave")
         await self._notify()
         try:
             await self._wait(lambda: not self._in_session, None)
@@ -401,44 +386,25 @@ class Receiver:
     def _nack(self, reason: str, message: str) -> None:
         """Ask the sender for a resync of its current version."""
         self.metrics.nack(reason)
-        if self._socket is not None:
-            self._socket.try_send(encode_message(Nack(reason, message).to_message(self.version)))
+        if self._link is not None:
+            self._link.try_send(Nack(reason, message).to_message(self.version))
 
     async def _ask_sender(self, digest: bool, timeout: float | None) -> tuple[int | None, str | None]:
         """The sender's current version and, if asked, its state digest (one round trip)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        def linked() -> bool:
+            return self._link is not None and self._link.is_open
+
         # A held receiver's resync waits for update_weights inside its handshake: the
         # sender has welcomed it and answers on that socket already.
-        await self._wait(lambda: self.connected or (self.hold and self._handshaking and self._socket is not None), timeout,
+        await self._wait(lambda: self.connected or (self.hold and self._handshaking and linked()), timeout,
                          what="a connection to the sender")
-        sock = self._socket
-        if sock is None:
+        link = self._link
+        if link is None:
             raise WeightSyncError("not connected to the sender")
-        nonce = uuid.uuid4().hex
-        reply: asyncio.Future[tuple[int | None, str | None]] = loop.create_future()
-        self._queries[nonce] = reply
-        try:
-            sock.try_send(encode_message(DigestRequest(nonce, digest=digest).to_message(self.version)))
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            try:
-                return await asyncio.wait_for(reply, left)
-            except asyncio.TimeoutError:
-                raise WeightSyncTimeout(f"the sender at {self.endpoint} did not answer within {timeout}s") from None
-        finally:
-            self._queries.pop(nonce, None)
-
-    def _answer(self, frames: Sequence[Buffer]) -> None:
-        """A DIGEST reply: resolves the ``_ask_sender`` call waiting for its nonce."""
-        try:
-            msg = decode_message(frames)
-            answer = DigestReply.from_body(msg.body)
-        except WeightSyncError as e:
-            log.warning("receiver %s: dropping a bad DIGEST reply: %s", self.identity, e)
-            return
-        reply = self._queries.get(answer.nonce)
-        if reply is not None and not reply.done():
-            reply.set_result((msg.version, answer.digest))
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        return await link.ask(self.version, digest, left)
 
     def _state(self) -> StateLike:
         """What is synced: the model, or its tensors under the trainer's names."""
@@ -493,12 +459,12 @@ class Receiver:
             handshakes = self._handshakes
             try:
                 await self._session()
-            except _Leave:
+            except Leave:
                 self.connected = False
                 log.info("receiver %s left the sender", self.identity)
                 await self._notify()
                 continue
-            except _Reconnect as e:
+            except Reconnect as e:
                 log.warning("receiver %s: %s; reconnecting in %.2fs", self.identity, e, delay)
             except _FATAL as e:
                 self._failure = e
@@ -516,96 +482,39 @@ class Receiver:
             delay = min(delay * 2, self.reconnect_backoff[1])
 
     async def _session(self) -> None:
-        # The digest first: HELLO must be the first message of a session, before any heartbeat.
+        """One connection: HELLO (with the digest, computed first: HELLO must be the first
+        message of a session, before any heartbeat), the handshake, then versions until
+        the session ends (``Reconnect``, ``Leave``, or an error)."""
         self._in_session = self._handshaking = True
+        # From here on, _leave_session can end this session.
+        link = self._link = Session(
+            self.identity, heartbeat=lambda: (self.version, self._below()),
+            heartbeat_interval=self.heartbeat_interval, peer_timeout=self.peer_timeout,
+        )
+        goodbye: Message | None = None
         try:
-            await self._session_body()
-        finally:
-            self._in_session = self._handshaking = False
-            self._inbox = None
-            if self.strategy.torn:  # a version failed midway: the model holds none (the next HELLO says so)
-                self.version = None
-            for reply in self._queries.values():
-                if not reply.done():
-                    reply.set_exception(WeightSyncError("the session with the sender ended before it answered"))
-
-    async def _session_body(self) -> None:
-        inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
-        self._inbox = inbox  # from here on, _leave_session can end this session
-        digest = await self._digest() if self.version is not None else None
-        endpoint = await self._find_upstream()
-        sock = self._socket = DealerSocket(self._context, endpoint, self.identity.encode(), curve=self.curve, limits=self.limits)
-        last_seen = [time.monotonic()]
-
-        async def read() -> None:
-            welcomed = False
-            while True:
-                try:
-                    frames = await sock.recv()
-                except LimitError as e:  # drained, nothing kept: reject it like any bad message
-                    inbox.put_nowait(e)
-                    continue
-                last_seen[0] = time.monotonic()
-                kind = peek_type(frames)
-                if kind is MessageType.HEARTBEAT:
-                    continue
-                if kind is MessageType.DIGEST:
-                    self._answer(frames)
-                    continue
-                if not welcomed and kind in _EARLIER_CONNECTION:
-                    # Sent to this identity before the sender saw our HELLO (a previous
-                    # connection's patch still on its way): this session starts at WELCOME.
-                    log.info("receiver %s: dropped a %s sent before this session's WELCOME", self.identity, kind.name)
-                    continue
-                welcomed = welcomed or kind is MessageType.WELCOME
-                if kind is MessageType.BYE:
-                    inbox.put_nowait(_Reconnect("the sender said goodbye"))
-                elif kind is MessageType.ERROR and _error_code(frames) == UNKNOWN_PEER:
-                    inbox.put_nowait(_Reconnect("the sender does not know this receiver (restarted?)"))
-                elif kind is MessageType.ERROR and _error_code(frames) == WIRE_CODES[StateError]:  # e.g. a relay asleep
-                    inbox.put_nowait(_Reconnect(f"the upstream cannot serve this receiver now: {_error_text(frames)}"))
-                else:
-                    inbox.put_nowait(frames)
-
-        async def beat() -> None:
-            async for now, stalled in ticks(self.heartbeat_interval):  # a stalled loop is not a dead sender
-                sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=self.version, body=self._below().to_body())))
-                silent = now - last_seen[0]
-                if silent > self.peer_timeout and not stalled:
-                    inbox.put_nowait(_Reconnect(f"no message from the sender for {silent:.1f}s"))
-
-        async def recv() -> Sequence[Buffer]:
-            item = await inbox.get()
-            if isinstance(item, BaseException):
-                raise item
-            return item
-
-        tasks = [asyncio.create_task(read()), asyncio.create_task(beat()), asyncio.create_task(sock.watch_handshakes(self.identity))]
-        def ended(task: asyncio.Task[None]) -> None:  # a reader that dies must end the session, not hang it
-            if not task.cancelled():
-                inbox.put_nowait(_Reconnect(f"socket task failed: {task.exception()!r}"))
-
-        for t in tasks:
-            t.add_done_callback(ended)
-        try:
+            digest = await self._digest() if self.version is not None else None
+            link.open(self._context, await self._find_upstream(), curve=self.curve, limits=self.limits)
             try:
-                await self._handshake(sock, recv, digest)
+                await self._handshake(link, digest)
             except LimitError:
                 raise  # this receiver's limits refuse the sender's bootstrap: asking again would not help
             except _REJECTED as e:  # a bootstrap that arrived damaged: ask again, from HELLO
-                raise _Reconnect(f"the handshake failed: {type(e).__name__}: {e}") from e
+                raise Reconnect(f"the handshake failed: {type(e).__name__}: {e}") from e
             self._handshaking = False
             await self._notify()
-            await self._follow(sock, recv)
-        except _Leave:
-            sock.try_send(encode_message(Message(MessageType.BYE, version=self.version)))
+            await self._follow(link)
+        except Leave:
+            goodbye = Message(MessageType.BYE, version=self.version)
             raise
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            sock.close()
-            self._socket = None
+            try:
+                await link.close(goodbye)
+            finally:
+                self._link = None
+                self._in_session = self._handshaking = False
+                if self.strategy.torn:  # a version failed midway: the model holds none (the next HELLO says so)
+                    self.version = None
 
     async def _find_upstream(self) -> str:
         """The address for this session: the current list entry, or what the resolver says now."""
@@ -616,7 +525,7 @@ class Receiver:
             if inspect.isawaitable(found):
                 found = await asyncio.wait_for(found, self.peer_timeout)
         except Exception as e:  # the sender may be restarting: ask again after a backoff
-            raise _Reconnect(f"the endpoint resolver failed: {e!r}") from e
+            raise Reconnect(f"the endpoint resolver failed: {e!r}") from e
         if not isinstance(found, str) or not found:
             raise ConfigError(f"the endpoint resolver returned {found!r}, not an address")
         check_transport(found, self.curve, self._insecure_plaintext, role="receiver")
@@ -666,10 +575,10 @@ class Receiver:
         finally:
             self.pending_version, self._at_gate = None, False
         if self._lifecycle.leaving:
-            raise _Leave("asked to leave")
+            raise Leave("asked to leave")
 
-    async def _handshake(self, sock: DealerSocket, recv: Callable[[], Any], digest: str | None) -> None:
-        handshake = asyncio.create_task(self.strategy.init_receiver(self._state(), recv, sock.send, receiver_id=self.identity, digest=digest))
+    async def _handshake(self, link: Session, digest: str | None) -> None:
+        handshake = asyncio.create_task(self.strategy.init_receiver(self._state(), link.recv, link.send, receiver_id=self.identity, digest=digest))
         try:
             done, _ = await asyncio.wait({handshake}, timeout=self.peer_timeout + 60.0)
             if not done and self._at_gate:  # a held resync, staged: it waits for update_weights as long as it takes
@@ -693,18 +602,18 @@ class Receiver:
         if boot is not None and boot.kind == "bootstrap":
             self._record(boot)
         if (boot is not None and boot.kind == "bootstrap") or version != self.version:
-            await self._publish(version, sock)
+            await self._publish(version, link)
         else:  # resumed where it was: nothing new to announce to hooks, only to the sender
-            sock.try_send(encode_message(self._below().to_message(version)))
+            link.try_send(self._below().to_message(version))
         self._ready.set()
         log.info("receiver %s connected to %s at v%s", self.identity, self.endpoint, version)
 
-    async def _follow(self, sock: DealerSocket, recv: Callable[[], Any]) -> None:
+    async def _follow(self, link: Session) -> None:
         awaiting_resync = False
         last_type: list[MessageType | None] = [None]
 
         async def seen(*_: Any) -> Sequence[Buffer]:  # remembers what kind of message was rejected
-            frames = await recv()
+            frames = await link.recv()
             last_type[0] = peek_type(frames)
             return frames
 
@@ -713,7 +622,7 @@ class Receiver:
             await self._notify()
             await self._wait(lambda: self._lifecycle.may_commit(pending.version, self.version), None, fail=False)  # paused: wait here, staged
             if self._lifecycle.leaving:
-                raise _Leave("asked to leave")
+                raise Leave("asked to leave")
 
         while True:
             try:
@@ -740,7 +649,7 @@ class Receiver:
                 self.pending_version = None
             awaiting_resync = False
             self._record(pending.stats)
-            await self._publish(pending.version, sock)
+            await self._publish(pending.version, link)
 
     def _below(self) -> Ack:
         """A relay tells its parent about the receivers below it (see ``Sender.wait_acked(tree=True)``)."""
@@ -753,9 +662,9 @@ class Receiver:
             while len(self.stats) > self._stats_history:
                 self.stats.popitem(last=False)
 
-    async def _publish(self, version: int | None, sock: DealerSocket) -> None:
+    async def _publish(self, version: int | None, link: Session) -> None:
         self.version = version
-        sock.try_send(encode_message(self._below().to_message(version)))
+        link.try_send(self._below().to_message(version))
         for hook in self._hooks:
             try:
                 result = hook(version)
@@ -836,17 +745,3 @@ class _Daemon:
 
 def _describe_error(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def _error_code(frames: Sequence[Buffer]) -> str | None:
-    try:
-        return ErrorReport.from_body(decode_message(frames).body).code
-    except WeightSyncError:
-        return None
-
-
-def _error_text(frames: Sequence[Buffer]) -> str:
-    try:
-        return ErrorReport.from_body(decode_message(frames).body).message[:200]
-    except WeightSyncError:
-        return "(undecodable)"

@@ -1,0 +1,217 @@
+"""One connection of a receiver to its upstream (the sender, or a relay): a session.
+
+A ``Session`` owns what lives exactly as long as one connection: the DEALER socket, the
+inbox the receiver reads messages from, the three tasks that feed and watch it (reading
+and routing, heartbeats and the silence check, CURVE handshake failures) and the DIGEST
+queries in flight. ``close`` stops all of them and fails the queries left, so nothing of
+a session outlives it. ``Receiver`` opens one per connection (``receiver/service.py``)
+and drives the handshake and the versions through ``recv`` and ``send``.
+
+What ends a session arrives through the inbox, in order with the messages, as an
+exception ``recv`` raises: ``Reconnect`` (the upstream said goodbye, restarted, cannot
+serve now, went silent, or a task died) or ``Leave`` (the receiver asked: ``leave``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import zmq.asyncio
+
+from protocol.errors import UNKNOWN_PEER, WIRE_CODES, StateError, WeightSyncError, WeightSyncTimeout
+from protocol.net.heartbeat import ticks
+from protocol.net.security import CurveClient
+from protocol.net.sockets import DealerSocket
+from protocol.wire.buffers import Buffer
+from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type
+from protocol.wire.limits import LimitError, Limits
+from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport
+
+log = logging.getLogger(__name__)
+
+_EARLIER_CONNECTION = frozenset({MessageType.PATCH, MessageType.BUCKET, MessageType.BOOTSTRAP})
+Heartbeat = Callable[[], tuple["int | None", Ack]]  # the applied version, and what a relay reports below it
+
+
+class Reconnect(Exception):
+    """The connection to the upstream is lost or was reset: start a new session."""
+
+
+class Leave(Exception):
+    """End the session on purpose (sleep, pause): start no new one until allowed."""
+
+
+class Session:
+    """``identity``'s connection to one upstream, from ``open`` to ``close``.
+
+    ``heartbeat()`` is asked, every ``heartbeat_interval``, what the heartbeat says; no
+    message from the upstream for ``peer_timeout`` (judged only on ticks the event loop
+    was not stalled for) ends the session with ``Reconnect``. Created before ``open`` so
+    that ``leave`` works while the receiver still prepares its HELLO.
+
+    Concurrency: one reader (``recv``) at a time, the receiver's session loop; ``send``,
+    ``try_send``, ``ask`` and ``leave`` may be called from any task of the loop.
+    """
+
+    def __init__(
+        self,
+        identity: str,
+        *,
+        heartbeat: Heartbeat,
+        heartbeat_interval: float,
+        peer_timeout: float,
+    ) -> None:
+        self.identity = identity
+        self.endpoint: str | None = None
+        self._heartbeat, self.heartbeat_interval, self.peer_timeout = heartbeat, heartbeat_interval, peer_timeout
+        self._inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
+        self._socket: DealerSocket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._queries: dict[str, asyncio.Future[tuple[int | None, str | None]]] = {}
+        self._last_seen = time.monotonic()
+
+    @property
+    def is_open(self) -> bool:
+        return self._socket is not None
+
+    def open(self, context: zmq.asyncio.Context, endpoint: str, *, curve: CurveClient | None, limits: Limits) -> None:
+        """Connect to ``endpoint`` and start reading, beating and watching."""
+        if self._socket is not None:
+            raise WeightSyncError("this session is already open")
+        self.endpoint = endpoint
+        self._socket = DealerSocket(context, endpoint, self.identity.encode(), curve=curve, limits=limits)
+        self._last_seen = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._read(self._socket), name=f"weightsync-session-read-{self.identity}"),
+            asyncio.create_task(self._beat(self._socket), name=f"weightsync-session-beat-{self.identity}"),
+            asyncio.create_task(self._socket.watch_handshakes(self.identity), name=f"weightsync-session-curve-{self.identity}"),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    async def recv(self) -> Sequence[Buffer]:
+        """The next message for the receiver; raises what ends the session (``Reconnect``,
+        ``Leave``) or a ``LimitError`` for a message that was drained and dropped."""
+        item = await self._inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def send(self, frames: Sequence[Buffer]) -> None:
+        await self._open_socket().send(frames)
+
+    def try_send(self, msg: Message) -> None:
+        """Queue ``msg`` if there is room; ACKs, NACKs and heartbeats repeat, so one lost is
+        not waited on. A session not open sends nothing."""
+        if self._socket is not None:
+            self._socket.try_send(encode_message(msg))
+
+    def leave(self, why: str) -> None:
+        """End this session at the receiver's next ``recv``: it raises ``Leave(why)``."""
+        self._inbox.put_nowait(Leave(why))
+
+    async def ask(self, version: int | None, digest: bool, timeout: float | None) -> tuple[int | None, str | None]:
+        """The upstream's current version and, if ``digest``, its state digest (one round
+        trip); ``WeightSyncTimeout`` after ``timeout``, ``WeightSyncError`` if the session
+        ends first."""
+        sock = self._open_socket()
+        nonce = uuid.uuid4().hex
+        reply: asyncio.Future[tuple[int | None, str | None]] = asyncio.get_running_loop().create_future()
+        self._queries[nonce] = reply
+        try:
+            sock.try_send(encode_message(DigestRequest(nonce, digest=digest).to_message(version)))
+            try:
+                return await asyncio.wait_for(reply, timeout)
+            except asyncio.TimeoutError:
+                raise WeightSyncTimeout(f"the sender at {self.endpoint} did not answer within {timeout}s") from None
+        finally:
+            self._queries.pop(nonce, None)
+
+    async def close(self, goodbye: Message | None = None) -> None:
+        """Stop the tasks, fail the queries still waiting, and close the socket, after
+        queuing ``goodbye`` (a BYE) if given."""
+        if goodbye is not None:
+            self.try_send(goodbye)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for reply in self._queries.values():
+            if not reply.done():
+                reply.set_exception(WeightSyncError("the session with the sender ended before it answered"))
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    # -- internals ----------------------------------------------------------------------
+    def _open_socket(self) -> DealerSocket:
+        if self._socket is None:
+            raise WeightSyncError("not connected to the sender")
+        return self._socket
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():  # a reader that dies must end the session, not hang it
+            self._inbox.put_nowait(Reconnect(f"socket task failed: {task.exception()!r}"))
+
+    async def _read(self, sock: DealerSocket) -> None:
+        """Route what arrives: heartbeats and DIGEST replies here, the end of the session
+        as an exception, the rest to the inbox."""
+        inbox, welcomed = self._inbox, False
+        while True:
+            try:
+                frames = await sock.recv()
+            except LimitError as e:  # drained, nothing kept: reject it like any bad message
+                inbox.put_nowait(e)
+                continue
+            self._last_seen = time.monotonic()
+            kind = peek_type(frames)
+            if kind is MessageType.HEARTBEAT:
+                continue
+            if kind is MessageType.DIGEST:
+                self._answer(frames)
+                continue
+            if not welcomed and kind in _EARLIER_CONNECTION:
+                # Sent to this identity before the sender saw our HELLO (a previous
+                # connection's patch still on its way): this session starts at WELCOME.
+                log.info("receiver %s: dropped a %s sent before this session's WELCOME", self.identity, kind.name)
+                continue
+            welcomed = welcomed or kind is MessageType.WELCOME
+            if kind is MessageType.BYE:
+                inbox.put_nowait(Reconnect("the sender said goodbye"))
+            elif kind is MessageType.ERROR and (report := _report(frames)) is not None and report.code == UNKNOWN_PEER:
+                inbox.put_nowait(Reconnect("the sender does not know this receiver (restarted?)"))
+            elif kind is MessageType.ERROR and report is not None and report.code == WIRE_CODES[StateError]:  # e.g. a relay asleep
+                inbox.put_nowait(Reconnect(f"the upstream cannot serve this receiver now: {report.message[:200]}"))
+            else:
+                inbox.put_nowait(frames)
+
+    async def _beat(self, sock: DealerSocket) -> None:
+        async for now, stalled in ticks(self.heartbeat_interval):  # a stalled loop is not a dead sender
+            version, below = self._heartbeat()
+            sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=version, body=below.to_body())))
+            silent = now - self._last_seen
+            if silent > self.peer_timeout and not stalled:
+                self._inbox.put_nowait(Reconnect(f"no message from the sender for {silent:.1f}s"))
+
+    def _answer(self, frames: Sequence[Buffer]) -> None:
+        """A DIGEST reply: resolves the ``ask`` waiting for its nonce."""
+        try:
+            msg = decode_message(frames)
+            answer = DigestReply.from_body(msg.body)
+        except WeightSyncError as e:
+            log.warning("receiver %s: dropping a bad DIGEST reply: %s", self.identity, e)
+            return
+        reply = self._queries.get(answer.nonce)
+        if reply is not None and not reply.done():
+            reply.set_result((msg.version, answer.digest))
+
+
+def _report(frames: Sequence[Buffer]) -> ErrorReport | None:
+    """An ERROR's body, or None if it cannot be read."""
+    try:
+        return ErrorReport.from_body(decode_message(frames).body)
+    except WeightSyncError:
+        return None

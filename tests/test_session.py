@@ -1,0 +1,119 @@
+"""A receiver's connection as one object (receiver/session.py), against a real ROUTER on
+loopback: what it routes, what ends it, and that closing it leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from protocol.errors import UNKNOWN_PEER, StateError, WeightSyncError, WeightSyncTimeout, error_code
+from protocol.wire.framing import Message, MessageType, decode_message, encode_message
+from protocol.wire.limits import DEFAULT_LIMITS
+from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport, Welcome
+from receiver.session import Leave, Reconnect, Session
+
+T = 10.0
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[zmq.asyncio.Socket]:
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind("tcp://127.0.0.1:*")
+    yield router
+    router.close(linger=0)
+
+
+def session(peer_timeout: float = 30.0) -> Session:
+    return Session("r1", heartbeat=lambda: (7, Ack()), heartbeat_interval=0.05, peer_timeout=peer_timeout)
+
+
+async def opened(upstream: zmq.asyncio.Socket, link: Session) -> bytes:
+    """Open ``link`` to ``upstream`` and return its identity as the ROUTER sees it (from a heartbeat)."""
+    link.open(zmq.asyncio.Context.instance(), upstream.getsockopt_string(zmq.LAST_ENDPOINT), curve=None, limits=DEFAULT_LIMITS)
+    identity, frame, *_ = await asyncio.wait_for(upstream.recv_multipart(), T)
+    heartbeat = decode_message([frame])
+    assert (heartbeat.type, heartbeat.version) == (MessageType.HEARTBEAT, 7)
+    return identity
+
+
+async def send(upstream: zmq.asyncio.Socket, identity: bytes, msg: Message) -> None:
+    await upstream.send_multipart([identity, *encode_message(msg)])
+
+
+async def test_updates_before_welcome_are_dropped_and_bye_ends_the_session(upstream: zmq.asyncio.Socket) -> None:
+    link = session()
+    identity = await opened(upstream, link)
+    stale = Message(MessageType.PATCH, version=3, base_version=2)  # a previous connection's, still on its way
+    await send(upstream, identity, stale)
+    await send(upstream, identity, Welcome("patch", (), 0).to_message(5))
+    await send(upstream, identity, stale)  # after WELCOME: this session's
+    assert decode_message(await asyncio.wait_for(link.recv(), T)).type is MessageType.WELCOME
+    assert decode_message(await asyncio.wait_for(link.recv(), T)).type is MessageType.PATCH
+    await send(upstream, identity, Message(MessageType.BYE))
+    with pytest.raises(Reconnect, match="goodbye"):
+        await asyncio.wait_for(link.recv(), T)
+    await link.close()
+
+
+@pytest.mark.parametrize("code, why", [(UNKNOWN_PEER, "does not know"), (error_code(StateError("x")), "cannot serve")])
+async def test_an_upstream_that_forgot_us_or_cannot_serve_ends_the_session(upstream: zmq.asyncio.Socket, code: str, why: str) -> None:
+    link = session()
+    identity = await opened(upstream, link)
+    await send(upstream, identity, ErrorReport(code, "say HELLO").to_message())
+    with pytest.raises(Reconnect, match=why):
+        await asyncio.wait_for(link.recv(), T)
+    await link.close()
+
+
+async def test_ask_is_answered_by_nonce_and_close_fails_the_queries_left(upstream: zmq.asyncio.Socket) -> None:
+    link = session()
+    identity = await opened(upstream, link)
+    asked = asyncio.create_task(link.ask(7, True, T))
+    while True:  # heartbeats come too; answer the request
+        _, frame, *_ = await asyncio.wait_for(upstream.recv_multipart(), T)
+        msg = decode_message([frame])
+        if msg.type is MessageType.DIGEST_REQUEST:
+            break
+    request = DigestRequest.from_body(msg.body)
+    await send(upstream, identity, DigestReply("not-the-nonce", "bad").to_message(1))  # nobody's: ignored
+    await send(upstream, identity, DigestReply(request.nonce, "abc").to_message(9))
+    assert await asyncio.wait_for(asked, T) == (9, "abc")
+    with pytest.raises(WeightSyncTimeout):
+        await link.ask(7, False, 0.05)  # nobody answers
+    pending = asyncio.create_task(link.ask(7, False, None))
+    await asyncio.sleep(0.05)
+    await link.close()
+    with pytest.raises(WeightSyncError, match="ended before it answered"):
+        await asyncio.wait_for(pending, T)
+    assert not link.is_open and all(t.done() for t in link._tasks)
+    with pytest.raises(WeightSyncError, match="not connected"):
+        await link.ask(7, False, 1.0)
+
+
+async def test_leave_before_open_and_silence_end_the_session(upstream: zmq.asyncio.Socket) -> None:
+    link = session()
+    link.leave("asked to leave")  # while the receiver still prepares its HELLO
+    with pytest.raises(Leave):
+        await link.recv()
+    await link.close()
+    quiet = session(peer_timeout=0.2)
+    await opened(upstream, quiet)  # the upstream never answers
+    with pytest.raises(Reconnect, match="no message from the sender"):
+        await asyncio.wait_for(quiet.recv(), T)
+    await quiet.close(Message(MessageType.BYE))
+
+
+async def test_a_task_that_dies_ends_the_session(upstream: zmq.asyncio.Socket) -> None:
+    def broken() -> tuple[int | None, Ack]:
+        raise RuntimeError("heartbeat body failed")
+
+    link = Session("r1", heartbeat=broken, heartbeat_interval=0.05, peer_timeout=30.0)
+    link.open(zmq.asyncio.Context.instance(), upstream.getsockopt_string(zmq.LAST_ENDPOINT), curve=None, limits=DEFAULT_LIMITS)
+    with pytest.raises(Reconnect, match="heartbeat body failed"):
+        await asyncio.wait_for(link.recv(), T)
+    await link.close()
