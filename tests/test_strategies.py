@@ -555,10 +555,11 @@ async def test_metadata_mismatch_raised_on_both_sides(kind: str, mutate: Any) ->
 # -- nvcomp_lz4 with the default encodings ----------------------------------------------------
 async def test_nvcomp_lz4_gets_the_entropy_coders_host_tables_on_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """``compression: nvcomp_lz4`` with the default encodings (ANS positions, ULP values):
-    the entropy coder builds its side tables (counts, escapes) on the host, and the GPU
+    the entropy coder built its side tables (counts, escapes) on the host, and the GPU
     compressor refused them ("nvcomp_lz4 compresses CUDA tensors"), so every patch with
-    512+ changes failed to encode. Now each host buffer is moved to the compressor's
-    device first. No GPU here: nvCOMP's codec is a stand-in that records what it is
+    512+ changes failed to encode. Each host buffer is moved to the compressor's device
+    first; since the packed entries, the entropy-coded ones have no side buffers left to
+    compress, and the others (XOR values, dense tensors) still go to it. No GPU here: nvCOMP's codec is a stand-in that records what it is
     handed, and the compressor's device is ``meta``; the sender's whole encode path is
     real (a real optimizer step, config validation, the entropy coder, packing)."""
     from protocol.codec import nvcomp
@@ -593,5 +594,6 @@ async def test_nvcomp_lz4_gets_the_entropy_coders_host_tables_on_its_device(monk
     ans = [e for e in msg.tensors if e.encoding is Encoding.ANS_GAPS and e.values is ValueEncoding.ULP]
     assert ans, [(e.encoding, e.values) for e in msg.tensors]  # the default encodings were chosen
     compressed = [b for e in msg.tensors for b in e.buffers if b.codec == 3]  # Codec.NVCOMP_LZ4
-    assert {b.role for e in ans for b in e.buffers if b.codec == 3} >= {Role.POSITION_MODEL, Role.VALUE_MODEL}
+    # An entropy-coded entry travels packed (protocol/codec/packed.py): one buffer, not compressed again.
+    assert all([(b.role, b.codec) for b in e.buffers] == [(Role.VALUES, 0)] for e in ans)
     assert handed and set(handed) == {torch.device("meta")} and len(handed) >= len(compressed)
