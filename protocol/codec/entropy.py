@@ -93,7 +93,11 @@ def _get_wide(buf, bit, width):  # pragma: no cover - numba
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernels before they are timed."""
+    """Compile (or load from numba's cache) the kernels before they are timed, the packed
+    entries' (``protocol.codec.packed``, which codes with these) included."""
+    from protocol.codec import packed
+
+    packed.warm_up()
     gaps = torch.tensor([0, 3, 1 << 20, 7] * 200, dtype=torch.int64)
     coded = encode_gaps(gaps)
     decode_gaps(coded["words"], coded["low"], coded["model"], coded["escapes"], gaps.numel())

@@ -23,6 +23,8 @@ counts. Layout (little-endian; ``docs/wire.md``)::
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from protocol.errors import ProtocolError
 from protocol.wire.dtypes import bits_dtype
 
 HEADER = 28
+_bits_of = functools.cache(bits_dtype)  # wire.dtypes.bits_dtype builds a tensor (~1.3 us)
 TABLE_START = HEADER
 
 # Decoder error codes (0 is success); a stream's own codes (rans.ERRORS) come offset by 10
@@ -58,7 +61,7 @@ def max_nbytes(nnz: int) -> int:
 
 def encode(flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """The packed buffer (uint8, host) of changes at sorted int64 ``flat`` from ``old`` to ``new``."""
-    bits = bits_dtype(new.dtype)
+    bits = _bits_of(new.dtype)
     shift = 64 - 8 * new.element_size()
     return torch.from_numpy(_encode(_host(flat), _host(new.view(bits)), _host(old.view(bits)), shift))
 
@@ -93,17 +96,21 @@ def warm_up() -> None:
         old = torch.zeros(flat.numel(), dtype=dtype)
         buf = encode(flat, old + 1, old).numpy()
         decode(buf, flat.numel(), 4000)
+    for gaps in (np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.uint16), np.zeros(1, dtype=np.uint32)):
+        positions_into(gaps, 4, np.empty(1, dtype=np.int64))  # raw GAPS entries (positions.decode_positions)
 
 
 # -- kernels --------------------------------------------------------------------------------
 @numba.njit(cache=True, nogil=True)
-def _gaps(flat):  # pragma: no cover - numba
+def gaps_and_top(flat):  # pragma: no cover - numba
+    """Zero-run lengths before each sorted flat index, and the largest (0 if none)."""
     gaps = np.empty(flat.shape[0], dtype=np.int64)
-    prev = -1
+    prev, top = -1, 0
     for i in range(flat.shape[0]):
         gaps[i] = flat[i] - prev - 1
+        top = max(top, gaps[i])
         prev = flat[i]
-    return gaps
+    return gaps, top
 
 
 @numba.njit(cache=True, nogil=True)
@@ -147,7 +154,7 @@ def _put_u64(out, at, value):  # pragma: no cover - numba
 @numba.njit(cache=True, nogil=True)
 def _encode(flat, new, old, shift):  # pragma: no cover - numba
     n = flat.shape[0]
-    gaps = _gaps(flat)
+    gaps, _ = gaps_and_top(flat)
     k = entropy._choose_k(gaps, max(1, n // entropy.RICE_SAMPLE))
     gap_symbols = np.empty(n, dtype=np.uint8)
     low = np.zeros((n * k + 7) // 8, dtype=np.uint8)
@@ -203,17 +210,19 @@ def _tables(freq):  # pragma: no cover - numba
 
 
 @numba.njit(cache=True, nogil=True)
-def positions_in_place(gaps, numel):  # pragma: no cover - numba
-    """Positions from untrusted zero-run ``gaps``, in place; False if one is out of range."""
+def positions_into(gaps, numel, out):  # pragma: no cover - numba
+    """Positions from untrusted zero-run ``gaps`` (any integer dtype) into int64 ``out``, which
+    may be ``gaps`` itself; False if a gap is negative (uint64 past int64 reads as one) or a
+    position reaches ``numel``."""
     pos = -1
     for i in range(gaps.shape[0]):
-        g = gaps[i]
+        g = np.int64(gaps[i])
         if g < 0 or g >= numel:  # also keeps pos + g + 1 from overflowing
             return False
         pos += g + 1
         if pos >= numel:
             return False
-        gaps[i] = pos
+        out[i] = pos
     return True
 
 
@@ -251,7 +260,7 @@ def _decode(buf, numel, flat, diffs):  # pragma: no cover - numba
         return _GAP_STREAM - code
     if not entropy._join_gaps(symbols, k, buf[low_at:extra_at], buf[escapes_at:low_at].view(np.int64), flat):
         return 5
-    if not positions_in_place(flat, numel):
+    if not positions_into(flat, numel, flat):
         return 6
     code = rans.decode_into(buf[value_at:escapes_at].view(np.uint16), value_freq, value_cum, value_lut, symbols)
     if code:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from protocol.codec.compress import Codec, compress, decompress, shuffle, unshuffle
-from protocol.codec.positions import decode_positions, encode_positions, gaps_of, positions_nbytes
+from protocol.codec.positions import decode_positions, downscale, encode_positions, gaps_and_top, positions_nbytes
 from protocol.errors import ProtocolError
 from protocol.lazy import lazy_module
 from protocol.wire.buffers import Buffer, buffer_tensor, tensor_view
@@ -52,6 +52,8 @@ _ENTROPY_CODED = frozenset({Role.LOW_BITS, Role.VALUE_EXTRA})
 # compress``) and saves at most what the buffer holds: smaller buffers travel as they are.
 ZSTD_MIN_BYTES = 4096
 ANS_MIN_CHANGES = 512  # below this, counts tables and per-call overhead cost more than they save
+# wire.dtypes.bits_dtype builds a tensor to learn an itemsize (~1.3 us); a tensor's path asks it up to 3 times.
+_bits_of = functools.cache(bits_dtype)
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,9 @@ class EncodedTensor:
 
 def pack_buffer(role: Role, t: torch.Tensor, codec: Codec) -> tuple[BufferSpec, Buffer]:
     """One buffer: bytes of ``t``, shuffled and compressed when that pays, and checksummed."""
-    flat = t.detach().reshape(-1)
+    flat = t.detach() if t.requires_grad else t
+    if flat.dim() != 1:
+        flat = flat.reshape(-1)
     if flat.numel() == 0:  # empty tensors may carry any stride, which view() refuses
         raw = torch.empty(0, dtype=torch.uint8, device=t.device)
     else:
@@ -233,17 +237,16 @@ def sparse_buffers(
     """Position and value buffers of changes at sorted int64 ``flat``, and the encodings
     chosen. Raw and XOR buffers stay on ``flat``'s device; entropy-coded ones are on the host."""
     encoding = options.positions
-    numel, nnz = math.prod(shape), flat.numel()
+    nnz = flat.numel()
     if encoding is None and nnz >= ANS_MIN_CHANGES:
         encoding = Encoding.ANS_GAPS
-    elif encoding is None:
-        max_gap = int(gaps_of(flat).max()) if nnz else 0
-        gaps = positions_nbytes(nnz, numel, Encoding.GAPS, max_gap)
-        encoding = Encoding.GAPS if gaps <= positions_nbytes(nnz, numel, Encoding.BITMAP, 0) else Encoding.BITMAP
     values = options.values
     if values is ValueEncoding.ULP and encoding is Encoding.ANS_GAPS and nnz >= ANS_MIN_CHANGES:
         return encoding, values, {Role.VALUES: packed.encode(flat, new, old)}
-    buffers = encode_positions(flat, shape, encoding)
+    if encoding is None:
+        encoding, buffers = _gaps_or_bitmap(flat, shape)
+    else:
+        buffers = encode_positions(flat, shape, encoding)
     if values is ValueEncoding.ULP and nnz >= ANS_MIN_CHANGES:
         coded = entropy.encode_values(entropy.ulp_differences(new, old).cpu())
         buffers.update({Role.VALUES: coded["words"], Role.VALUE_MODEL: coded["model"], Role.VALUE_EXTRA: coded["extra"]})
@@ -251,11 +254,20 @@ def sparse_buffers(
     if values is ValueEncoding.ULP:
         values = ValueEncoding.XOR
     if values is ValueEncoding.XOR:
-        bits = bits_dtype(new.dtype)
+        bits = _bits_of(new.dtype)
         buffers[Role.VALUES] = new.view(bits) ^ old.view(bits)
     else:
         buffers[Role.VALUES] = new
     return encoding, values, buffers
+
+
+def _gaps_or_bitmap(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Encoding, dict[Role, torch.Tensor]]:
+    """Raw gaps or a bitmap, whichever is smaller, the gaps computed once for both the choice and the buffer."""
+    gaps, top = gaps_and_top(flat)
+    numel, nnz = math.prod(shape), flat.numel()
+    if positions_nbytes(nnz, numel, Encoding.GAPS, top) <= positions_nbytes(nnz, numel, Encoding.BITMAP, 0):
+        return Encoding.GAPS, {Role.POSITIONS: downscale(gaps, top)}
+    return Encoding.BITMAP, encode_positions(flat, shape, Encoding.BITMAP)
 
 
 def pack_entry(
@@ -326,7 +338,7 @@ class DecodedTensor:
     def new_values(self, old: torch.Tensor) -> torch.Tensor:
         """New values of a sparse update, given the old values at ``flat``."""
         if self.encoding is ValueEncoding.XOR:
-            bits = bits_dtype(old.dtype)
+            bits = _bits_of(old.dtype)
             return (old.view(bits) ^ self.values.to(old.device)).view(old.dtype)
         if self.encoding is ValueEncoding.ULP:
             return entropy.apply_differences(old, self.values.to(old.device))
@@ -413,7 +425,7 @@ def positions_of_gaps(gaps: torch.Tensor, numel: int) -> torch.Tensor:
     """Sorted flat positions from untrusted int64 zero-run ``gaps``, in place, in one pass
     (``positions.decode_positions`` makes five: max, +1, cumsum, -1, last); ``ProtocolError``
     for a negative gap or a position past ``numel``."""
-    if gaps.numel() and not packed.positions_in_place(gaps.numpy(), numel):
+    if gaps.numel() and not packed.positions_into(gaps.numpy(), numel, gaps.numpy()):
         raise ProtocolError(f"gaps run past the tensor's {numel} elements (or are negative)")
     return gaps
 
@@ -426,7 +438,7 @@ def _buffer_rule(role: Role, entry: TensorEntry, dtype: torch.dtype, numel: int)
     if role is Role.VALUES:
         if entry.values is ValueEncoding.ULP:
             return (torch.uint16,), nnz + rans.FLUSH_WORDS  # rANS: at most one word a symbol, plus the states
-        return ((bits_dtype(dtype) if entry.values is ValueEncoding.XOR else dtype),), nnz
+        return ((_bits_of(dtype) if entry.values is ValueEncoding.XOR else dtype),), nnz
     if role is Role.POSITIONS and entry.encoding is Encoding.ANS_GAPS:
         return (torch.uint16,), nnz + rans.FLUSH_WORDS
     if role is Role.POSITIONS and entry.encoding is Encoding.BITMAP:
