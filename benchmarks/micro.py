@@ -9,8 +9,9 @@ snapshot); ``diff`` is ``diff_and_update`` on a fresh snapshot copy (mark, colle
 the snapshot update); ``encode_tensor`` / ``decode_tensor`` are one entropy-coded
 tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``scaling`` the same at
 1 to 300k changes (per change: the slope at the top; per tensor: at 1 change; each against
-issue 14's 20 us a tensor + 10 ns a change), ``rice_parameter``,
-``pack_entry`` and the rANS kernels their parts. ``header`` is ``decode_message`` and
+issue 14's 20 us a tensor + 10 ns a change), ``packed_encode`` / ``packed_decode`` the
+one-call kernels an entropy-coded tensor goes through (``protocol.codec.packed``), and
+``rice_parameter``, ``pack_entry`` and the rANS kernels their parts. ``header`` is ``decode_message`` and
 ``peek_type`` of a 300-tensor patch; ``recv`` receives such a message (~2,100 frames) over
 TCP loopback with ``DealerSocket.recv`` (one await a message) and with one await a frame
 (``protocol.wire.limits.read_bounded``, as the receiver did before), timed from when the whole
@@ -92,7 +93,7 @@ def _mark_case(label: str, cur: torch.Tensor, repeat: int) -> dict[str, Any]:
 
 
 def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
-    from protocol.codec import entropy, rans
+    from protocol.codec import entropy, packed, rans
     from protocol.codec.positions import gaps_of
     from protocol.codec.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse, pack_entry, sparse_buffers
     from protocol.wire.framing import Message, MessageType, decode_message, encode_message
@@ -121,6 +122,9 @@ def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
     case("sparse_buffers", lambda: sparse_buffers(flat, newv, oldv, shape, options))
     case("pack_entry", lambda: pack_entry(0, enc, vals, nnz, buffers, options.codec))
     case("encode_tensor", lambda: encode_sparse(0, flat, newv, oldv, shape, options))
+    case("packed_encode", lambda: packed.encode(flat, newv, oldv))
+    buf = packed.encode(flat, newv, oldv).numpy()
+    case("packed_decode", lambda: packed.decode(buf, nnz, n))
     symbols = np.random.default_rng(4).integers(0, 3, nnz).astype(np.uint8)
     counts = np.bincount(symbols, minlength=3).astype(np.int64)
     words = rans.encode(symbols, counts)
