@@ -1,4 +1,4 @@
-"""python -m benchmarks --suite quick|full|lowbw --json OUT.json [--plot OUT.png]
+"""python -m benchmarks --suite quick|full|lowbw --json OUT.json [--plot OUT.png] [--part-bytes N]
 
 lowbw: the receivers behind a shaped link in a network namespace (--mbit, --rtt-ms; root,
 iproute2), see benchmarks/lowbw.py; skipped with the reason where that cannot run."""
@@ -19,19 +19,36 @@ from typing import Any
 
 import torch
 
+from . import e2e
 from .bandwidth import copy_bandwidth, zmq_raw_throughput
 from .e2e import finish, fixed_cost, run_workload
 from .memory import free_port
-from .peers import PeerGroup, maxrss_bytes
+from .peers import CPUS_ENV, PeerGroup, maxrss_bytes
 from .report import evaluate_targets, missing_keys, plot, table
 from .workloads import SUITES, workloads
+
+
+def split_cores() -> None:
+    """``--split-cores``: this process (trainer, sender) keeps the first half of the cores;
+    the workers it starts get the rest (``peers.CPUS_ENV``)."""
+    from protocol.codec import parallel
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--split-cores needs at least 2 cores")
+    own, theirs = cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
+    os.sched_setaffinity(0, own)
+    parallel.WORKERS = len(own)
+    os.environ[CPUS_ENV] = ",".join(map(str, theirs))
+    os.environ[parallel.ENV] = str(len(theirs))
+    print(f"split cores: trainer and sender on {own}, receivers and peers on {theirs}", file=sys.stderr)
 
 
 async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool | None = None) -> dict[str, Any]:
     suite = SUITES[name]
     started = time.perf_counter()
     load_before = os.getloadavg()
-    peers = PeerGroup(free_port())
+    peers = PeerGroup(free_port(), workers=e2e.RECEIVERS)
     try:
         chosen = [w for w in workloads(suite) if not only or w.name in only]
         if only and len(chosen) != len(only):
@@ -69,6 +86,9 @@ async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool 
             "torch": torch.__version__,
             # other work on the machine disturbs every timing: the 1-minute load average
             "load_average_start_end": [load_before[0], os.getloadavg()[0]],
+            "sender_cpus": sorted(os.sched_getaffinity(0)),  # --split-cores: the receivers' are receiver_cpus
+            "receiver_cpus": os.environ.get(CPUS_ENV) or "all",
+            "receivers": e2e.RECEIVERS,
         },
         "library": library_info(),
         "copy_Bps": copy_bps,
@@ -128,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the per-workload memory processes")
     p.add_argument("--dense-above", metavar="VALUE", help="patch.dense_above for the patch runs: auto (the default), "
                    "a share in [0, 1], or JSON such as '{\"link_gbps\": 10}'")
+    p.add_argument("--receivers", type=int, metavar="N", help="receivers (and peer workers) per path (default 2)")
+    p.add_argument("--split-cores", action="store_true", help="the trainer and sender on the first half of this "
+                   "machine's cores, the receivers and peer workers on the other half, each side's codec threads one per "
+                   "core it has: as if they ran on separate hosts, so their stages can overlap")
+    p.add_argument("--part-bytes", type=int, metavar="N", help="patch.part_bytes for the patch runs (0: one message a "
+                   "version; default: the library's)")
     p.add_argument("--mbit", type=float, help="lowbw: the link's rate towards the receivers, Mbit/s (default 100)")
     p.add_argument("--rtt-ms", type=float, help="lowbw: the round trip the proxy adds, ms (default 40)")
     p.add_argument("--tiny", action="store_true", help="lowbw: one small synthetic workload (the smoke test)")
@@ -135,11 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.dense_above is not None:
         from protocol.config import dense_rule
 
-        from . import e2e
-
         value = args.dense_above if args.dense_above == "auto" else json.loads(args.dense_above)
         dense_rule(value)  # a ConfigError now, not from a worker process
         e2e.PATCH_OPTIONS["dense_above"] = value
+    if args.part_bytes is not None:
+        e2e.PATCH_OPTIONS["part_bytes"] = args.part_bytes
+    if args.receivers is not None:
+        e2e.RECEIVERS = args.receivers
+    if args.split_cores:
+        split_cores()
     if args.suite == "lowbw":
         return lowbw_main(args)
     memory_pass = False if args.no_memory else SUITES[args.suite].memory_pass

@@ -36,7 +36,7 @@ from .rollout import RemoteReceivers
 from .workloads import Workload
 
 TIMEOUT = 600.0
-RECEIVERS = 2
+RECEIVERS = 2  # per path; python -m benchmarks --receivers sets it
 DAEMON_KW: dict[str, Any] = {"peer_timeout": 300.0}  # the harness blocks the loop while it measures peers
 
 
@@ -84,7 +84,8 @@ class Rig:
         self.closed = False
 
     @classmethod
-    async def open(cls, workload: Workload, config: dict[str, Any], name: str, count: int = RECEIVERS) -> Rig:
+    async def open(cls, workload: Workload, config: dict[str, Any], name: str, count: int | None = None) -> Rig:
+        count = RECEIVERS if count is None else count
         net = NETWORK
         sender = Sender(f"tcp://{net.bind}:0", config, insecure_plaintext=net.insecure_plaintext, **DAEMON_KW)
         await sender.start(workload.trainer_state(), version=0)

@@ -324,6 +324,16 @@ class PeerGroup:
         return rss
 
 
+CPUS_ENV = "WEIGHTSYNC_BENCH_CPUS"  # python -m benchmarks --split-cores: the cores receivers and peer workers get
+
+
+def pin_to_bench_cpus() -> None:
+    """Run this worker on the cores ``CPUS_ENV`` names (comma-separated), if it is set."""
+    cpus = os.environ.get(CPUS_ENV)
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="a peer worker (started by PeerGroup)")
     p.add_argument("--rank", type=int, required=True)
@@ -331,6 +341,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=3)
     p.add_argument("--master", default="127.0.0.1", help="rank 0's address (the gloo rendezvous)")
     args = p.parse_args()
+    pin_to_bench_cpus()
     worker(args.rank, args.port, args.world, args.master)
 
 

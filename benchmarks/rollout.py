@@ -19,7 +19,7 @@ from typing import Any
 
 from protocol.state import resolve_state
 
-from .peers import ROOT, digest, maxrss_bytes
+from .peers import ROOT, digest, maxrss_bytes, pin_to_bench_cpus
 from .workloads import build_receiver_state
 
 TIMEOUT = 600.0
@@ -152,6 +152,7 @@ def main() -> None:
     p.add_argument("--spec", required=True, help="the receiver state as JSON (Workload.receiver_spec)")
     p.add_argument("--identity", required=True)
     args = p.parse_args()
+    pin_to_bench_cpus()
     asyncio.run(serve(args))
 
 

@@ -5,7 +5,7 @@
     weight_syncer:            # optional wrapper, as in a Hydra config group
       type: patch             # or bucket
       patch: {snapshot_device, transport_device, delta_encoding, compression,
-              position_encoding, value_encoding, dense_above,
+              position_encoding, value_encoding, dense_above, part_bytes,
               init_sync: {enabled, prefixes, bucket_size}}
       bucket: {bucket_size, bucket_dtype, bucket_device, is_agent, load_instant, init_sync}
 
@@ -63,6 +63,9 @@ class PatchConfig:
     # share: a tensor with more than it of its elements changed is sent whole (1.0: never,
     # except where coding would not be smaller). See tensorcodec.DenseCost.
     dense_above: float | str | dict[str, float] = "auto"
+    # A patch travels in parts of at least this many bytes of changes each, each sent as
+    # soon as it is encoded, so receivers decode one while the next is encoded; 0: one message.
+    part_bytes: int = 1 * MiB
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
 
     def options(self) -> PatchOptions:
@@ -130,6 +133,8 @@ class SyncConfig:
                 "and give the receiver name_mapping={'model.<x>': 'model.language_model.<x>', ...} (or a callable)"
             )
         dense_rule(p.dense_above)
+        if type(p.part_bytes) is not int or p.part_bytes < 0:
+            raise ConfigError(f"patch.part_bytes must be an int >= 0 (0: one message a version), got {p.part_bytes!r}")
         if self.type == "patch":
             parse_compression(p.compression, p.transport_device)
         else:

@@ -97,9 +97,10 @@ class Relay:
         if session is not None and session != server.stamp.session:  # a new upstream lineage
             server.stamp.session = session
             server.forget()
-        if pending.type is MessageType.PATCH and version is not None and len(messages) == 1:
+        if pending.type is MessageType.PATCH and version is not None and messages:
             server.moved(version)
-            server.publish_patch(pending.base_version, version, server.stamp(messages[0]))
+            for i, msg in enumerate(messages):  # every part: the relay applied them all
+                server.publish_patch(pending.base_version, version, server.stamp(msg), last=i + 1 == len(messages))
         elif pending.type is MessageType.BUCKET and version is not None:
             server.moved(version)
             server.publish_buckets(version, [server.stamp(m) for m in messages])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,11 @@ class Changes:
         for event in self.events:
             event.synchronize()
 
+    def captured_nbytes(self) -> int:
+        """What this capture holds: changed positions and values, or the whole tensor."""
+        held = (self.flat, self.new, self.old) if self.flat is not None else (self.dense,)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
 
 class PatchBuilder:
     """Builds PATCH messages: the bitwise difference between the model (cast to the
@@ -65,6 +71,7 @@ class PatchBuilder:
     def __init__(self, plan: SyncPlan, config: PatchConfig) -> None:
         self.plan = plan
         self.options = config.options()
+        self.part_bytes = config.part_bytes
         self.snapshot = Snapshot(config.snapshot_device)
         self.transport = torch.device(config.transport_device)
 
@@ -104,13 +111,39 @@ class PatchBuilder:
         return changes, stats
 
     async def encode(self, changes: list[Changes], version: int, base: int | None, stats: SyncStats) -> Message:
-        """Entropy code and pack captured changes (host CPU work, off the event loop)."""
+        """Entropy code and pack captured changes as one message (host CPU work, off the event loop)."""
+        return await self._encode_part(changes, version, base, stats, 0, 1)
+
+    async def encode_parts(self, changes: list[Changes], version: int, base: int | None, stats: SyncStats) -> AsyncIterator[Message]:
+        """The same as parts of about ``part_bytes`` of changes each, yielded as each is
+        encoded: a receiver decodes one part while the next is encoded (the daemon's way)."""
+        groups = self.parts(changes)
+        for i, group in enumerate(groups):
+            yield await self._encode_part(group, version, base, stats, i, len(groups))
+
+    def parts(self, changes: list[Changes]) -> list[list[Changes]]:
+        """Consecutive groups of ``changes`` of at least ``part_bytes`` each (by the bytes
+        captured: positions and values, or the whole tensor); one group for 0, or for
+        fewer changes than that."""
+        groups: list[list[Changes]] = [[]]
+        size = 0
+        for c in changes:
+            if self.part_bytes and size >= self.part_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(c)
+            size += c.captured_nbytes()
+        return groups
+
+    async def _encode_part(
+        self, changes: list[Changes], version: int, base: int | None, stats: SyncStats, part: int, parts: int
+    ) -> Message:
         started = time.perf_counter()
         encoded = await asyncio.to_thread(map_ordered, self._encode, changes)
         stats.tensors_dense += sum(e.encoding is Encoding.DENSE for e in encoded)
         specs, frames = assemble(encoded)
-        stats.encode_seconds = time.perf_counter() - started
-        return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames)
+        stats.encode_seconds += time.perf_counter() - started
+        return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames, part=part, parts=parts)
 
     def _collect(self, tensors: dict[str, torch.Tensor], stats: SyncStats) -> list[Changes]:
         keys = self.plan.tracked
@@ -216,7 +249,7 @@ def sampled_differences(cur: torch.Tensor, snap: torch.Tensor, sample: int = 204
 
 
 class PatchSender(SenderBase):
-    """The patch strategy over injected ``send``/``recv``: one receiver, one PATCH per version."""
+    """The patch strategy over injected ``send``/``recv``: one receiver, the PATCH parts of each version."""
 
     strategy = "patch"
 
@@ -231,21 +264,24 @@ class PatchSender(SenderBase):
         await asyncio.to_thread(self.builder.capture, state.tensors)
 
     async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
-        """Build the patch from the snapshot to ``model`` and send it as one PATCH message.
+        """Build the patch from the snapshot to ``model`` and send it, in parts of
+        ``patch.part_bytes`` (each sent as soon as it is encoded).
 
-        The snapshot and ``self.version`` advance once the patch is built, before it is
-        sent: if ``send`` fails, the receiver misses ``version`` and rejects the next
-        patch as stale, which asks for a resync rather than silently diverging.
+        The snapshot and ``self.version`` advance once the changes are collected, before
+        anything is sent: if ``send`` fails, the receiver misses ``version`` and rejects
+        the next patch as stale, which asks for a resync rather than silently diverging.
         """
         self.require_plan(version)
         assert self.builder is not None
-        msg, stats = await self.builder.build(resolve_state(model).tensors, version, self.version)
-        self.version = version
-        started = time.perf_counter()
-        wire = self.stamp(msg)
-        stats.build_seconds += time.perf_counter() - started
-        stats.messages, stats.wire_bytes = 1, sum(len(f) for f in wire)
-        started = time.perf_counter()
-        await send(wire)
-        stats.send_seconds = time.perf_counter() - started
+        changes, stats = await self.builder.collect(resolve_state(model).tensors, version)
+        base, self.version = self.version, version
+        async for msg in self.builder.encode_parts(changes, version, base, stats):
+            started = time.perf_counter()
+            wire = self.stamp(msg)
+            stats.build_seconds += time.perf_counter() - started
+            stats.messages += 1
+            stats.wire_bytes += sum(len(f) for f in wire)
+            started = time.perf_counter()
+            await send(wire)
+            stats.send_seconds += time.perf_counter() - started
         return stats

@@ -215,10 +215,12 @@ class Sender:
         self, builder: PatchBuilder, previous: asyncio.Task[None] | None, changes: list[Changes], version: int, base: int | None,
         stats: SyncStats,
     ) -> None:
-        """Encode a collected version into the ring, after the versions before it."""
+        """Encode a collected version into the ring, after the versions before it, part by
+        part: receivers get each part as soon as it is encoded."""
         if previous is not None:
             await previous
-        msg = await builder.encode(changes, version, base, stats)
-        frames = self.server.stamp(msg)
-        stats.messages, stats.wire_bytes = 1, sum(len(f) for f in frames)
-        self.server.publish_patch(base, version, frames)
+        async for msg in builder.encode_parts(changes, version, base, stats):
+            frames = self.server.stamp(msg)
+            stats.messages += 1
+            stats.wire_bytes += sum(len(f) for f in frames)
+            self.server.publish_patch(base, version, frames, last=msg.part + 1 == msg.parts)

@@ -112,6 +112,8 @@ PATCH_CONFIGS: dict[str, dict[str, Any]] = {
     "coo-delta-raw-none": {"position_encoding": "coo", "delta_encoding": True, "value_encoding": "raw", "compression": "none"},
     "coo-abs-xor-zstd": {"position_encoding": "coo", "delta_encoding": False, "value_encoding": "xor", "compression": "zstd"},
     "ans-raw-lz4": {"position_encoding": "ans", "value_encoding": "raw", "compression": "lz4"},
+    # a version in several parts (patch.part_bytes): dropped, repeated, reordered parts
+    "parts-auto-ulp-zstd": {"position_encoding": "auto", "value_encoding": "ulp", "compression": "zstd", "part_bytes": 2048},
 }
 
 

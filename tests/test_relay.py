@@ -148,13 +148,13 @@ async def test_a_corrupted_forward_is_nacked_and_the_leaf_resynced_from_the_rela
         # Corrupt the next patch on its way from the relay to the leaf: flip a payload byte.
         original = relay.relay.server.publish_patch
 
-        def corrupt(base: int | None, version: int, frames: list[Any]) -> None:
+        def corrupt(base: int | None, version: int, frames: list[Any], *, last: bool = True) -> None:
             frames = [frames[0], *(bytes(f) for f in frames[1:])]
             payload = bytearray(frames[1])
             payload[len(payload) // 2] ^= 0x10
             frames[1] = bytes(payload)
             relay.relay.server.publish_patch = original  # type: ignore[method-assign]
-            original(base, version, frames)
+            original(base, version, frames, last=last)
 
         relay.relay.server.publish_patch = corrupt  # type: ignore[method-assign]
         await t.step(relay, leaf)  # the leaf rejected v2 and was resynced to it
@@ -217,8 +217,8 @@ async def test_relay_serves_only_versions_it_applied():
         await assert_matches(leaf, t.trainer, version)
         assert relay.relay.server.session == sender.session
         entry = relay.relay.server._ring[-1]
-        assert decode_message(entry.frames).type is MessageType.PATCH
-        assert decode_message(entry.frames).session == sender.session
+        assert entry.complete and all(decode_message(m).type is MessageType.PATCH for m in entry.messages)
+        assert all(decode_message(m).session == sender.session for m in entry.messages)
 
 
 async def test_a_relay_sleeps_its_weights_and_wakes():

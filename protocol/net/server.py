@@ -8,7 +8,8 @@ version (``bootstrap``), what is its state digest (``digest``). Whoever owns the
 puts each new version in front of it (``moved``, ``publish_patch``, ``publish_buckets``).
 The server does the rest: handshakes, one pump task per receiver bounded by credits
 (versions in flight), so a slow or dead receiver never blocks the others, a ring of
-recent patches to catch receivers up, resyncs by bootstrap, heartbeats, and timeouts.
+recent patches to catch receivers up (each patch served part by part as its parts are
+published, before the last one is encoded), resyncs by bootstrap, heartbeats, and timeouts.
 
 A receiver that refuses a version (NACK) is resynced; one that refuses the resyncs too
 gets each next one later (``resync_backoff``), and after ``max_resyncs`` in a row with no
@@ -23,7 +24,7 @@ import collections
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import zmq
@@ -47,9 +48,20 @@ _Server = TypeVar("_Server", bound="VersionServer")
 
 @dataclass
 class RingEntry:
+    """A patch from ``base`` to ``version``: its messages (parts) so far, framed; a patch is
+    served while it is still being encoded, part by part, until ``complete``."""
+
     base: int | None
     version: int
-    frames: list[Buffer]
+    messages: list[list[Buffer]]
+    complete: bool = True
+    grown: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each new part
+
+    def add(self, frames: list[Buffer], last: bool) -> None:
+        self.messages.append(frames)
+        self.complete = last
+        grown, self.grown = self.grown, asyncio.Event()
+        grown.set()
 
 
 class VersionSource(Protocol):
@@ -248,9 +260,15 @@ class VersionServer:
         (``publish_patch``) instead of being resynced."""
         self._pending_bases.add(base)
 
-    def publish_patch(self, base: int | None, version: int, frames: list[Buffer]) -> None:
-        """A patch from ``base`` to ``version`` is ready: receivers at ``base`` get it."""
-        self._ring.append(RingEntry(base, version, frames))
+    def publish_patch(self, base: int | None, version: int, frames: list[Buffer], *, last: bool = True) -> None:
+        """The next part of the patch from ``base`` to ``version`` is ready (``last``: its
+        final one): receivers at ``base`` get it now, and the parts after it as they come.
+        Parts are published in order, one patch at a time."""
+        newest = self._ring[-1] if self._ring else None
+        if newest is not None and not newest.complete and (newest.base, newest.version) == (base, version):
+            newest.add(frames, last)
+            return
+        self._ring.append(RingEntry(base, version, [frames], complete=last))
         self._pending_bases.discard(base)
         self._wake_all()
 
@@ -477,9 +495,13 @@ class VersionServer:
                     batch = await self._next_for(peer)
                     if batch is None:
                         break
-                    version = batch[0]
-                    await self._deliver_all(peer, batch[1])
+                    version, what = batch
                     del batch
+                    if isinstance(what, RingEntry):
+                        await self._deliver_entry(peer, what)
+                    else:
+                        await self._deliver_all(peer, what)
+                    del what
                     peer.sent = version
                     peer.inflight.append(version)
                 await peer.wake.wait()
@@ -496,13 +518,13 @@ class VersionServer:
             await self._drop(peer, f"its pump failed: {e!r}")
             raise
 
-    async def _next_for(self, peer: Peer) -> tuple[int | None, list[list[Buffer]]] | None:
+    async def _next_for(self, peer: Peer) -> tuple[int | None, RingEntry | list[list[Buffer]]] | None:
         if not peer.needs_resync:
             if peer.sent == self.version:
                 return None
             for entry in self._ring:
                 if entry.base == peer.sent:
-                    return entry.version, [entry.frames]
+                    return entry.version, entry
             if peer.sent in self._pending_bases:
                 return None  # its next patch is being prepared; publish_patch wakes it
             if self._bucket_frames is not None and (peer.sent is None or peer.sent < self._bucket_frames[0]):
@@ -521,6 +543,17 @@ class VersionServer:
         peer.resyncs += 1
         log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version)
         return self.version, [self.stamp(m) for m in await self._resync_messages()]
+
+    async def _deliver_entry(self, peer: Peer, entry: RingEntry) -> None:
+        """Every part of a patch, each as soon as it is published."""
+        sent = 0
+        while True:
+            while sent < len(entry.messages):
+                await self._deliver(peer, entry.messages[sent])
+                sent += 1
+            if entry.complete:
+                return
+            await entry.grown.wait()
 
     async def _deliver_all(self, peer: Peer, messages: list[list[Buffer]]) -> None:
         for frames in messages:

@@ -40,7 +40,7 @@ from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import dtype_from_code
 from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: an ANS_GAPS + ULP tensor travels packed, one buffer (protocol/codec/packed.py)
 MAX_DIMS = 8
 
 

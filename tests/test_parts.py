@@ -1,0 +1,137 @@
+"""Patches in parts (``patch.part_bytes``): the sender daemon serves each part as soon as it
+is encoded; receivers stage each as it arrives and commit the version after the last one,
+never before. Real AdamW steps, real sockets, bf16 receivers checked bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from daemon_helpers import DAEMON_KW, T, Trainer, assert_matches, receiver_model, wait_until
+
+from protocol.errors import ConfigError
+from protocol.wire.checksum import state_digest
+from protocol.wire.framing import Message
+from receiver import Receiver
+from sender import Sender
+from sender.patch import PatchBuilder
+
+PARTS = {"type": "patch", "patch": {"part_bytes": 4096, "init_sync": {"bucket_size": 96 << 10}}}
+
+
+class Fleet:
+    def __init__(self) -> None:
+        self.daemons: list[Any] = []
+
+    async def sender(self, trainer: Trainer) -> Sender:
+        s = Sender("tcp://127.0.0.1:0", PARTS, **DAEMON_KW)
+        self.daemons.append(s)
+        return await asyncio.wait_for(s.start(trainer.model, version=trainer.version), T)
+
+    async def receiver(self, endpoint: str, identity: str, **kw: Any) -> Receiver:
+        r = Receiver(receiver_model(), endpoint, PARTS, identity=identity, **{**DAEMON_KW, **kw})
+        self.daemons.insert(0, r)
+        return await r.start(timeout=T)
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    f = Fleet()
+    try:
+        yield f
+    finally:
+        for d in f.daemons:
+            await asyncio.wait_for(d.close(), T)
+
+
+def published_versions_are_whole(r: Receiver, trainer: Trainer) -> list[int | None]:
+    """Record every version ``r`` publishes, checking at that moment that its model is
+    exactly the trainer's image of it (a version published before its last part was
+    written would differ)."""
+    seen: list[int | None] = []
+
+    def check(version: int | None) -> None:
+        assert version is not None and state_digest(r.model.state_dict()) == trainer.digests[version], version
+        seen.append(version)
+
+    r.on_update(check)
+    return seen
+
+
+async def test_parts_are_bit_exact_through_a_relay(fleet: Fleet) -> None:
+    trainer = Trainer()
+    s = await fleet.sender(trainer)
+    relay = await fleet.receiver(s.endpoint, "relay", relay_endpoint="tcp://127.0.0.1:0")
+    assert relay.relay_endpoint is not None
+    leaves = [await fleet.receiver(relay.relay_endpoint, f"leaf{i}") for i in range(2)]
+    seen = [published_versions_are_whole(r, trainer) for r in (relay, *leaves)]
+    for _ in range(3):
+        version = await trainer.step_and_sync(s)
+        await s.flush()
+        assert s.stats[version].messages > 2  # this model at 4 kB a part
+        for r in (relay, *leaves):
+            await r.wait_for_version(version, timeout=T)
+            await assert_matches(r, trainer, version)
+            assert r.stats[version].kind == "patch" and r.stats[version].messages == s.stats[version].messages
+    assert all(v == [1, 2, 3] for v in seen), seen  # each version once, none resynced
+    assert all(info["resyncs"] == 0 for info in s.receivers.values())
+
+
+async def test_a_part_is_served_before_the_next_is_encoded(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = Trainer()
+    s = await fleet.sender(trainer)
+    r = await fleet.receiver(s.endpoint, "r0")
+    seen = published_versions_are_whole(r, trainer)
+    release = asyncio.Event()
+    encode_part = PatchBuilder._encode_part
+
+    async def held_after_the_first(self: PatchBuilder, changes: list[Any], version: int, base: int | None, stats: Any,
+                                   part: int, parts: int) -> Message:
+        if part == 1:
+            await release.wait()
+        return await encode_part(self, changes, version, base, stats, part, parts)
+
+    monkeypatch.setattr(PatchBuilder, "_encode_part", held_after_the_first)
+    before = s.bytes_sent
+    version = await trainer.step_and_sync(s)
+    # Part 1 waits: part 0 is on its way to the receiver all the same, and the version is not published.
+    await wait_until(lambda: s.bytes_sent > before + 4096)
+    await asyncio.sleep(0.2)
+    assert r.version == version - 1 and seen == []
+    release.set()
+    await r.wait_for_version(version, timeout=T)
+    await assert_matches(r, trainer, version)
+    assert seen == [version] and s.stats[version].messages > 2
+
+
+async def test_a_damaged_part_publishes_nothing_and_is_resynced(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = Trainer()
+    s = await fleet.sender(trainer)
+    r = await fleet.receiver(s.endpoint, "r0")
+    seen = published_versions_are_whole(r, trainer)
+    publish = s.server.publish_patch
+    parts_seen: list[int] = []
+
+    def damage_the_second(base: int | None, version: int, frames: list[Any], *, last: bool = True) -> None:
+        parts_seen.append(version)
+        if parts_seen.count(version) == 2 and version == 2:  # v2's second part: flip a payload byte
+            payload = bytearray(frames[1])
+            payload[len(payload) // 2] ^= 0x10
+            frames = [frames[0], bytes(payload), *frames[2:]]
+        publish(base, version, frames, last=last)
+
+    monkeypatch.setattr(s.server, "publish_patch", damage_the_second)
+    for _ in range(3):
+        version = await trainer.step_and_sync(s)
+        await r.wait_for_version(version, timeout=T)
+        await assert_matches(r, trainer, version)
+    assert seen == [1, 2, 3]  # v2 came by resync, whole; its damaged parts were never published
+    assert r.stats[2].kind == "bootstrap" and s.receivers["r0"]["resyncs"] == 1
+
+
+def test_part_bytes_is_checked() -> None:
+    for bad in (-1, 1.5, "1MiB", True):
+        with pytest.raises(ConfigError, match="part_bytes"):
+            Sender("tcp://127.0.0.1:0", {"type": "patch", "patch": {"part_bytes": bad}})
