@@ -13,7 +13,7 @@ from daemon_helpers import DAEMON_KW, T, Trainer, assert_matches, receiver_model
 
 from protocol.errors import ConfigError
 from protocol.wire.checksum import state_digest
-from protocol.wire.framing import Message
+from protocol.wire.framing import Message, MessageType, decode_message
 from receiver import Receiver
 from sender import Sender
 from sender.patch import PatchBuilder
@@ -94,12 +94,21 @@ async def test_a_part_is_served_before_the_next_is_encoded(fleet: Fleet, monkeyp
         return await encode_part(self, changes, version, base, stats, part, parts)
 
     monkeypatch.setattr(PatchBuilder, "_encode_part", held_after_the_first)
-    before = s.bytes_sent
+    delivered: list[tuple[MessageType, int | None, int]] = []
+    deliver = s.server._deliver
+
+    async def recorded(peer: Any, frames: list[Any]) -> None:
+        msg = decode_message(frames)
+        delivered.append((msg.type, msg.version, msg.part))
+        await deliver(peer, frames)
+
+    monkeypatch.setattr(s.server, "_deliver", recorded)
     version = await trainer.step_and_sync(s)
     # Part 1 waits: part 0 is on its way to the receiver all the same, and the version is not published.
-    await wait_until(lambda: s.bytes_sent > before + 4096)
+    await wait_until(lambda: (MessageType.PATCH, version, 0) in delivered)
     await asyncio.sleep(0.2)
     assert r.version == version - 1 and seen == []
+    assert [d for d in delivered if d[1] == version] == [(MessageType.PATCH, version, 0)]
     release.set()
     await r.wait_for_version(version, timeout=T)
     await assert_matches(r, trainer, version)
