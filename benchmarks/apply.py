@@ -4,18 +4,21 @@
 
 A TinyLM of ~24M parameters (vocab 16384, dim 512, 5 layers; fp32 master, AdamW) syncs to a
 bf16 receiver through the real strategies (``sender.make_sender`` / ``receiver.make_receiver``
-over an in-memory channel). After a warm-up step, one step's PATCH is captured and applied
-again and again to the receiver's state of the version before it, timing:
+over an in-memory channel). After a warm-up step, one step's PATCH (its parts) is captured and
+applied again and again to the receiver's state of the version before it, timing:
 
-* ``weightsync``: ``decode_message`` of the frames, then per tensor ``decode_entry`` and
-  ``StagedUpdate.stage`` (the receiver's ``_decode``, on its codec pool) and ``commit``: what
-  a receiver does from a message's frames to written weights;
+* ``weightsync``: ``decode_message`` of each part's frames, then per tensor ``decode_entry``
+  and ``StagedUpdate.stage`` (the receiver's ``_decode``, on its codec pool) and ``commit``:
+  what a receiver does from the frames to written weights;
 * ``weightsync_serial``: the same on one thread (``WEIGHTSYNC_CODEC_THREADS=1``'s path);
+* ``weightsync_commit``: the commit alone, of updates staged beforehand: the only step that
+  holds the model (readers wait for it); decoding and staging run before, beside them;
 * ``index_put``: what a sender of raw indices and values (RLinf's ``sparse_nccl`` format)
   leaves its receiver to do: ``target.view(-1).index_put_((flat,), values)`` per tensor, with
   the int64 indices and bf16 values already in memory (nothing decoded, nothing checked).
 
-Both end bit-identical to the trainer (checked). ``ratio`` is weightsync / index_put.
+Both end bit-identical to the trainer (checked). ``ratio`` is weightsync / index_put
+(``ratio_serial``, ``ratio_commit`` likewise).
 Times are medians of ``--repeat``, each from a restored copy of the state.
 """
 
@@ -69,7 +72,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
 
 
-async def case(lr: float, repeat: int, config: dict[str, Any]) -> dict[str, Any]:
+async def case(lr: float, repeat: int, config: dict[str, Any], shape: dict[str, int] = MODEL) -> dict[str, Any]:
     import receiver
     import sender
     from protocol.codec import parallel
@@ -77,10 +80,10 @@ async def case(lr: float, repeat: int, config: dict[str, Any]) -> dict[str, Any]
     from receiver.commit import commit
 
     torch.manual_seed(0)
-    model = TinyLM(**MODEL)
+    model = TinyLM(**shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(1234)
-    rmodel = TinyLM(**MODEL).to(torch.bfloat16)
+    rmodel = TinyLM(**shape).to(torch.bfloat16)
     s, r = sender.make_sender(config), receiver.make_receiver(config)
     to_r, to_s = _Pipe(), _Pipe()
     await asyncio.gather(s.init_sender(model, to_r.send, to_s.recv), r.init_receiver(rmodel, to_r.recv, to_s.send))
@@ -94,7 +97,7 @@ async def case(lr: float, repeat: int, config: dict[str, Any]) -> dict[str, Any]
     train_step(model, optimizer, generator)
     start = len(to_r.sent)
     await s.sync(model, to_r.send, version + 1)
-    (frames,) = to_r.sent[start:]
+    parts = to_r.sent[start:]  # the version's PATCH parts (patch.part_bytes)
     wanted = {k: v.detach().to(before[k].dtype) for k, v in model.state_dict().items()}
     targets = r.targets(rmodel)
     keys = r.metadata.keys
@@ -105,10 +108,16 @@ async def case(lr: float, repeat: int, config: dict[str, Any]) -> dict[str, Any]
             for k, t in by_name.items():
                 t.copy_(before[k])
 
+    def stage() -> list[Any]:
+        updates = []
+        for frames in parts:
+            msg = decode_message(frames)
+            assert msg.type is MessageType.PATCH
+            updates += r._decode(msg, targets)
+        return updates
+
     def weightsync() -> None:
-        msg = decode_message(frames)
-        assert msg.type is MessageType.PATCH
-        commit(targets, r._decode(msg, targets), r.aliases)
+        commit(targets, stage(), r.aliases)
 
     # index_put_'s inputs: the same changes, as raw int64 indices and new values
     raw = []
@@ -127,11 +136,14 @@ async def case(lr: float, repeat: int, config: dict[str, Any]) -> dict[str, Any]
 
     out: dict[str, Any] = {"lr": lr, "changed": sum(f.numel() for _, f, _ in raw),
                            "elements": sum(t.numel() for t in by_name.values()), "tensors_changed": len(raw),
-                           "wire_bytes": sum(len(f) for f in frames)}
-    msg = decode_message(frames)
-    out["dense_tensors"] = sum(e.encoding.name == "DENSE" for e in msg.tensors)
+                           "wire_bytes": sum(len(f) for frames in parts for f in frames), "parts": len(parts)}
+    out["dense_tensors"] = sum(e.encoding.name == "DENSE" for frames in parts for e in decode_message(frames).tensors)
     out["weightsync"] = _timed(weightsync, restore, repeat)
     assert exact(), "weightsync's apply is not bit-exact"
+    restore()
+    staged = stage()  # of the version before, as restore leaves it: what a receiver holds before its commit
+    out["weightsync_commit"] = _timed(lambda: commit(targets, staged, r.aliases), restore, repeat)
+    assert exact(), "weightsync's commit is not bit-exact"
     saved = parallel.WORKERS
     parallel.WORKERS = 1
     try:
@@ -143,6 +155,7 @@ async def case(lr: float, repeat: int, config: dict[str, Any]) -> dict[str, Any]
     assert exact(), "index_put's apply is not bit-exact"
     out["ratio"] = out["weightsync"]["median_s"] / out["index_put"]["median_s"]
     out["ratio_serial"] = out["weightsync_serial"]["median_s"] / out["index_put"]["median_s"]
+    out["ratio_commit"] = out["weightsync_commit"]["median_s"] / out["index_put"]["median_s"]
     out["ns_per_change"] = out["weightsync_serial"]["median_s"] * 1e9 / max(1, out["changed"])
     return out
 
@@ -161,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lr {r['lr']:g}: {r['changed']:,} of {r['elements']:,} changed ({r['tensors_changed']} tensors, {r['dense_tensors']} dense), "
               f"wire {r['wire_bytes']:,} B; weightsync {r['weightsync']['median_s'] * 1e3:.1f} ms "
               f"(serial {r['weightsync_serial']['median_s'] * 1e3:.1f} ms, {r['ns_per_change']:.1f} ns/change), "
-              f"index_put {r['index_put']['median_s'] * 1e3:.1f} ms: ratio {r['ratio']:.2f} (serial {r['ratio_serial']:.2f})")
+              f"index_put {r['index_put']['median_s'] * 1e3:.1f} ms: ratio {r['ratio']:.2f} (serial {r['ratio_serial']:.2f}); "
+              f"the commit alone (what holds the model) {r['weightsync_commit']['median_s'] * 1e3:.1f} ms: {r['ratio_commit']:.2f}x")
     if args.json:
         doc = {"command": "python -m benchmarks.apply " + " ".join(sys.argv[1:] if argv is None else argv), "model": MODEL,
                "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(), "results": results}

@@ -268,3 +268,16 @@ def test_lowbw_suite_runs_every_path_across_the_shaped_link(tmp_path: Path) -> N
     assert "| synthetic-tiny-2% |" in done.stdout
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert "wsfan-" not in listed
+
+
+async def test_apply_benchmark_times_every_path_bit_exact_over_parts() -> None:
+    """``benchmarks.apply`` on a small TinyLM whose patch travels in several parts: every
+    path ends bit-exact (the benchmark asserts it) and each is reported."""
+    from benchmarks.apply import case
+
+    shape = {"vocab": 512, "dim": 64, "heads": 4, "layers": 2, "context": 16}
+    out = await case(1e-5, 1, {"type": "patch", "patch": {"part_bytes": 8192}}, shape)
+    assert out["parts"] > 1 and out["changed"] > 0
+    for path in ("weightsync", "weightsync_serial", "weightsync_commit", "index_put"):
+        assert out[path]["median_s"] > 0, path
+    assert out["ratio_commit"] == out["weightsync_commit"]["median_s"] / out["index_put"]["median_s"]
