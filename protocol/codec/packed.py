@@ -7,18 +7,28 @@ seven buffers packed, checksummed, described and checked on each side. Here one 
 encodes a tensor's changes into one uint8 buffer and one call decodes it, checking every
 size against the buffer and the target before reading. The symbol coding is ``entropy``'s
 (Rice split of the gaps, zigzagged ulp differences by bit length) and the coder ``rans``'s;
-the side tables travel as their quantized frequencies (16 bits a symbol), not as int64
-counts. Layout (little-endian; ``docs/wire.md``)::
+the side tables travel as the symbol counts (each in as many bits as the changes left to
+count need; the coder's frequencies are derived from them on both sides by ``rans.quantize_into``),
+and every size the counts imply (escapes, low bits, extra bits, the value stream) is left out.
+Layout (little-endian; ``docs/wire.md``)::
 
     0   u8   k, the Rice parameter (0..entropy.MAX_K)
     1   u8   gap symbols G (1..entropy.HIGH_SYMBOLS)
     2   u8   value symbols V (1..entropy.VALUE_SYMBOLS)
-    3   u8   0 (reserved)
-    4   u64  escapes E      12  u64  gap words Wg      20  u64  value words Wv
-    28  u16 x G  gap frequencies      then u16 x V  value frequencies (each table sums to 2**15)
+    3   LEB128  gap words Wg (at most 10 bytes)
+        counts: G - 1 gap counts then V - 1 value counts, a bit field each, most significant bit
+        first (the last count of each table is what is left of nnz); then a zero byte if the
+        streams would start at an odd offset
         u16 x Wg  gap stream          then u16 x Wv  value stream (rANS, ``rans.decode_into``)
-        i64 x E   escaped gaps        then ceil(nnz * k / 8) bytes of gap low bits
-        the rest: the extra bits of large value differences (all of them, exactly)
+        i64 x E   escaped gaps (E: the escape symbol's count)
+        ceil(nnz * k / 8) bytes of gap low bits
+        ceil(X / 8) bytes: the extra bits of large value differences (X: from the value counts)
+    Wv is what the buffer leaves for the value stream.
+
+A count ``c`` of ``r`` changes still to count is coded as its bit length ``L`` in
+``bit_length(bit_length(r))`` bits, then the ``L - 1`` bits below its leading one: tables cost
+~3 bits a symbol, where 16-bit frequencies cost 16 (the real lr 1e-6 workload of
+``python -m benchmarks --suite quick``: 4.8 kB of tables in a 230 kB patch -> 1.8 kB).
 """
 
 from __future__ import annotations
@@ -30,14 +40,16 @@ import numpy as np
 import torch
 
 from protocol.codec import entropy, rans
-from protocol.codec.entropy import ESCAPE, HIGH_SYMBOLS, MAX_K, VALUE_SYMBOLS
+from protocol.codec.entropy import DIRECT, DIRECT_BITS, ESCAPE, HIGH_SYMBOLS, MAX_K, VALUE_SYMBOLS
 from protocol.codec.rans import FLUSH_WORDS, PROB_SCALE
 from protocol.errors import ProtocolError
 from protocol.wire.dtypes import bits_dtype
 
-HEADER = 28
+FIXED = 3  # k, G, V; then the gap words' LEB128
+VARINT_MAX = 10  # LEB128 bytes of a u64
+COUNT_BITS_MAX = 6 + 62  # a count's length field and mantissa, counts below 2**63
+TABLES_MAX = -(-(HIGH_SYMBOLS + VALUE_SYMBOLS) * COUNT_BITS_MAX // 8) + 1  # with the pad byte
 _bits_of = functools.cache(bits_dtype)  # wire.dtypes.bits_dtype builds a tensor (~1.3 us)
-TABLE_START = HEADER
 
 # Decoder error codes (0 is success); a stream's own codes (rans.ERRORS) come offset by 10
 # (gaps) or 20 (values).
@@ -45,7 +57,7 @@ ERRORS = {
     1: "shorter than its header",
     2: "header fields out of range",
     3: "sizes in the header exceed the tensor's changes or the buffer",
-    4: "a frequency table does not sum to the coder's scale",
+    4: "a counts table does not describe the tensor's changes",
     5: "escaped gaps do not match the escape symbols",
     6: "positions run past the tensor's end (or a gap is negative)",
     7: "extra bits of the values do not fill their section exactly",
@@ -56,7 +68,7 @@ _GAP_STREAM, _VALUE_STREAM = 10, 20
 def max_nbytes(nnz: int) -> int:
     """The largest buffer ``nnz`` changes can need (bounds an untrusted spec before decoding)."""
     words = 2 * (2 * (nnz + FLUSH_WORDS))
-    return HEADER + 2 * (HIGH_SYMBOLS + VALUE_SYMBOLS) + words + 8 * nnz + -(-nnz * MAX_K // 8) + -(-nnz * 63 // 8)
+    return FIXED + VARINT_MAX + TABLES_MAX + words + 8 * nnz + -(-nnz * MAX_K // 8) + -(-nnz * 63 // 8)
 
 
 def encode(flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -75,6 +87,16 @@ def decode(buf: np.ndarray, nnz: int, numel: int) -> tuple[torch.Tensor, torch.T
     if code:
         raise ProtocolError(f"packed entry: {_message(code)}")
     return torch.from_numpy(flat), torch.from_numpy(diffs)
+
+
+def layout(buf: np.ndarray, nnz: int) -> dict[str, int]:
+    """The header's fields and each section's offset of a packed buffer of ``nnz`` changes
+    (what its bytes are spent on, for tests and measurements); ``ProtocolError`` if it is off."""
+    at = _layout(buf, nnz, np.zeros(HIGH_SYMBOLS, dtype=np.int64), np.zeros(VALUE_SYMBOLS, dtype=np.int64))
+    if at[_CODE]:
+        raise ProtocolError(f"packed entry: {_message(int(at[_CODE]))}")
+    names = ("k", "G", "V", "gap_words", "value_words", "escapes", "tables_at", "words_at", "value_at", "escapes_at", "low_at", "extra_at")
+    return {name: int(at[i]) for i, name in enumerate(names, start=_K)}
 
 
 def _message(code: int) -> str:
@@ -133,22 +155,49 @@ def _used(counts):  # pragma: no cover - numba
 
 
 @numba.njit(cache=True, nogil=True)
-def _code(symbols, counts, out, at):  # pragma: no cover - numba
-    """rANS-code ``symbols`` under ``counts``; writes the frequency table at ``at`` and
-    returns it with the words (the stream itself is copied in by the caller)."""
+def _stream(symbols, counts):  # pragma: no cover - numba
+    """The rANS words of ``symbols`` under the table quantized from ``counts``."""
     freq = rans.quantize_into(counts)
     cum = np.zeros(freq.shape[0], dtype=np.uint32)
     for s in range(1, freq.shape[0]):
         cum[s] = cum[s - 1] + freq[s - 1]
     scratch = np.empty(symbols.shape[0] + FLUSH_WORDS, dtype=np.uint16)
-    start = rans.encode_into(symbols, freq, cum, scratch)
-    out[at : at + 2 * freq.shape[0]].view(np.uint16)[:] = freq
-    return scratch[start:]
+    return scratch[rans.encode_into(symbols, freq, cum, scratch) :]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bit_length(x):  # pragma: no cover - numba
+    """Bits of a non-negative int64 (0 for 0)."""
+    n = 0
+    while n < 64 and (np.uint64(x) >> np.uint64(n)) != np.uint64(0):
+        n += 1
+    return n
 
 
 @numba.njit(cache=True, nogil=True)
-def _put_u64(out, at, value):  # pragma: no cover - numba
-    out[at : at + 8].view(np.uint64)[0] = np.uint64(value)
+def _put_counts(counts, total, out, state):  # pragma: no cover - numba
+    """Every count but the last (``total`` less the others): its bit length in as many bits as
+    the bit length of what is left to count needs, then its bits below the leading one."""
+    left = total
+    for s in range(counts.shape[0] - 1):
+        c = counts[s]
+        length = _bit_length(c)
+        entropy._put_wide(out, state, np.uint64(length), _bit_length(_bit_length(left)))
+        if length > 1:
+            entropy._put_wide(out, state, np.uint64(c), length - 1)
+        left -= c
+
+
+@numba.njit(cache=True, nogil=True)
+def _put_varint(out, at, value):  # pragma: no cover - numba
+    """LEB128 of non-negative ``value`` at ``at``; returns the offset after it."""
+    v = np.uint64(value)
+    while v >= np.uint64(0x80):
+        out[at] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
+        v >>= np.uint64(7)
+        at += 1
+    out[at] = np.uint8(v)
+    return at + 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -166,19 +215,22 @@ def _encode(flat, new, old, shift):  # pragma: no cover - numba
     extra = np.zeros((entropy._value_symbols(diffs, value_symbols, value_counts) + 7) // 8, dtype=np.uint8)
     entropy._value_extra(diffs, value_symbols, extra)
     g, v = _used(gap_counts), _used(value_counts)
-    tables = np.empty(2 * (g + v), dtype=np.uint8)
-    gap_words = _code(gap_symbols, gap_counts[:g], tables, 0)
-    value_words = _code(value_symbols, value_counts[:v], tables, 2 * g)
-    words_at = TABLE_START + tables.shape[0]
-    escapes_at = words_at + 2 * (gap_words.shape[0] + value_words.shape[0])
+    gap_words = _stream(gap_symbols, gap_counts[:g])
+    value_words = _stream(value_symbols, value_counts[:v])
+    head = np.zeros(FIXED + VARINT_MAX + TABLES_MAX, dtype=np.uint8)
+    head[0], head[1], head[2] = k, g, v
+    tables_at = _put_varint(head, FIXED, gap_words.shape[0])
+    state = np.zeros(3, dtype=np.uint64)
+    _put_counts(gap_counts[:g], n, head[tables_at:], state)
+    _put_counts(value_counts[:v], n, head[tables_at:], state)
+    entropy._flush(head[tables_at:], state)
+    words_at = tables_at + np.int64(state[2]) + (state[1] > 0)
+    words_at += words_at & 1  # the streams start even (the pad byte is zero)
+    value_at = words_at + 2 * gap_words.shape[0]
+    escapes_at = value_at + 2 * value_words.shape[0]
     low_at = escapes_at + 8 * escapes
     out = np.empty(low_at + low.shape[0] + extra.shape[0], dtype=np.uint8)
-    out[0], out[1], out[2], out[3] = k, g, v, 0
-    _put_u64(out, 4, escapes)
-    _put_u64(out, 12, gap_words.shape[0])
-    _put_u64(out, 20, value_words.shape[0])
-    out[TABLE_START:words_at] = tables
-    value_at = words_at + 2 * gap_words.shape[0]
+    out[:words_at] = head[:words_at]
     out[words_at:value_at].view(np.uint16)[:] = gap_words
     out[value_at:escapes_at].view(np.uint16)[:] = value_words
     escaped = out[escapes_at:low_at].view(np.int64)
@@ -227,29 +279,110 @@ def positions_into(gaps, numel, out):  # pragma: no cover - numba
 
 
 @numba.njit(cache=True, nogil=True)
+def _get_varint(buf, at, limit):  # pragma: no cover - numba
+    """(value, offset after it) of a LEB128 at ``at`` of at most ``VARINT_MAX`` bytes;
+    value -1 if it is cut off by the buffer's end, longer, or above ``limit``."""
+    value, shift = np.uint64(0), np.uint64(0)
+    for i in range(VARINT_MAX):
+        if at + i >= buf.shape[0]:
+            return -1, at
+        b = np.uint64(buf[at + i])
+        value |= (b & np.uint64(0x7F)) << shift
+        if b < np.uint64(0x80):
+            return (np.int64(value) if value <= np.uint64(limit) else -1), at + i + 1
+        shift += np.uint64(7)
+    return -1, at
+
+
+@numba.njit(cache=True, nogil=True)
+def _get_counts(buf, bit, total, out):  # pragma: no cover - numba
+    """Counts coded by ``_put_counts`` into ``out``, from bit ``bit`` of ``buf`` (zeros past
+    its end); the bit after them, or -1 if a field exceeds what is left of ``total``."""
+    left = np.int64(total)
+    for s in range(out.shape[0] - 1):
+        room = _bit_length(left)
+        width = _bit_length(room)
+        length = np.int64(entropy._get_wide(buf, bit, width))
+        bit += width
+        if length > room:
+            return -1
+        c = np.int64(0)
+        if length > 0:
+            c = np.int64((np.uint64(1) << np.uint64(length - 1)) | entropy._get_wide(buf, bit, length - 1))
+            bit += length - 1
+        if c > left:
+            return -1
+        out[s] = c
+        left -= c
+    out[out.shape[0] - 1] = left
+    return bit
+
+
+# _layout's fields, in its returned int64 array
+(_CODE, _K, _G, _V, _GAP_WORDS, _VALUE_WORDS, _ESCAPES, _TABLES_AT, _WORDS_AT, _VALUE_AT, _ESCAPES_AT, _LOW_AT, _EXTRA_AT,
+ _LAYOUT_FIELDS) = range(14)
+
+
+@numba.njit(cache=True, nogil=True)
+def _layout(buf, n, gap_counts, value_counts):  # pragma: no cover - numba
+    """Every section's offset and size of an untrusted buffer of ``n`` changes, checked
+    against its length before anything past the counts is read; the counts into
+    ``gap_counts`` and ``value_counts`` (full-size, the first G and V filled)."""
+    out = np.zeros(_LAYOUT_FIELDS, dtype=np.int64)
+    size = buf.shape[0]
+    if size < FIXED + 1:
+        out[_CODE] = 1
+        return out
+    k, g, v = np.int64(buf[0]), np.int64(buf[1]), np.int64(buf[2])
+    if k > MAX_K or not 1 <= g <= HIGH_SYMBOLS or not 1 <= v <= VALUE_SYMBOLS:
+        out[_CODE] = 2
+        return out
+    gap_words, tables_at = _get_varint(buf, FIXED, n + FLUSH_WORDS)
+    if gap_words < 0:
+        out[_CODE] = 3
+        return out
+    tables = buf[tables_at:]
+    bit = _get_counts(tables, 0, n, gap_counts[:g])
+    if bit >= 0:
+        bit = _get_counts(tables, bit, n, value_counts[:v])
+    if bit < 0:
+        out[_CODE] = 4
+        return out
+    words_at = tables_at + (bit + 7) // 8
+    if words_at & 1:
+        if words_at >= size or buf[words_at] != 0:
+            out[_CODE] = 3
+            return out
+        words_at += 1
+    escapes = gap_counts[ESCAPE] if g == HIGH_SYMBOLS else 0
+    extra_bits = 0
+    for s in range(DIRECT, v):
+        extra_bits += value_counts[s] * (s - DIRECT + DIRECT_BITS)
+    value_at = words_at + 2 * gap_words
+    tail = 8 * escapes + (n * k + 7) // 8 + (extra_bits + 7) // 8
+    rest = size - value_at - tail  # the value stream's bytes
+    if rest < 0 or rest & 1 or rest // 2 > n + FLUSH_WORDS:
+        out[_CODE] = 3
+        return out
+    out[_K], out[_G], out[_V], out[_GAP_WORDS], out[_VALUE_WORDS], out[_ESCAPES] = k, g, v, gap_words, rest // 2, escapes
+    out[_TABLES_AT], out[_WORDS_AT], out[_VALUE_AT], out[_ESCAPES_AT] = tables_at, words_at, value_at, value_at + rest
+    out[_LOW_AT] = value_at + rest + 8 * escapes
+    out[_EXTRA_AT] = out[_LOW_AT] + (n * k + 7) // 8
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
 def _decode(buf, numel, flat, diffs):  # pragma: no cover - numba
     """Decode into ``flat`` and ``diffs`` (their length is the change count); an error code."""
     n = flat.shape[0]
-    size = buf.shape[0]
-    if size < HEADER:
-        return 1
-    k, g, v = np.int64(buf[0]), np.int64(buf[1]), np.int64(buf[2])
-    if k > MAX_K or not 1 <= g <= HIGH_SYMBOLS or not 1 <= v <= VALUE_SYMBOLS or buf[3] != 0:
-        return 2
-    fields = buf[4:HEADER].view(np.uint64)
-    limit = np.uint64(n + FLUSH_WORDS)
-    if fields[0] > np.uint64(n) or fields[1] > limit or fields[2] > limit:  # unsigned: no wrap below
-        return 3
-    escapes, gap_words, value_words = np.int64(fields[0]), np.int64(fields[1]), np.int64(fields[2])
-    words_at = TABLE_START + 2 * (g + v)
-    value_at = words_at + 2 * gap_words
-    escapes_at = value_at + 2 * value_words
-    low_at = escapes_at + 8 * escapes
-    extra_at = low_at + (n * k + 7) // 8
-    if extra_at > size:
-        return 3
-    gap_freq = buf[TABLE_START : TABLE_START + 2 * g].view(np.uint16).astype(np.uint32)
-    value_freq = buf[TABLE_START + 2 * g : words_at].view(np.uint16).astype(np.uint32)
+    gap_counts = np.zeros(HIGH_SYMBOLS, dtype=np.int64)
+    value_counts = np.zeros(VALUE_SYMBOLS, dtype=np.int64)
+    at = _layout(buf, n, gap_counts, value_counts)
+    if at[_CODE]:
+        return at[_CODE]
+    k, words_at, value_at, escapes_at, low_at, extra_at = at[_K], at[_WORDS_AT], at[_VALUE_AT], at[_ESCAPES_AT], at[_LOW_AT], at[_EXTRA_AT]
+    gap_freq = rans.quantize_into(gap_counts[: at[_G]])
+    value_freq = rans.quantize_into(value_counts[: at[_V]])
     gap_cum, gap_lut = _tables(gap_freq)
     value_cum, value_lut = _tables(value_freq)
     if gap_lut.shape[0] == 0 or value_lut.shape[0] == 0:
@@ -265,6 +398,6 @@ def _decode(buf, numel, flat, diffs):  # pragma: no cover - numba
     code = rans.decode_into(buf[value_at:escapes_at].view(np.uint16), value_freq, value_cum, value_lut, symbols)
     if code:
         return _VALUE_STREAM - code
-    if (entropy._unzigzag(symbols, buf[extra_at:], diffs) + 7) // 8 != size - extra_at:
+    if (entropy._unzigzag(symbols, buf[extra_at:], diffs) + 7) // 8 != buf.shape[0] - extra_at:
         return 7
     return 0

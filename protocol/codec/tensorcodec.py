@@ -52,6 +52,11 @@ _ENTROPY_CODED = frozenset({Role.LOW_BITS, Role.VALUE_EXTRA})
 # compress``) and saves at most what the buffer holds: smaller buffers travel as they are.
 ZSTD_MIN_BYTES = 4096
 ANS_MIN_CHANGES = 512  # below this, counts tables and per-call overhead cost more than they save
+# A packed entry (ANS_GAPS + ULP, protocol/codec/packed.py) costs ~40 bytes more than its coded
+# changes (header, counts tables, the streams' final states), where raw gaps and XOR values cost
+# 2-3 bytes a change more than coding them: from about 32 changes on it is the smaller, and it
+# codes in ~15 us (within issue 14's 20 us a tensor).
+PACKED_MIN_CHANGES = 32
 # wire.dtypes.bits_dtype builds a tensor to learn an itemsize (~1.3 us); a tensor's path asks it up to 3 times.
 _bits_of = functools.cache(bits_dtype)
 
@@ -238,11 +243,11 @@ def sparse_buffers(
     chosen. Raw and XOR buffers stay on ``flat``'s device; entropy-coded ones are on the host."""
     encoding = options.positions
     nnz = flat.numel()
+    values = options.values
+    if values is ValueEncoding.ULP and encoding in (None, Encoding.ANS_GAPS) and nnz >= PACKED_MIN_CHANGES:
+        return Encoding.ANS_GAPS, values, {Role.VALUES: packed.encode(flat, new, old)}
     if encoding is None and nnz >= ANS_MIN_CHANGES:
         encoding = Encoding.ANS_GAPS
-    values = options.values
-    if values is ValueEncoding.ULP and encoding is Encoding.ANS_GAPS and nnz >= ANS_MIN_CHANGES:
-        return encoding, values, {Role.VALUES: packed.encode(flat, new, old)}
     if encoding is None:
         encoding, buffers = _gaps_or_bitmap(flat, shape)
     else:
