@@ -44,6 +44,7 @@ class PendingVersion:
     stats: ApplyStats = field(default_factory=lambda: ApplyStats(None, ""))
     messages: list[Message] = field(default_factory=list)  # as received, when the receiver keeps them (a relay)
     written: bool = False  # written into the model as it arrived (bucket.load_instant): commit() only records it
+    staged_bytes: int = 0  # of ``updates``
 
 
 class ReceiverBase:
@@ -280,7 +281,7 @@ class ReceiverBase:
     async def _write_staged(self, targets: list[Target], pending: PendingVersion) -> None:
         started = time.perf_counter()
         await asyncio.to_thread(commit, targets, pending.updates, self.aliases)
-        pending.updates = []  # one message's worth staged at a time
+        pending.updates, pending.staged_bytes = [], 0  # one message's worth staged at a time
         pending.stats.apply_seconds += time.perf_counter() - started
 
     async def _failed_while_writing(self, held: AbstractAsyncContextManager[Any], wrote: bool, pending: PendingVersion) -> None:
@@ -366,8 +367,8 @@ class ReceiverBase:
         started = time.perf_counter()
         updates = await asyncio.to_thread(self._decode, msg, targets)
         pending.updates.extend(updates)
-        staged = sum(u.values.numel() * u.values.element_size() + (0 if u.flat is None else u.flat.numel() * 8) for u in pending.updates)
-        pending.stats.staged_bytes_peak = max(pending.stats.staged_bytes_peak, staged)
+        pending.staged_bytes += sum(u.values.numel() * u.values.element_size() + (0 if u.flat is None else u.flat.numel() * 8) for u in updates)
+        pending.stats.staged_bytes_peak = max(pending.stats.staged_bytes_peak, pending.staged_bytes)
         pending.stats.tensors += len(updates)
         pending.stats.changed_elements += sum(u.values.numel() for u in updates)
         pending.stats.decode_seconds += time.perf_counter() - started
