@@ -34,6 +34,8 @@ BLOCK = 4096  # elements compared into a cache-resident byte buffer before packi
 _PACK = np.uint64(0x0102040810204080)  # (8 bytes of 0/1) * _PACK >> 56 = those 8 flags as bits
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}
+_NUMPY_NATIVE = {torch.float16, torch.float32, torch.float64, torch.int16, torch.int32, torch.int64}
 
 
 class Diff(NamedTuple):
@@ -119,6 +121,12 @@ if numba is not None:
                     snap[i] = value  # the snapshot moves to the new version in the same pass
                     o += 1
 
+    @numba.njit(cache=True, nogil=True)
+    def _sample_new(cur, rounding, step, out):  # pragma: no cover - numba
+        """Every ``step``-th element of ``cur``, cast to the snapshot's bits when ``rounding``."""
+        for j in range(out.shape[0]):
+            out[j] = _bf16(cur[j * step]) if rounding else cur[j * step]
+
     # Each kernel twice: threads pay off on large tensors only. Waking a thread team costs
     # microseconds on an idle host and milliseconds on a busy one (a trainer's), which
     # would dominate a model's many small tensors. The two builds must be two functions:
@@ -152,12 +160,15 @@ def diff_and_update(cur: torch.Tensor, snapshot: torch.Tensor, dense_above: floa
     rounding = cur.dtype != snapshot.dtype
     cur = cur.reshape(-1).contiguous()
     cur_u, snap_u = _bits(cur), _bits(snapshot.view(-1))
-    marks = np.empty(-(-n // 64), dtype=np.uint64)
-    counts = np.empty(-(-marks.size // CHUNK_WORDS), dtype=np.int64)
+    words = -(-n // 64)
+    marks = np.empty(words, dtype=np.uint64)
+    offsets = np.empty(-(-words // CHUNK_WORDS) + 1, dtype=np.int64)
+    offsets[0] = 0
+    counts = offsets[1:]  # mark writes each chunk's count; summed in place into offsets
     mark, collect = _KERNELS[n >= PARALLEL_MIN]
     mark(cur_u, snap_u, rounding, marks, counts)
-    offsets = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
+    if counts.size > 1:
+        np.cumsum(counts, out=counts)
     total = int(offsets[-1])
     if (dense_above(total) if callable(dense_above) else total > dense_above * n):
         snapshot.view(-1).copy_(cur)  # the same rounding as _bf16
@@ -170,6 +181,18 @@ def diff_and_update(cur: torch.Tensor, snapshot: torch.Tensor, dense_above: floa
     return Diff(total, torch.from_numpy(flat), _tensor(new, snapshot.dtype), _tensor(old, snapshot.dtype))
 
 
+def sampled_differences(cur: torch.Tensor, snapshot: torch.Tensor, step: int) -> torch.Tensor:
+    """The nonzero ulp differences (``new_bits - old_bits`` wrapping at the snapshot's width,
+    as int64) of every ``step``-th element of ``cur`` (cast) against ``snapshot``: the
+    torch ops' result (``patch.sampled_differences``) in one kernel call and three numpy ops."""
+    cur_u, snap_u = _bits(cur.reshape(-1)), _bits(snapshot.view(-1))
+    old = snap_u[::step]
+    new = np.empty(old.size, dtype=snap_u.dtype)
+    _sample_new(cur_u, cur.dtype != snapshot.dtype, step, new)
+    diffs = (new - old).view(_NP_SIGNED[snap_u.itemsize]).astype(np.int64)
+    return torch.from_numpy(diffs[diffs != 0])
+
+
 def warm_up(pairs: set[tuple[torch.dtype, torch.dtype]]) -> None:
     """Compile (or load from numba's cache) the kernels for these (state, snapshot) dtype
     pairs now, rather than in the first sync: each new pair costs seconds of JIT."""
@@ -177,14 +200,17 @@ def warm_up(pairs: set[tuple[torch.dtype, torch.dtype]]) -> None:
         for n in (9, PARALLEL_MIN):
             cur, snapshot = torch.ones(n, dtype=state_dtype), torch.zeros(n, dtype=snapshot_dtype)
             if supported(cur, snapshot):
+                sampled_differences(cur, snapshot, 2)
                 diff_and_update(cur, snapshot)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
-    """The bits of a contiguous tensor as an unsigned numpy array (numpy has no bf16)."""
+    """The bits of a (1-D) tensor as an unsigned numpy array (numpy has no bf16: those go
+    through a signed torch view)."""
+    if t.dtype in _NUMPY_NATIVE:
+        return t.numpy().view(_UINT[t.element_size()])
     return t.view(_SIGNED[t.element_size()]).numpy().view(_UINT[t.element_size()])
 
 
 def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    signed = {2: np.int16, 4: np.int32, 8: np.int64}[a.itemsize]
-    return torch.from_numpy(a.view(signed)).view(dtype)
+    return torch.from_numpy(a.view(_NP_SIGNED[a.itemsize])).view(dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,11 +13,11 @@ import torch
 
 from protocol.codec.compress import Codec
 from protocol.codec.parallel import map_ordered
-from protocol.codec.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sparse_buffers
+from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, pack_entry, raw_nbytes, sparse_buffers
 from protocol.config import PatchConfig
 from protocol.errors import MetadataMismatchError
 from protocol.lazy import lazy_module
-from protocol.state import ModelState, StateLike, materialize, resolve_state
+from protocol.state import ModelState, StateLike, is_dtensor, materialize, resolve_state
 from protocol.wire.dtypes import bits_dtype
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
 
@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from . import fastdiff
 else:  # numba loads on first use (protocol/lazy.py)
     entropy, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("sender.fastdiff")
+
+
+# States whose compare reads at most this run it on the event loop's thread (~3 ms of
+# reading at 20 GB/s): below it a thread hand-off is a large share of the build.
+INLINE_READ_BYTES = 64 << 20
 
 
 @dataclass
@@ -59,6 +64,23 @@ class Changes:
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
+@dataclass(frozen=True)
+class _KeyInfo:
+    """What the plan fixes about a tracked key, looked up once rather than per sync."""
+
+    ordinal: int
+    dtype: torch.dtype  # the receivers'
+    itemsize: int
+    candidate: float  # PatchOptions.dense_candidate: from this share a whole copy is kept
+    surely: float  # PatchOptions.surely_dense: past this share it goes whole whatever the values
+
+    @classmethod
+    def of(cls, plan: SyncPlan, options: PatchOptions, key: str) -> _KeyInfo:
+        dtype = plan.receiver_dtype(key)
+        size = dtype.itemsize
+        return cls(plan.ordinal(key), dtype, size, options.dense_candidate(size), options.surely_dense(size))
+
+
 class PatchBuilder:
     """Builds PATCH messages: the bitwise difference between the model (cast to the
     receivers' dtypes) and the snapshot of what the receivers hold.
@@ -74,6 +96,9 @@ class PatchBuilder:
         self.part_bytes = config.part_bytes
         self.snapshot = Snapshot(config.snapshot_device)
         self.transport = torch.device(config.transport_device)
+        self._keys = {key: _KeyInfo.of(plan, self.options, key) for key in plan.tracked}
+        # what a compare reads: the state and the snapshot
+        self._read_bytes = sum(plan.state.tensors[k].numel() * (plan.state.tensors[k].element_size() + i.itemsize) for k, i in self._keys.items())
 
     def capture(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the snapshot: what the receivers hold after the bootstrap."""
@@ -106,9 +131,21 @@ class PatchBuilder:
         stats = SyncStats(version, "patch")
         started = time.perf_counter()
         await self.snapshot.wait_writeback()
-        changes = await asyncio.to_thread(self._collect, tensors, stats)
+        if self._inline(tensors):
+            changes = self._collect(tensors, stats)
+        else:
+            changes = await asyncio.to_thread(self._collect, tensors, stats)
         stats.build_seconds = time.perf_counter() - started
         return changes, stats
+
+    def _inline(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether to compare on the caller's thread: a small state of plain CPU tensors,
+        where the hand-off to a worker thread (~0.3 ms idle, a few ms on a busy host, the
+        GIL changing hands at every kernel) costs more than blocking the loop that long.
+        DTensors (whose gathers may need the loop) and CUDA tensors always go to a thread."""
+        if self._read_bytes > INLINE_READ_BYTES or self.snapshot.device.type != "cpu" or self.transport.type != "cpu":
+            return False
+        return all((t := tensors.get(key)) is not None and t.device.type == "cpu" and not is_dtensor(t) for key in self.plan.tracked)
 
     async def encode(self, changes: list[Changes], version: int, base: int | None, stats: SyncStats) -> Message:
         """Entropy code and pack captured changes as one message (host CPU work, off the event loop)."""
@@ -155,7 +192,7 @@ class PatchBuilder:
             if i + 1 < len(keys):  # prefetch the next snapshot while this one is compared
                 fetched = self._fetch(keys[i + 1], tensors)
             cur = materialize(tensors[key]).detach()
-            snap = self.snapshot.stream(cur.device).use(working, event)
+            snap = working if event is None else self.snapshot.stream(cur.device).use(working, event)
             item = self._diff(key, cur, snap, stats)
             # A sharded (FSDP2) weight was gathered whole: drop it before the next
             # gather, so no more than one full tensor is alive at a time.
@@ -170,39 +207,60 @@ class PatchBuilder:
         return self.snapshot.fetch(key, tensors[key].device)
 
     def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
-        dtype = self.plan.receiver_dtype(key)
-        if tuple(cur.shape) != tuple(snap.shape):
+        info = self._keys[key]
+        if cur.shape != snap.shape:
             raise MetadataMismatchError(f"key {key!r} changed shape from {list(snap.shape)} to {list(cur.shape)}")
         numel = cur.numel()
         stats.total_elements += numel
-        stats.dense_bytes += numel * dtype.itemsize
+        stats.dense_bytes += numel * info.itemsize
         if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
-            # The snapshot is moved; a tensor that goes whole has its changes counted, not collected.
-            def goes_dense(total: int) -> bool:
-                if total <= self.options.dense_candidate(dtype.itemsize) * numel:
-                    return False
-                return self.options.goes_dense(total, numel, dtype.itemsize, sampled_differences(cur, snap))
-
-            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, goes_dense)
+            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, self._dense_rule(info, cur, snap))
         else:
-            cast = cur.to(dtype).reshape(-1)
-            snap_flat = snap.view(-1)
-            bits = bits_dtype(dtype)
-            flat = torch.nonzero(cast.view(bits) != snap_flat.view(bits)).squeeze(1)
-            new, old = cast[flat], snap_flat[flat]
-            nnz = flat.numel()
-            if nnz:
-                self.snapshot.commit(key, snap, flat, new)
+            nnz, flat, new, old = self._torch_diff(key, info.dtype, cur, snap)
         if nnz == 0:
             return None
         stats.changed_elements += nnz
         stats.tensors_changed += 1
         # The snapshot now holds exactly the new tensor: keep it when dense may win.
-        dense = snap.clone() if nnz > self.options.dense_candidate(dtype.itemsize) * numel else None
+        dense = snap.clone() if nnz > info.candidate * numel else None
+        if snap.device.type == "cpu" or self.transport.type == "cuda":  # nothing to stage
+            return Changes(info.ordinal, tuple(cur.shape), nnz, flat, new, old, dense, [])
+        return self._staged(info.ordinal, tuple(cur.shape), nnz, (flat, new, old, dense))
+
+    def _dense_rule(self, info: _KeyInfo, cur: torch.Tensor, snap: torch.Tensor) -> Callable[[int], bool]:
+        """Whether a tensor with ``total`` changes goes whole, for ``diff_and_update`` (the
+        snapshot not yet moved). The sample is only taken where the counts leave it open."""
+        numel, options = cur.numel(), self.options
+
+        def goes_dense(total: int) -> bool:
+            if total <= info.candidate * numel:
+                return False
+            if total > info.surely * numel:  # what options.goes_dense says whatever the sample
+                return options.goes_dense(total, numel, info.itemsize, None)
+            return options.goes_dense(total, numel, info.itemsize, sampled_differences(cur, snap))
+
+        return goes_dense
+
+    def _torch_diff(
+        self, key: str, dtype: torch.dtype, cur: torch.Tensor, snap: torch.Tensor
+    ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The diff in torch ops (CUDA, dtype pairs the fused kernels lack); commits the snapshot."""
+        cast = cur.to(dtype).reshape(-1)
+        snap_flat = snap.view(-1)
+        bits = bits_dtype(dtype)
+        flat = torch.nonzero(cast.view(bits) != snap_flat.view(bits)).squeeze(1)
+        new, old = cast[flat], snap_flat[flat]
+        nnz = flat.numel()
+        if nnz:
+            self.snapshot.commit(key, snap, flat, new)
+        return nnz, flat, new, old
+
+    def _staged(self, ordinal: int, shape: tuple[int, ...], nnz: int, held: tuple[torch.Tensor | None, ...]) -> Changes:
+        """``Changes`` whose device tensors are copied to pinned host memory, behind events."""
         events: list[torch.cuda.Event] = []
         staged: list[torch.Tensor | None] = []
-        for t in (flat, new, old, dense):  # to pinned host memory, behind events, on CUDA
-            if t is None or self.transport.type == "cuda":  # packed on the GPU (nvcomp_lz4)
+        for t in held:
+            if t is None:
                 staged.append(t)
                 continue
             host, event = self.snapshot.stream(t.device).to_host(t)
@@ -210,7 +268,7 @@ class PatchBuilder:
             if event is not None:
                 events.append(event)
         flat_h, new_h, old_h, dense_h = staged
-        return Changes(self.plan.ordinal(key), tuple(cur.shape), nnz, flat_h, new_h, old_h, dense_h, events)
+        return Changes(ordinal, shape, nnz, flat_h, new_h, old_h, dense_h, events)
 
     def _encode(self, changes: Changes) -> EncodedTensor:
         changes.wait()
@@ -243,6 +301,8 @@ def sampled_differences(cur: torch.Tensor, snap: torch.Tensor, sample: int = 204
     """The ulp differences of the changed elements among ~``sample`` evenly strided ones of
     ``cur`` (cast to the snapshot's dtype) against ``snap`` (not yet moved)."""
     step = max(1, cur.numel() // sample)
+    if fastdiff.supported(cur, snap):  # the same, without a torch op per step (~25 -> ~6 us)
+        return fastdiff.sampled_differences(cur, snap, step)
     new = cur.reshape(-1)[::step].to(snap.dtype)
     diffs = entropy.ulp_differences(new, snap.reshape(-1)[::step])
     return diffs[diffs != 0]

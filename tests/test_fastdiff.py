@@ -176,3 +176,41 @@ def test_threaded_dispatch_runs_threaded_code_after_a_serial_cache(tmp_path: Pat
     assert probe("small") == "no threads"  # serial only: cached under the serial functions' names
     assert any(tmp_path.rglob("*.nbi"))
     assert probe("large") != "no threads"
+
+
+def torch_sampled_differences(cur: torch.Tensor, snapshot: torch.Tensor, step: int) -> torch.Tensor:
+    """``patch.sampled_differences``'s torch ops, which the kernel replaces on CPU."""
+    bits = BITS[snapshot.element_size()]
+    new = cur.reshape(-1)[::step].to(snapshot.dtype)
+    diffs = (new.view(bits) - snapshot.reshape(-1)[::step].view(bits)).to(torch.int64)
+    return diffs[diffs != 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 20_000),
+    step=st.integers(1, 300),
+    pair=st.sampled_from([(torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.float16, torch.float16), (torch.int64, torch.int64)]),
+    seed=st.integers(0, 2**16),
+    transposed=st.booleans(),
+)
+def test_sampled_differences_match_torch(n: int, step: int, pair: tuple[torch.dtype, torch.dtype], seed: int, transposed: bool) -> None:
+    state_dtype, receiver_dtype = pair
+    g = torch.Generator().manual_seed(seed)
+    if state_dtype.is_floating_point:
+        base = torch.randn(n, generator=g) * 0.02
+        base[torch.rand(n, generator=g) < 0.1] = torch.tensor(SPECIALS)[torch.randint(0, len(SPECIALS), (1,), generator=g)]
+        cur = (base + torch.randn(n, generator=g) * 1e-3).to(state_dtype)
+        snapshot = base.to(receiver_dtype)
+    else:  # differences that wrap at the width: the extremes of int64
+        snapshot = torch.randint(-9, 9, (n,), generator=g, dtype=torch.int64)
+        snapshot[0] = torch.iinfo(torch.int64).min
+        cur = snapshot.clone()
+        cur[0] = torch.iinfo(torch.int64).max
+    if transposed and n % 2 == 0:  # a non-contiguous state: compared in its logical order
+        cur = cur.view(2, n // 2).t().contiguous().t()
+        snapshot = snapshot.view(2, n // 2).contiguous()
+    got = fastdiff.sampled_differences(cur, snapshot, step)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch_sampled_differences(cur, snapshot, step))
