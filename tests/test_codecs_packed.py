@@ -166,6 +166,24 @@ def test_an_overlong_or_unterminated_gap_word_count_is_refused(field: bytes) -> 
         packed.decode(with_gap_words(buf, nnz, field), nnz, NUMEL)
 
 
+def test_bits_of_the_counts_tables_flipped_are_refused_or_stay_in_bounds() -> None:
+    """A count changed moves the sizes it implies (escapes, extra bits, the value stream's
+    length) and the coder's tables: refused, or (where only slots the streams never visit
+    moved) decoded in bounds; never read past the buffer. The bits after the last count are zero."""
+    buf, nnz = good_buffer()
+    bits = range(8 * packed.layout(buf, nnz)["tables_at"], 8 * packed.layout(buf, nnz)["words_at"])
+    refused = 0
+    for bit in bits:
+        bad = buf.copy()
+        bad[bit // 8] ^= np.uint8(1 << (bit % 8))
+        decodes_in_bounds_or_refuses(bad, nnz)
+        try:
+            packed.decode(bad, nnz, NUMEL)
+        except ProtocolError:
+            refused += 1
+    assert refused >= 0.95 * len(bits)
+
+
 def test_a_count_past_the_changes_left_is_refused() -> None:
     buf, nnz = good_buffer()  # 700 changes: the first count's length field is 4 bits, at most 10
     buf[packed.layout(buf, nnz)["tables_at"]] |= 0xF0

@@ -17,8 +17,8 @@ Layout (little-endian; ``docs/wire.md``)::
     2   u8   value symbols V (1..entropy.VALUE_SYMBOLS)
     3   LEB128  gap words Wg (at most 10 bytes)
         counts: G - 1 gap counts then V - 1 value counts, a bit field each, most significant bit
-        first (the last count of each table is what is left of nnz); then a zero byte if the
-        streams would start at an odd offset
+        first (the last count of each table is what is left of nnz), zero bits to the byte's end;
+        then a zero byte if the streams would start at an odd offset
         u16 x Wg  gap stream          then u16 x Wv  value stream (rANS, ``rans.decode_into``)
         i64 x E   escaped gaps (E: the escape symbol's count)
         ceil(nnz * k / 8) bytes of gap low bits
@@ -345,7 +345,7 @@ def _layout(buf, n, gap_counts, value_counts):  # pragma: no cover - numba
     bit = _get_counts(tables, 0, n, gap_counts[:g])
     if bit >= 0:
         bit = _get_counts(tables, bit, n, value_counts[:v])
-    if bit < 0:
+    if bit < 0 or entropy._get_wide(tables, bit, -bit % 8) != 0:  # the bits after the last count are zero
         out[_CODE] = 4
         return out
     words_at = tables_at + (bit + 7) // 8
