@@ -179,14 +179,10 @@ class Session:
                 log.info("receiver %s: dropped a %s sent before this session's WELCOME", self.identity, kind.name)
                 continue
             welcomed = welcomed or kind is MessageType.WELCOME
-            if kind is MessageType.BYE:
-                inbox.put_nowait(Reconnect("the sender said goodbye"))
-            elif kind is MessageType.ERROR and (report := _report(frames)) is not None and report.code == UNKNOWN_PEER:
-                inbox.put_nowait(Reconnect("the sender does not know this receiver (restarted?)"))
-            elif kind is MessageType.ERROR and report is not None and report.code == WIRE_CODES[StateError]:  # e.g. a relay asleep
-                inbox.put_nowait(Reconnect(f"the upstream cannot serve this receiver now: {report.message[:200]}"))
-            else:
-                inbox.put_nowait(frames)
+            ends = Reconnect("the sender said goodbye") if kind is MessageType.BYE else None
+            if kind is MessageType.ERROR:
+                ends = _ending(frames)
+            inbox.put_nowait(frames if ends is None else ends)
 
     async def _beat(self, sock: DealerSocket) -> None:
         async for now, stalled in ticks(self.heartbeat_interval):  # a stalled loop is not a dead sender
@@ -209,9 +205,16 @@ class Session:
             reply.set_result((msg.version, answer.digest))
 
 
-def _report(frames: Sequence[Buffer]) -> ErrorReport | None:
-    """An ERROR's body, or None if it cannot be read."""
+def _ending(frames: Sequence[Buffer]) -> Reconnect | None:
+    """The end of the session an ERROR means, if it means one: the upstream does not know
+    this receiver (it restarted), or cannot serve it now (a relay asleep). Other errors, and
+    an unreadable one, go to the receiver."""
     try:
-        return ErrorReport.from_body(decode_message(frames).body)
+        report = ErrorReport.from_body(decode_message(frames).body)
     except WeightSyncError:
         return None
+    if report.code == UNKNOWN_PEER:
+        return Reconnect("the sender does not know this receiver (restarted?)")
+    if report.code == WIRE_CODES[StateError]:
+        return Reconnect(f"the upstream cannot serve this receiver now: {report.message[:200]}")
+    return None

@@ -117,3 +117,21 @@ async def test_a_task_that_dies_ends_the_session(upstream: zmq.asyncio.Socket) -
     with pytest.raises(Reconnect, match="heartbeat body failed"):
         await asyncio.wait_for(link.recv(), T)
     await link.close()
+
+
+async def test_two_asks_at_once_each_get_their_own_answer(upstream: zmq.asyncio.Socket) -> None:
+    link = session()
+    identity = await opened(upstream, link)
+    first, second = asyncio.create_task(link.ask(7, False, T)), asyncio.create_task(link.ask(7, True, T))
+    requests: list[DigestRequest] = []
+    while len(requests) < 2:
+        _, frame, *_ = await asyncio.wait_for(upstream.recv_multipart(), T)
+        msg = decode_message([frame])
+        if msg.type is MessageType.DIGEST_REQUEST:
+            requests.append(DigestRequest.from_body(msg.body))
+    for request in reversed(requests):  # answered in the other order, each by what it asked
+        digest = "with-digest" if request.digest else None
+        await send(upstream, identity, DigestReply(request.nonce, digest).to_message(2 if request.digest else 1))
+    assert await asyncio.wait_for(first, T) == (1, None)
+    assert await asyncio.wait_for(second, T) == (2, "with-digest")
+    await link.close()
