@@ -65,7 +65,7 @@ class PatchConfig:
     dense_above: float | str | dict[str, float] = "auto"
     # A patch travels in parts of at least this many bytes of changes each, each sent as
     # soon as it is encoded, so receivers decode one while the next is encoded; 0: one message.
-    part_bytes: int = 16 * MiB  # large: a part's fixed cost (~0.5 ms) stays small beside its work
+    part_bytes: int = 16 * MiB  # large: a part's fixed cost stays small beside its work (docs/performance.md)
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
 
     def options(self) -> PatchOptions:
