@@ -66,6 +66,9 @@ class PatchConfig:
     # A patch travels in parts of at least this many bytes of changes each, each sent as
     # soon as it is encoded, so receivers decode one while the next is encoded; 0: one message.
     part_bytes: int = 16 * MiB  # large: a part's fixed cost stays small beside its work (docs/performance.md)
+    # Tensors of at most this many elements are compared and coded in groups of up to 4x
+    # that (biases, norms: an entry costs tens of us a side whatever its size); 0: never.
+    group_numel: int = 64 * 1024
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
 
     def options(self) -> PatchOptions:
@@ -135,6 +138,8 @@ class SyncConfig:
         dense_rule(p.dense_above)
         if type(p.part_bytes) is not int or p.part_bytes < 0:
             raise ConfigError(f"patch.part_bytes must be an int >= 0 (0: one message a version), got {p.part_bytes!r}")
+        if type(p.group_numel) is not int or p.group_numel < 0:
+            raise ConfigError(f"patch.group_numel must be an int >= 0 (0: every tensor on its own), got {p.group_numel!r}")
         if self.type == "patch":
             parse_compression(p.compression, p.transport_device)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -16,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from protocol.codec.parallel import map_ordered
-from protocol.codec.tensorcodec import decode_entry
+from protocol.codec.tensorcodec import decode_entry, split_group
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
 from protocol.state import StateLike, find_aliases, resolve_state
@@ -194,9 +195,10 @@ class ReceiverBase:
                     raise ProtocolError(f"{msg.describe()}: expected part {received + 1} of {first.parts}")
                 received += 1
                 for entry in msg.tensors:
-                    if entry.key >= len(targets) or entry.key in seen_keys:
-                        raise ProtocolError(f"{msg.describe()}: tensor ordinal {entry.key} out of range or repeated")
-                    seen_keys.add(entry.key)
+                    for key in entry.covers:
+                        if key >= len(targets) or key in seen_keys:
+                            raise ProtocolError(f"{msg.describe()}: tensor ordinal {key} out of range or repeated")
+                        seen_keys.add(key)
                 pending.stats.messages += 1
                 pending.stats.wire_bytes += msg.payload_nbytes
                 if self.keep_messages:
@@ -378,11 +380,18 @@ class ReceiverBase:
         metadata = self.metadata
         exact = msg.type is MessageType.PATCH  # buckets and bootstraps may carry a float dtype to convert
 
-        def one(entry: TensorEntry) -> StagedUpdate:
+        def one(entry: TensorEntry) -> list[StagedUpdate]:
             if entry.values is not ValueEncoding.RAW and msg.type is not MessageType.PATCH:
                 raise ProtocolError(f"{msg.describe()}: {entry.values.name} values outside a patch")
-            shape, dtype = metadata.shapes[entry.key], metadata.dtypes[entry.key]
-            decoded = decode_entry(entry, msg.frames, shape, dtype, self.device, exact_dtype=exact)
-            return StagedUpdate.stage(decoded, targets[entry.key])
+            if not entry.group:
+                shape, dtype = metadata.shapes[entry.key], metadata.dtypes[entry.key]
+                decoded = decode_entry(entry, msg.frames, shape, dtype, self.device, exact_dtype=exact)
+                return [StagedUpdate.stage(decoded, targets[entry.key])]
+            dtype = metadata.dtypes[entry.key]
+            if msg.type is not MessageType.PATCH or any(metadata.dtypes[k] != dtype for k in entry.group):
+                raise ProtocolError(f"{msg.describe()}: tensor {entry.key}: a group outside a patch, or of tensors of several dtypes")
+            shapes = [metadata.shapes[k] for k in entry.group]
+            decoded = decode_entry(entry, msg.frames, (sum(math.prod(s) for s in shapes),), dtype, self.device)
+            return [StagedUpdate.stage(piece, targets[piece.key]) for piece in split_group(decoded, entry.group, shapes)]
 
-        return map_ordered(one, msg.tensors)
+        return [update for updates in map_ordered(one, msg.tensors) for update in updates]

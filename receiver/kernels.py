@@ -30,16 +30,21 @@ def supported(target: torch.Tensor) -> bool:
     return target.device.type == "cpu" and target.is_contiguous() and target.element_size() in _SIGNED and not target.dtype.is_complex
 
 
+_NP_SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
 def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(_SIGNED[t.element_size()]).numpy()
+    """The bits of contiguous ``t`` as a flat signed numpy array (a view; numpy's reshape is the cheap one)."""
+    return t.view(_SIGNED[t.element_size()]).numpy().reshape(-1)
 
 
 def gather_add(target: torch.Tensor, flat: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
     """``target``'s elements at ``flat`` with ``diffs`` added to their bit patterns (a new tensor)."""
-    out = torch.empty(flat.numel(), dtype=target.dtype)
-    wide = diffs if diffs.dtype == torch.int64 else diffs.to(_SIGNED[target.element_size()])
-    _gather_add(_bits(target), flat.numpy(), wide.numpy(), _bits(out))
-    return out
+    size = target.element_size()
+    out = np.empty(flat.numel(), dtype=_NP_SIGNED[size])
+    wide = diffs if diffs.dtype == torch.int64 else diffs.to(_SIGNED[size])
+    _gather_add(_bits(target), flat.numpy(), wide.numpy(), out)
+    return torch.from_numpy(out).view(target.dtype)
 
 
 def scatter(target: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> None:

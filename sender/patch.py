@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from protocol.codec.compress import Codec
@@ -53,6 +54,7 @@ class Changes:
     old: torch.Tensor | None
     dense: torch.Tensor | None  # the whole new tensor, kept when a dense send may be cheaper
     events: list[torch.cuda.Event]
+    group: tuple[int, ...] = ()  # a group's ordinals: ``key`` is the first, ``shape`` their elements end to end
 
     def wait(self) -> None:
         for event in self.events:
@@ -62,6 +64,61 @@ class Changes:
         """What this capture holds: changed positions and values, or the whole tensor."""
         held = (self.flat, self.new, self.old) if self.flat is not None else (self.dense,)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Small tracked tensors of one receiver dtype, compared one by one and captured as one
+    run of their elements end to end (``Changes.group``, ``TensorEntry.group``)."""
+
+    keys: tuple[str, ...]
+    ordinals: tuple[int, ...]
+    offsets: tuple[int, ...]  # where each key's elements start in the run, and its end
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+
+GROUP_SPAN = 4  # a group holds up to this many times ``patch.group_numel`` elements
+
+
+def plan_groups(plan: SyncPlan, group_numel: int) -> dict[str, _Group]:
+    """Each tracked key that travels in a group, with its group: keys of at most
+    ``group_numel`` elements, by receiver dtype in tracked order, up to ``GROUP_SPAN``
+    times that many elements a group; a key left alone travels on its own."""
+    bins: dict[torch.dtype, list[str]] = {}
+    closed: list[list[str]] = []
+    numel = {k: plan.state.tensors[k].numel() for k in plan.tracked}
+    for key in plan.tracked:
+        if not 0 < numel[key] <= group_numel:
+            continue
+        members = bins.setdefault(plan.receiver_dtype(key), [])
+        if members and sum(numel[k] for k in members) + numel[key] > GROUP_SPAN * group_numel:
+            closed.append(members)
+            members = bins[plan.receiver_dtype(key)] = []
+        members.append(key)
+    groups: dict[str, _Group] = {}
+    for members in [*closed, *bins.values()]:
+        if len(members) < 2:
+            continue
+        offsets = [0]
+        for k in members:
+            offsets.append(offsets[-1] + numel[k])
+        group = _Group(tuple(members), tuple(plan.ordinal(k) for k in members), tuple(offsets))
+        groups.update(dict.fromkeys(members, group))
+    return groups
+
+
+@dataclass
+class _Member:
+    """A group member compared on its own (not as part of its run): its changes, and its
+    snapshot, moved, for the run's whole copy."""
+
+    flat: torch.Tensor
+    new: torch.Tensor
+    old: torch.Tensor
+    snap: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -97,13 +154,23 @@ class PatchBuilder:
         self.snapshot = Snapshot(config.snapshot_device)
         self.transport = torch.device(config.transport_device)
         self._keys = {key: _KeyInfo.of(plan, self.options, key) for key in plan.tracked}
+        # the seed's COO positions are 2-D: its format keeps each tensor to itself
+        self._groups = plan_groups(plan, 0 if self.options.positions in (Encoding.COO, Encoding.COO_DELTA) else config.group_numel)
+        self._distinct_groups = list(dict.fromkeys(self._groups.values()))
+        self._runs: dict[_Group, torch.Tensor] = {}  # each group's snapshot, its keys' end to end (capture)
         # what a compare reads: the state and the snapshot
         self._read_bytes = sum(plan.state.tensors[k].numel() * (plan.state.tensors[k].element_size() + i.itemsize) for k, i in self._keys.items())
 
     def capture(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the snapshot: what the receivers hold after the bootstrap."""
+        def receiver_copy(key: str) -> torch.Tensor:
+            return materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key))
+
         for key in self.plan.tracked:
-            self.snapshot.capture(key, materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key)))
+            if key not in self._groups:
+                self.snapshot.capture(key, receiver_copy(key))
+        for group in self._distinct_groups:
+            self._runs[group] = self.snapshot.capture_run(group.keys, [receiver_copy(k) for k in group.keys])
         # JIT now, during the handshake, rather than in the first sync.
         fastdiff.warm_up({(tensors[k].dtype, self.plan.receiver_dtype(k)) for k in self.plan.tracked})
         entropy.warm_up()
@@ -177,14 +244,22 @@ class PatchBuilder:
     ) -> Message:
         started = time.perf_counter()
         encoded = await asyncio.to_thread(map_ordered, self._encode, changes)
-        stats.tensors_dense += sum(e.encoding is Encoding.DENSE for e in encoded)
+        stats.tensors_dense += sum(len(e.group) or 1 for e in encoded if e.encoding is Encoding.DENSE)
         specs, frames = assemble(encoded)
         stats.encode_seconds += time.perf_counter() - started
         return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames, part=part, parts=parts)
 
     def _collect(self, tensors: dict[str, torch.Tensor], stats: SyncStats) -> list[Changes]:
-        keys = self.plan.tracked
         captured: list[Changes] = []
+        keys = [k for k in self.plan.tracked if k not in self._groups]
+        for group in self._distinct_groups:
+            if self._compares_whole(group, tensors):
+                item = self._run_diff(group, tensors, stats)
+                if item is not None:
+                    captured.append(item)
+            else:
+                keys.extend(group.keys)  # one by one, gathered into one run after the last
+        members: list[_Member] = []
         fetched = self._fetch(keys[0], tensors) if keys else None
         for i, key in enumerate(keys):
             assert fetched is not None
@@ -193,7 +268,16 @@ class PatchBuilder:
                 fetched = self._fetch(keys[i + 1], tensors)
             cur = materialize(tensors[key]).detach()
             snap = working if event is None else self.snapshot.stream(cur.device).use(working, event)
-            item = self._diff(key, cur, snap, stats)
+            member_of = self._groups.get(key)
+            item = None
+            if member_of is None:
+                item = self._diff(key, cur, snap, stats)
+            else:
+                _, flat, new, old = self._compare(key, cur, snap, stats, 1.0)  # a member never goes whole alone
+                assert flat is not None and new is not None and old is not None
+                members.append(_Member(flat, new, old, snap))
+                if key == member_of.keys[-1]:
+                    item, members = self._grouped(member_of, members), []
             # A sharded (FSDP2) weight was gathered whole: drop it before the next
             # gather, so no more than one full tensor is alive at a time.
             del cur, snap
@@ -201,12 +285,45 @@ class PatchBuilder:
                 captured.append(item)
         return captured
 
+    def _compares_whole(self, group: _Group, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether ``group`` compares as one run: its tensors are plain CPU tensors of one
+        dtype the fused kernels take against the snapshot on the host."""
+        run = self._runs[group]
+        first = tensors.get(group.keys[0])
+        if run.device.type != "cpu" or first is None:
+            return False
+        dtype = first.dtype
+        for key in group.keys:
+            t = tensors.get(key)
+            if t is None or t.device.type != "cpu" or t.dtype != dtype or is_dtensor(t) or t.shape != self.snapshot.tensors[key].shape:
+                return False  # the one-by-one path says what is wrong, if anything is
+        return fastdiff.supported(first, run)
+
+    def _run_diff(self, group: _Group, tensors: dict[str, torch.Tensor], stats: SyncStats) -> Changes | None:
+        """A group's changes by one compare of its tensors end to end against its run."""
+        run = self._runs[group]
+        cur = torch.cat([tensors[k].detach().reshape(-1) for k in group.keys])
+        info = self._keys[group.keys[0]]
+        stats.total_elements += group.numel
+        stats.dense_bytes += group.numel * info.itemsize
+        nnz, flat, new, old = fastdiff.diff_and_update(cur, run, 1.0)
+        if nnz == 0:
+            return None
+        assert flat is not None
+        stats.changed_elements += nnz
+        stats.tensors_changed += int(np.count_nonzero(np.diff(np.searchsorted(flat.numpy(), group.offsets))))
+        dense = run.clone() if nnz > info.candidate * group.numel else None
+        return Changes(group.ordinals[0], (group.numel,), nnz, flat, new, old, dense, [], group.ordinals)
+
     def _fetch(self, key: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if key not in tensors:
             raise MetadataMismatchError(f"key {key!r} was tracked at init but is missing from the model now")
         return self.snapshot.fetch(key, tensors[key].device)
 
-    def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
+    def _compare(
+        self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats, dense_above: float | Callable[[int], bool]
+    ) -> tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``fastdiff.diff_and_update``'s (changed, flat, new, old) for ``key``, however it is compared."""
         info = self._keys[key]
         if cur.shape != snap.shape:
             raise MetadataMismatchError(f"key {key!r} changed shape from {list(snap.shape)} to {list(cur.shape)}")
@@ -214,18 +331,43 @@ class PatchBuilder:
         stats.total_elements += numel
         stats.dense_bytes += numel * info.itemsize
         if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
-            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, self._dense_rule(info, cur, snap))
+            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, dense_above)
         else:
             nnz, flat, new, old = self._torch_diff(key, info.dtype, cur, snap)
+        if nnz:
+            stats.changed_elements += nnz
+            stats.tensors_changed += 1
+        return nnz, flat, new, old
+
+    def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
+        info = self._keys[key]
+        nnz, flat, new, old = self._compare(key, cur, snap, stats, self._dense_rule(info, cur, snap))
         if nnz == 0:
             return None
-        stats.changed_elements += nnz
-        stats.tensors_changed += 1
         # The snapshot now holds exactly the new tensor: keep it when dense may win.
-        dense = snap.clone() if nnz > info.candidate * numel else None
-        if snap.device.type == "cpu" or self.transport.type == "cuda":  # nothing to stage
-            return Changes(info.ordinal, tuple(cur.shape), nnz, flat, new, old, dense, [])
-        return self._staged(info.ordinal, tuple(cur.shape), nnz, (flat, new, old, dense))
+        dense = snap.clone() if nnz > info.candidate * cur.numel() else None
+        return self._capture(Changes(info.ordinal, tuple(cur.shape), nnz, flat, new, old, dense, []))
+
+    def _grouped(self, group: _Group, members: list[_Member]) -> Changes | None:
+        """A group's members' changes (each compared on its own) as one run's."""
+        changed = [(offset, m) for offset, m in zip(group.offsets, members) if m.flat.numel()]
+        nnz = sum(m.flat.numel() for _, m in changed)
+        if nnz == 0:
+            return None
+        flat = torch.cat([m.flat + offset for offset, m in changed])
+        new = torch.cat([m.new for _, m in changed])
+        old = torch.cat([m.old for _, m in changed])
+        # The snapshots now hold exactly the new tensors: keep them when dense may win.
+        dense = torch.cat([m.snap.reshape(-1) for m in members]) if nnz > self._keys[group.keys[0]].candidate * group.numel else None
+        return self._capture(Changes(group.ordinals[0], (group.numel,), nnz, flat, new, old, dense, [], group.ordinals))
+
+    def _capture(self, changes: Changes) -> Changes:
+        """``changes`` as they are where they are on the host (or encoding runs on the device),
+        else copied to pinned host memory behind events."""
+        held = changes.flat if changes.flat is not None else changes.dense
+        if held is None or held.device.type == "cpu" or self.transport.type == "cuda":  # nothing to stage
+            return changes
+        return self._staged(changes)
 
     def _dense_rule(self, info: _KeyInfo, cur: torch.Tensor, snap: torch.Tensor) -> Callable[[int], bool]:
         """Whether a tensor with ``total`` changes goes whole, for ``diff_and_update`` (the
@@ -255,11 +397,11 @@ class PatchBuilder:
             self.snapshot.commit(key, snap, flat, new)
         return nnz, flat, new, old
 
-    def _staged(self, ordinal: int, shape: tuple[int, ...], nnz: int, held: tuple[torch.Tensor | None, ...]) -> Changes:
-        """``Changes`` whose device tensors are copied to pinned host memory, behind events."""
+    def _staged(self, changes: Changes) -> Changes:
+        """``changes`` with their device tensors copied to pinned host memory, behind events."""
         events: list[torch.cuda.Event] = []
         staged: list[torch.Tensor | None] = []
-        for t in held:
+        for t in (changes.flat, changes.new, changes.old, changes.dense):
             if t is None:
                 staged.append(t)
                 continue
@@ -267,8 +409,8 @@ class PatchBuilder:
             staged.append(host)
             if event is not None:
                 events.append(event)
-        flat_h, new_h, old_h, dense_h = staged
-        return Changes(ordinal, shape, nnz, flat_h, new_h, old_h, dense_h, events)
+        flat, new, old, dense = staged
+        return replace(changes, flat=flat, new=new, old=old, dense=dense, events=events)
 
     def _encode(self, changes: Changes) -> EncodedTensor:
         changes.wait()
@@ -282,12 +424,13 @@ class PatchBuilder:
     def _pack(self, changes: Changes) -> EncodedTensor:
         dense, nnz = changes.dense, changes.nnz
         if dense is not None and (changes.flat is None or self._goes_dense(changes, dense)):  # whole and fast
-            return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), {Role.VALUES: dense.view(changes.shape)}, Codec.NONE)
+            whole = {Role.VALUES: dense.view(changes.shape)}
+            return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), whole, Codec.NONE, changes.group)
         assert changes.flat is not None and changes.new is not None and changes.old is not None
         encoding, values, buffers = sparse_buffers(changes.flat, changes.new, changes.old, changes.shape, self.options)
         if dense is not None and raw_nbytes(buffers) >= dense.numel() * dense.element_size():
             encoding, values, buffers, nnz = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: dense.view(changes.shape)}, dense.numel()
-        return pack_entry(changes.key, encoding, values, nnz, buffers, self.options.codec)
+        return pack_entry(changes.key, encoding, values, nnz, buffers, self.options.codec, changes.group)
 
     def _goes_dense(self, changes: Changes, dense: torch.Tensor) -> bool:
         diffs = None

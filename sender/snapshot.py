@@ -42,6 +42,20 @@ class Snapshot:
             stored = t.to(self.device, copy=True).contiguous()
         self.tensors[key] = stored
 
+    def capture_run(self, keys: tuple[str, ...], tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Store copies of ``tensors`` (at the receiver's dtype, one dtype) end to end in one
+        buffer, returned; each key's snapshot is its view of it, so one compare can cover them all."""
+        numel = sum(t.numel() for t in tensors)
+        like = torch.empty(numel, dtype=tensors[0].dtype)
+        run = host_empty_like(like) if self.device.type == "cpu" else torch.empty(numel, dtype=like.dtype, device=self.device)
+        start = 0
+        for key, t in zip(keys, tensors):
+            view = run[start:start + t.numel()].view(t.shape)
+            view.copy_(t)
+            self.tensors[key] = view
+            start += t.numel()
+        return run
+
     def fetch(self, key: str, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start bringing ``key``'s snapshot to ``device``; pass the result to ``stream().use``."""
         return self.stream(device).to_device(self.tensors[key])

@@ -34,11 +34,14 @@ from receiver.rwlock import ReadWriteLock
 
 Frames = list[bytes]
 
-PATCH = {"type": "patch", "patch": {"compression": "none"}}
+# The tiny model's tensors would all travel as one group by default (patch.group_numel):
+# at 512 its vectors go in groups and its matrices on their own, so a message has both.
+PATCH = {"type": "patch", "patch": {"compression": "none", "group_numel": 512}}
 PATCH_CONFIGS = {
-    "default": {"type": "patch"},
+    "default": {"type": "patch", "patch": {"group_numel": 512}},
+    "ungrouped": {"type": "patch", "patch": {"group_numel": 0}},
     "seed-coo-raw": {"type": "patch", "patch": {"position_encoding": "coo", "delta_encoding": True, "value_encoding": "raw"}},
-    "zstd": {"type": "patch", "patch": {"compression": "zstd"}},
+    "zstd": {"type": "patch", "patch": {"compression": "zstd", "group_numel": 512}},
 }
 
 
@@ -273,8 +276,52 @@ async def test_invalid_last_entry_writes_nothing() -> None:
     await pair.recover([good], 3)
 
 
-async def test_out_of_bounds_positions_with_valid_checksums() -> None:
+async def test_bad_groups_write_nothing() -> None:
+    """Grouped entries that name a tensor twice, one past the model, tensors of another
+    dtype, or fewer elements than their positions reach: rejected, nothing written."""
     pair = await make_pair(PATCH)
+    (good,) = await pair.capture(3)
+    msg = decode_message(good)
+    grouped = [i for i, t in enumerate(msg.tensors) if t.group]
+    alone = [t.key for t in msg.tensors if not t.group]
+    assert grouped and alone
+    at = grouped[-1]
+    group = msg.tensors[at].group
+    metadata = pair.r.metadata
+    int64 = next(i for i, d in enumerate(metadata.dtypes) if d == torch.int64)
+
+    def regroup(members: tuple[int, ...]) -> Callable[[Message], None]:
+        def edit(m: Message) -> None:
+            m.tensors[at] = dataclasses.replace(m.tensors[at], key=members[0], group=members)
+        return edit
+
+    def without(key: int) -> Callable[[Message], None]:
+        def edit(m: Message) -> None:  # the entry and its frames, the others renumbered
+            kept, frames = [], []
+            for t in m.tensors:
+                if t.key == key:
+                    continue
+                specs = []
+                for b in t.buffers:
+                    frames.append(m.frames[b.frame - 1])
+                    specs.append(dataclasses.replace(b, frame=len(frames)))
+                kept.append(dataclasses.replace(t, buffers=tuple(specs)))
+            m.tensors, m.frames = kept, frames
+        return edit
+
+    for members in (
+        (*group, alone[0]),  # a tensor that also travels on its own
+        (*group, len(metadata.keys) + 3),  # past the model
+        group[:-1],  # fewer elements than the changes' positions reach
+    ):
+        await pair.reject([reencode(good, regroup(members))], ProtocolError)
+    if int64 in alone:  # another dtype: drop its own entry, so the group is the only one to name it
+        await pair.reject([reencode(reencode(good, without(int64)), regroup((*group, int64)))], ProtocolError)
+    await pair.recover([good], 3)
+
+
+async def test_out_of_bounds_positions_with_valid_checksums() -> None:
+    pair = await make_pair({"type": "patch", "patch": {"compression": "none", "group_numel": 0}})
     (good,) = await pair.capture(3)
     msg = decode_message(good)
     sparse = [t for t in msg.tensors if t.encoding is not Encoding.DENSE]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from protocol.config import load_config
@@ -12,8 +13,9 @@ from sender.plan import SyncPlan
 from sender.stats import SyncStats
 
 
-def builder_for(state: dict[str, torch.Tensor], receiver: torch.dtype) -> PatchBuilder:
-    config = load_config({"type": "patch"})
+def builder_for(state: dict[str, torch.Tensor], receiver: torch.dtype, group_numel: int = 0) -> PatchBuilder:
+    """A builder of ``state``; ``group_numel`` 0 (every tensor on its own) unless a test is about groups."""
+    config = load_config({"type": "patch", "patch": {"group_numel": group_numel}})
     metadata = ModelMetadata.of({k: t.to(receiver) for k, t in state.items()})
     builder = PatchBuilder(SyncPlan(resolve_state(state), metadata, config.init_sync), config.patch)
     builder.capture(state)
@@ -57,3 +59,60 @@ def test_collect_captures_and_moves_the_snapshot_exactly() -> None:
         assert torch.equal(c.new.view(torch.int16), new[flat].view(torch.int16))
         assert torch.equal(c.old.view(torch.int16), old[flat].view(torch.int16))
         assert (c.dense is not None) == (c.nnz > builder.options.dense_candidate(2) * new.numel())
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["one-compare", "one-by-one"])
+def test_small_tensors_are_captured_as_one_run_of_their_elements(whole: bool) -> None:
+    """A group's changes are its members' changes end to end, at their offsets in the run;
+    members without changes add none, the snapshot moves exactly, and a large key stays alone.
+    The same whether the run is compared at once (plain CPU tensors of one dtype) or its
+    members one by one (here: one of them bf16 in the trainer)."""
+    g = torch.Generator().manual_seed(11)
+    shapes = {"big": (300, 70), "n1": (64,), "n2": (8, 8), "n3": (100,), "n4": (3, 7)}
+    state = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    if not whole:
+        state["n2"] = state["n2"].to(torch.bfloat16)
+    builder = builder_for(state, torch.bfloat16, group_numel=1000)
+    group = builder._groups["n1"]
+    assert group.keys == ("n1", "n2", "n3", "n4") and "big" not in builder._groups
+    assert group.offsets == (0, 64, 128, 228, 249)
+    assert builder._compares_whole(group, state) is whole
+    before = {k: t.clone() for k, t in builder.snapshot.tensors.items()}
+    state["big"].view(-1)[::50] += 0.1
+    state["n1"].view(-1)[::3] += 0.1
+    state["n2"] += 0.5
+    state["n4"] += 0.5
+    stats = SyncStats(1, "patch")
+    changes = builder._collect(state, stats)
+    assert sorted(c.group for c in changes) == [(), group.ordinals]
+    run = next(c for c in changes if c.group)
+    assert run.key == group.ordinals[0] and run.shape == (249,)
+    assert stats.tensors_changed == 4  # big, n1, n2, n4
+    new = torch.cat([state[k].to(torch.bfloat16).reshape(-1) for k in group.keys])
+    old = torch.cat([before[k].reshape(-1) for k in group.keys])
+    flat = torch.nonzero(new.view(torch.int16) != old.view(torch.int16)).squeeze(1)
+    assert run.nnz == flat.numel() and torch.equal(run.flat, flat)
+    assert torch.equal(run.new.view(torch.int16), new[flat].view(torch.int16))
+    assert torch.equal(run.old.view(torch.int16), old[flat].view(torch.int16))
+    for k in group.keys:
+        assert torch.equal(builder.snapshot.tensors[k].view(torch.int16), state[k].to(torch.bfloat16).view(torch.int16))
+    # more than a dense candidate's share changed: the whole new run is kept beside it
+    assert run.nnz > builder.options.dense_candidate(2) * 249
+    assert run.dense is not None and torch.equal(run.dense.view(torch.int16), new.view(torch.int16))
+
+
+def test_groups_are_by_receiver_dtype_and_bounded() -> None:
+    """Members share their receiver dtype; a group holds at most GROUP_SPAN x group_numel
+    elements; a small key with no partner travels alone."""
+    from sender.patch import GROUP_SPAN, plan_groups
+
+    state = {f"b{i}": torch.zeros(100) for i in range(10)} | {"h": torch.zeros(50, dtype=torch.float16)}
+    builder = builder_for(state, torch.bfloat16, group_numel=100)
+    metadata = ModelMetadata.of({k: (t if t.dtype == torch.float16 else t.to(torch.bfloat16)) for k, t in state.items()})
+    plan = SyncPlan(resolve_state(state), metadata, builder.plan.init_sync)
+    groups = plan_groups(plan, 100)
+    assert "h" not in groups  # the only float16 key
+    distinct = list(dict.fromkeys(groups.values()))
+    assert [g.keys for g in distinct] == [tuple(f"b{i}" for i in range(j, min(j + GROUP_SPAN, 10))) for j in range(0, 10, GROUP_SPAN)]
+    assert all(g.numel <= GROUP_SPAN * 100 for g in distinct)
+    assert plan_groups(plan, 0) == {} and plan_groups(plan, 99) == {}

@@ -38,6 +38,8 @@ async def sync_once(config: dict[str, Any], state: dict[str, torch.Tensor], chan
     """Bootstrap ``state``, sync ``changes`` as version 1; the entries by key, after
     checking the receiver holds the trainer's bits."""
     target = {k: torch.zeros_like(v) for k, v in state.items()}
+    # each tensor decides for itself here (these are small enough to travel in a group)
+    config = {**config, "patch": {"group_numel": 0, **config.get("patch", {})}}
     s, r = make_pair(config)
     ch = Channel()
     await handshake(s, r, state, target, ch)
@@ -48,7 +50,7 @@ async def sync_once(config: dict[str, Any], state: dict[str, torch.Tensor], chan
     assert await r.apply(target, ch.to_receiver.recv) == 1
     assert all(torch.equal(bits(state[k]), bits(target[k])) for k in state)
     (msg,) = messages(ch.to_receiver, start)
-    return {r.metadata.keys[e.key]: e for e in msg.tensors}
+    return {r.metadata.keys[k]: e for e in msg.tensors for k in e.covers}
 
 
 def base_state() -> dict[str, torch.Tensor]:
@@ -82,6 +84,25 @@ async def test_a_slow_link_codes_even_a_fully_changed_bf16_tensor_and_a_fast_one
     assert slow["bf16_all"].encoding is Encoding.ANS_GAPS and slow["bf16_21pct"].encoding is Encoding.ANS_GAPS
     fast = await sync_once(patch_cfg(dense_above={"link_gbps": 100, "ns_per_change": 25}), state, changes)
     assert fast["bf16_21pct"].encoding is Encoding.DENSE and fast["bf16_all"].encoding is Encoding.DENSE
+
+
+async def test_small_tensors_changed_everywhere_are_coded_in_a_group() -> None:
+    """Norm-sized tensors moved everywhere by an ulp go whole on their own (coding each
+    would cost its entry's fixed cost for a few hundred bytes); grouped with the layer's
+    sparsely changed vectors they are coded with the rest, in one entry."""
+    def fresh() -> dict[str, torch.Tensor]:
+        norms = {f"norm{i}": torch.ones(256, dtype=torch.bfloat16) * (1 + i / 64) for i in range(16)}
+        return norms | {f"bias{i}": torch.zeros(2048, dtype=torch.bfloat16) + i for i in range(32)}
+
+    base = fresh()
+    changes = {k: moved(t, 1.0 if k.startswith("norm") else 0.02, 1, i) for i, (k, t) in enumerate(base.items())}
+    alone = await sync_once(patch_cfg(), fresh(), changes)
+    assert all(alone[f"norm{i}"].encoding is Encoding.DENSE for i in range(16))
+    grouped = await sync_once(patch_cfg(group_numel=1 << 16), fresh(), changes)
+    (entry,) = set(grouped.values())
+    assert len(entry.group) == 48 and entry.encoding is Encoding.ANS_GAPS
+    whole = sum(t.numel() * 2 for t in base.values())
+    assert sum(b.wire_nbytes for b in entry.buffers) < 0.2 * whole
 
 
 @pytest.mark.parametrize("share,dense", [(0.2, False), (0.3, True), (1.0, True)])

@@ -191,9 +191,10 @@ def named_keys(r: Any, messages: list[Frames]) -> set[str]:
         except WeightSyncError:
             continue
         for entry in msg.tensors:
-            if entry.key < len(r.metadata.keys):
-                keys.add(r.metadata.keys[entry.key])
-                keys.update(r.metadata.keys[a] for a in r.aliases.get(entry.key, ()))
+            for key in entry.covers:
+                if key < len(r.metadata.keys):
+                    keys.add(r.metadata.keys[key])
+                    keys.update(r.metadata.keys[a] for a in r.aliases.get(key, ()))
     return keys
 
 

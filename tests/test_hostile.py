@@ -394,6 +394,15 @@ HOSTILE_EDITS = {
     "duplicate-role": lambda h: h["tensors"][0][4].append(list(h["tensors"][0][4][0])),
     "duplicate-frame": spec_edit(0, 1, FRAME, 1),
     "part>=parts": field_edit("part", 1),
+    # grouped entries (a sixth item: the ordinals, the key first)
+    "group-nil": lambda h: h["tensors"][0].append(None),
+    "group-of-one": lambda h: h["tensors"][0].append([0]),
+    "group-not-starting-with-key": lambda h: h["tensors"][0].append([1, 0]),
+    "group-repeats-an-ordinal": lambda h: h["tensors"][0].append([0, 1, 1]),
+    "group-negative-ordinal": lambda h: h["tensors"][0].append([0, -1]),
+    "group-str-ordinal": lambda h: h["tensors"][0].append([0, "1"]),
+    "group-bool-ordinal": lambda h: h["tensors"][0].append([0, True]),
+    "entry-of-seven": lambda h: h["tensors"][0].extend([[0, 1], [2]]),
 }
 
 
@@ -407,6 +416,16 @@ def test_hostile_manifest_is_a_protocol_error(name):
     with bounded_memory():
         with pytest.raises(ProtocolError):  # structure, types and sizes: checked without the target
             decode_message(bad)
+
+
+def test_a_group_longer_than_the_tensor_limit_is_a_limit_error():
+    from protocol.wire.limits import LimitError, Limits
+
+    frames = message([sparse(0, (3, 5), torch.float32, [1, 7, 14], PatchOptions(Encoding.GAPS, ValueEncoding.RAW))])
+    bad = mutate(frames, lambda h: h["tensors"][0].append(list(range(5))))
+    with pytest.raises(LimitError, match="group size 5"):
+        decode_message(bad, Limits(tensors=4))
+    assert decode_message(mutate(frames, lambda h: h["tensors"][0].append(list(range(4)))), Limits(tensors=4)).tensors[0].group == (0, 1, 2, 3)
 
 
 def test_huge_nbytes_behind_a_compressed_frame_is_refused_before_decompressing():

@@ -18,7 +18,8 @@ from receiver import Receiver
 from sender import Sender
 from sender.patch import PatchBuilder
 
-PARTS = {"type": "patch", "patch": {"part_bytes": 4096, "init_sync": {"bucket_size": 96 << 10}}}
+# every tensor on its own (group_numel 0): this small model's tensors would otherwise make one group
+PARTS = {"type": "patch", "patch": {"part_bytes": 4096, "group_numel": 0, "init_sync": {"bucket_size": 96 << 10}}}
 
 
 class Fleet:

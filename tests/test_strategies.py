@@ -67,6 +67,7 @@ def ordinals(r: Any, *keys: str) -> set[int]:
 
 PATCH_CONFIGS = {
     "default": patch_cfg(),
+    "default-ungrouped": patch_cfg(group_numel=0),  # the default model's small tensors grouped above, alone here
     "seed-coo-delta": patch_cfg(position_encoding="coo", delta_encoding=True, value_encoding="raw", compression="none"),
     "seed-coo-abs": patch_cfg(position_encoding="coo", delta_encoding=False, value_encoding="raw", compression="none"),
     "gaps": patch_cfg(position_encoding="gaps"),
@@ -118,9 +119,10 @@ async def test_patch_training_bit_exact(name: str, lr: float) -> None:
         assert stats.messages == 1 and stats.version == step and stats.strategy == "patch"
         assert stats.changed_elements > 0  # at least the step counter
         assert stats.total_elements == tracked_numel
-        assert stats.tensors_changed == len(msg.tensors) >= 1
+        assert 1 <= len(msg.tensors) <= stats.tensors_changed <= sum(len(e.covers) for e in msg.tensors)
+        assert any(e.group for e in msg.tensors) == (config["patch"].get("group_numel") != 0 and config["patch"].get("position_encoding") != "coo")
         assert stats.wire_bytes == sum(len(f) for f in ch.to_receiver.sent[start])
-        assert stats.tensors_dense == sum(e.encoding is Encoding.DENSE for e in msg.tensors)
+        assert stats.tensors_dense == sum(len(e.covers) for e in msg.tensors if e.encoding is Encoding.DENSE)
         sparse_nnz = sum(e.nnz for e in msg.tensors if e.encoding is not Encoding.DENSE)
         assert sparse_nnz <= stats.changed_elements <= sum(e.nnz for e in msg.tensors)  # dense entries carry numel
         dense_seen += stats.tensors_dense
@@ -142,7 +144,7 @@ async def test_patch_dense_fallback_by_share_changed(dense_above: float) -> None
     uncompressed; the others stay sparse. Both apply bit for bit."""
     state = {"busy": torch.zeros(4096, dtype=torch.bfloat16), "quiet": torch.zeros(4096, dtype=torch.bfloat16)}
     target = {k: torch.ones_like(v) for k, v in state.items()}
-    s, r = make_pair(patch_cfg(dense_above=dense_above))
+    s, r = make_pair(patch_cfg(dense_above=dense_above, group_numel=0))
     ch = Channel()
     await handshake(s, r, state, target, ch)
     state["busy"][::2] = 1.5  # half of it changes
@@ -386,7 +388,7 @@ async def test_tied_weights_travel_once(receiver_tied: bool) -> None:
         start = len(ch.to_receiver.sent)
         await s.sync(model, ch.to_receiver.send, step)
         await r.apply(rmodel, ch.to_receiver.recv)
-        keys = [e.key for m in messages(ch.to_receiver, start) for e in m.tensors]
+        keys = [k for m in messages(ch.to_receiver, start) for e in m.tensors for k in e.covers]
         assert keys.count(emb) == 1 and head not in keys
         assert_synced(model, rmodel)
         assert torch.equal(bits(rmodel.lm_head.weight), bits(rmodel.embed.weight))

@@ -193,6 +193,7 @@ class EncodedTensor:
     values: ValueEncoding
     nnz: int
     buffers: list[tuple[BufferSpec, Buffer]]  # specs with frame 0, numbered by ``assemble``
+    group: tuple[int, ...] = ()  # a grouped entry's ordinals (TensorEntry.group)
 
     @property
     def wire_nbytes(self) -> int:
@@ -276,10 +277,11 @@ def _gaps_or_bitmap(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Encodin
 
 
 def pack_entry(
-    key: int, encoding: Encoding, values: ValueEncoding, nnz: int, buffers: dict[Role, torch.Tensor], codec: Codec
+    key: int, encoding: Encoding, values: ValueEncoding, nnz: int, buffers: dict[Role, torch.Tensor], codec: Codec,
+    group: tuple[int, ...] = (),
 ) -> EncodedTensor:
     packed = [pack_buffer(r, t, Codec.NONE if _entropy_coded(r, encoding, values) else codec) for r, t in buffers.items()]
-    return EncodedTensor(key, encoding, values, nnz, packed)
+    return EncodedTensor(key, encoding, values, nnz, packed, group)
 
 
 def _entropy_coded(role: Role, encoding: Encoding, values: ValueEncoding) -> bool:
@@ -316,7 +318,7 @@ def assemble(entries: list[EncodedTensor]) -> tuple[list[TensorEntry], list[Buff
         for spec, wire in e.buffers:
             frames.append(wire)
             specs.append(dataclasses.replace(spec, frame=len(frames)))
-        tensors.append(TensorEntry(e.key, e.encoding, e.values, e.nnz, tuple(specs)))
+        tensors.append(TensorEntry(e.key, e.encoding, e.values, e.nnz, tuple(specs), e.group))
     return tensors, frames
 
 
@@ -418,6 +420,28 @@ def decode_entry(
     else:
         values = decoded[Role.VALUES]
     return DecodedTensor(entry.key, flat, values, entry.values)
+
+
+def split_group(decoded: DecodedTensor, group: tuple[int, ...], shapes: list[tuple[int, ...]]) -> list[DecodedTensor]:
+    """A grouped entry's decoded run (``decode_entry`` of a 1-D target of all the group's
+    elements) as one update per tensor of ``group`` (of ``shapes``): every tensor for a
+    dense run, those with changes for a sparse one (whose positions are sorted)."""
+    offsets = np.cumsum([0, *(math.prod(s) for s in shapes)])
+    if decoded.flat is None:
+        values = decoded.values.reshape(-1)
+        return [
+            DecodedTensor(k, None, values[offsets[i]:offsets[i + 1]].view(shapes[i]), decoded.encoding) for i, k in enumerate(group)
+        ]
+    flat, values = decoded.flat, decoded.values
+    host = flat.numpy() if flat.device.type == "cpu" else None  # numpy's calls cost a fraction of torch's, per member
+    cuts = (np.searchsorted(host, offsets) if host is not None else torch.searchsorted(flat, torch.from_numpy(offsets).to(flat.device))).tolist()
+    pieces = []
+    for i, k in enumerate(group):
+        start, end = cuts[i], cuts[i + 1]
+        if end > start:
+            local = torch.from_numpy(host[start:end] - offsets[i]) if host is not None else flat[start:end] - int(offsets[i])
+            pieces.append(DecodedTensor(k, local, values[start:end], decoded.encoding))
+    return pieces
 
 
 def _is_packed(encoding: Encoding, values: ValueEncoding) -> bool:

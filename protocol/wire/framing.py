@@ -4,7 +4,7 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack map (the header);
 frames 1..n are raw buffers, each described by one ``BufferSpec`` in the header's
 manifest. Tensor bytes never travel inside msgpack.
 
-Header keys (protocol version 1)::
+Header keys (protocol version 3)::
 
     type     MessageType            proto    PROTOCOL_VERSION
     session  sender session id      seq      per-session message counter
@@ -13,6 +13,8 @@ Header keys (protocol version 1)::
     parts    number of messages that make up the version
     tensors  [[key, encoding, values, nnz, [buffer, ...]], ...]
              buffer = [frame, role, dtype, shape, nbytes, codec, shuffle, wire_nbytes, checksum]
+             a grouped entry adds a sixth item, [key, ordinal, ...]: small tensors of one
+             dtype coded as one flat run, their elements end to end in that order
     body     small type-specific map (metadata, reasons, ...)
     hsum     xxh3-64 of the msgpack encoding of all the other keys
 
@@ -40,7 +42,9 @@ from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import dtype_from_code
 from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits
 
-PROTOCOL_VERSION = 2  # 2: an ANS_GAPS + ULP tensor travels packed, one buffer (protocol/codec/packed.py)
+# 2: an ANS_GAPS + ULP tensor travels packed, one buffer (protocol/codec/packed.py);
+# 3: grouped entries (TensorEntry.group)
+PROTOCOL_VERSION = 3
 MAX_DIMS = 8
 
 
@@ -109,11 +113,20 @@ class BufferSpec:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    key: int  # ordinal in the receiver's ordered keys
+    key: int  # ordinal in the receiver's ordered keys (a group's first)
     encoding: Encoding
     values: ValueEncoding
     nnz: int  # changed elements (numel for DENSE)
     buffers: tuple[BufferSpec, ...]
+    # A grouped entry: the ordinals of the tensors it covers, ``key`` first, coded as one
+    # flat tensor of their elements end to end. Small tensors are coded together because
+    # each entry costs tens of microseconds a side whatever its size. () for one tensor.
+    group: tuple[int, ...] = ()
+
+    @property
+    def covers(self) -> tuple[int, ...]:
+        """The ordinals this entry writes."""
+        return self.group or (self.key,)
 
     def buffer(self, role: Role) -> BufferSpec:
         for b in self.buffers:
@@ -122,7 +135,10 @@ class TensorEntry:
         raise ProtocolError(f"tensor {self.key}: missing {role.name.lower()} buffer")
 
     def to_wire(self) -> list[Any]:
-        return [self.key, int(self.encoding), int(self.values), self.nnz, [b.to_wire() for b in self.buffers]]
+        wire = [self.key, int(self.encoding), int(self.values), self.nnz, [b.to_wire() for b in self.buffers]]
+        if self.group:
+            wire.append(list(self.group))
+        return wire
 
 
 @dataclass
@@ -216,7 +232,7 @@ def decode_message(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) ->
     raw_tensors = _get(header, "tensors", list)
     if len(raw_tensors) > limits.tensors:
         raise LimitError("tensor entries", len(raw_tensors), limits.tensors, where)
-    msg.tensors = [_tensor_entry(t, where) for t in raw_tensors]
+    msg.tensors = [_tensor_entry(t, where, limits.tensors) for t in raw_tensors]
     specs = [b for t in msg.tensors for b in t.buffers]
     if len(frames) != len(specs) + 1:
         raise ProtocolError(f"{where}: {len(frames) - 1} payload frames, manifest lists {len(specs)}")
@@ -246,11 +262,12 @@ _ROLES = {int(r): r for r in Role}
 _CODECS = {int(c): c for c in Codec}
 
 
-def _tensor_entry(raw: Any, where: str) -> TensorEntry:
-    if not isinstance(raw, list) or len(raw) != 5:
+def _tensor_entry(raw: Any, where: str, max_group: int) -> TensorEntry:
+    if not isinstance(raw, list) or len(raw) not in (5, 6):
         raise ProtocolError(f"{where}: malformed tensor entry {raw!r:.80}")
-    key, enc, val, nnz, bufs = raw
+    key, enc, val, nnz, bufs = raw[:5]
     key = _nonneg(_typed(key, int, "tensor key"), "tensor key")
+    group = _group(raw[5], key, where, max_group) if len(raw) == 6 else ()
     encoding, values = _ENCODINGS.get(_typed(enc, int, "encoding")), _VALUE_ENCODINGS.get(_typed(val, int, "value encoding"))
     if encoding is None or values is None:
         raise ProtocolError(f"{where}: tensor {key}: unknown encoding {enc!r}/{val!r}")
@@ -259,7 +276,18 @@ def _tensor_entry(raw: Any, where: str) -> TensorEntry:
     specs = tuple([_buffer_spec(b, where, key) for b in bufs])
     if len({b.role for b in specs}) != len(specs):
         raise ProtocolError(f"{where}: tensor {key}: a buffer role appears twice")
-    return TensorEntry(key, encoding, values, _nonneg(_typed(nnz, int, "nnz"), "nnz"), specs)
+    return TensorEntry(key, encoding, values, _nonneg(_typed(nnz, int, "nnz"), "nnz"), specs, group)
+
+
+def _group(raw: Any, key: int, where: str, most: int) -> tuple[int, ...]:
+    """A grouped entry's ordinals: at least two, distinct, non-negative, ``key`` first."""
+    if type(raw) is list and len(raw) > most:
+        raise LimitError("group size", len(raw), most, f"{where}: tensor {key}")
+    if type(raw) is not list or len(raw) < 2 or any(type(k) is not int or k < 0 for k in raw):
+        raise ProtocolError(f"{where}: tensor {key}: malformed group {raw!r:.80}")
+    if raw[0] != key or len(set(raw)) != len(raw):
+        raise ProtocolError(f"{where}: tensor {key}: a group must start with its key and name each tensor once")
+    return tuple(raw)
 
 
 def _buffer_spec(raw: Any, where_msg: str, key: int) -> BufferSpec:
