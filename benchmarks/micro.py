@@ -80,7 +80,7 @@ def _mark_case(label: str, cur: torch.Tensor, repeat: int) -> dict[str, Any]:
     counts = np.empty(-(-marks.size // fastdiff.CHUNK_WORDS), dtype=np.int64)
     out: dict[str, Any] = {}
     for parallel in (False, True):
-        mark = fastdiff._KERNELS[parallel][0]
+        mark = fastdiff._KERNELS[parallel].mark
         r = timed(functools.partial(mark, cur_u, snap_u, rounding, marks, counts), repeat)
         r["ns_per_element"] = r["median_s"] * 1e9 / n
         out[f"mark_{'parallel' if parallel else 'serial'} {label} n={n}"] = r

@@ -6,7 +6,9 @@ the rest without touching the library: ``sender_timers()`` (in the harness proce
 beside the trainer, for one workload) and ``install_receiver()`` (in each rollout worker
 process) wrap
 
-* sender: the fused diff's compare and collect kernels (``mark``, ``collect``), the
+* sender: the fused diff's compare and collect kernels (``mark``, ``collect``; where one
+  pass collects as it compares, its time counts as ``mark``, and ``collect`` is what is
+  left: moving chunks into place and collecting chunks that overflowed their room), the
   framing of each message (``Stamper.__call__``: ``frame``), the ROUTER's queueing of
   each message for a receiver (``try_send``: ``send``);
 * receiver: the arrival of each whole message (``DealerSocket.recv`` returning), the
@@ -116,8 +118,11 @@ def sender_timers() -> Iterator[None]:
 
     kernels = dict(fastdiff._KERNELS)
     stamp, send = framing.Stamper.__call__, sockets.RouterSocket.try_send
-    for parallel, (mark, collect) in kernels.items():
-        fastdiff._KERNELS[parallel] = (_TimedKernel("mark", mark), _TimedKernel("collect", collect))
+    for parallel, k in kernels.items():  # one pass collects inside the compare: its time is the mark's
+        fastdiff._KERNELS[parallel] = fastdiff.Kernels(
+            _TimedKernel("mark", k.mark), _TimedKernel("collect", k.collect), _TimedKernel("mark", k.mark_collect),
+            _TimedKernel("collect", k.compact),
+        )
     framing.Stamper.__call__ = _timed("frame", stamp)  # type: ignore[method-assign]
     sockets.RouterSocket.try_send = _timed("send", send)  # type: ignore[method-assign]
     try:

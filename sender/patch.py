@@ -158,6 +158,8 @@ class PatchBuilder:
         self._groups = plan_groups(plan, 0 if self.options.positions in (Encoding.COO, Encoding.COO_DELTA) else config.group_numel)
         self._distinct_groups = list(dict.fromkeys(self._groups.values()))
         self._runs: dict[_Group, torch.Tensor] = {}  # each group's snapshot, its keys' end to end (capture)
+        # changes in each key's (or run's, by its first key) last compare: the next one collects as it compares
+        self._expect: dict[str, int] = {}
         # what a compare reads: the state and the snapshot
         self._read_bytes = sum(plan.state.tensors[k].numel() * (plan.state.tensors[k].element_size() + i.itemsize) for k, i in self._keys.items())
 
@@ -306,7 +308,8 @@ class PatchBuilder:
         info = self._keys[group.keys[0]]
         stats.total_elements += group.numel
         stats.dense_bytes += group.numel * info.itemsize
-        nnz, flat, new, old = fastdiff.diff_and_update(cur, run, 1.0)
+        nnz, flat, new, old = fastdiff.diff_and_update(cur, run, 1.0, self._expect.get(group.keys[0]))
+        self._expect[group.keys[0]] = nnz
         if nnz == 0:
             return None
         assert flat is not None
@@ -321,7 +324,7 @@ class PatchBuilder:
         return self.snapshot.fetch(key, tensors[key].device)
 
     def _compare(
-        self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats, dense_above: float | Callable[[int], bool]
+        self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats, dense_above: float | fastdiff.DenseRule
     ) -> tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``fastdiff.diff_and_update``'s (changed, flat, new, old) for ``key``, however it is compared."""
         info = self._keys[key]
@@ -331,7 +334,8 @@ class PatchBuilder:
         stats.total_elements += numel
         stats.dense_bytes += numel * info.itemsize
         if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
-            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, dense_above)
+            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, dense_above, self._expect.get(key))
+            self._expect[key] = nnz
         else:
             nnz, flat, new, old = self._torch_diff(key, info.dtype, cur, snap)
         if nnz:
@@ -341,7 +345,7 @@ class PatchBuilder:
 
     def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
         info = self._keys[key]
-        nnz, flat, new, old = self._compare(key, cur, snap, stats, self._dense_rule(info, cur, snap))
+        nnz, flat, new, old = self._compare(key, cur, snap, stats, self._dense_rule(info, cur.numel()))
         if nnz == 0:
             return None
         # The snapshot now holds exactly the new tensor: keep it when dense may win.
@@ -369,17 +373,17 @@ class PatchBuilder:
             return changes
         return self._staged(changes)
 
-    def _dense_rule(self, info: _KeyInfo, cur: torch.Tensor, snap: torch.Tensor) -> Callable[[int], bool]:
-        """Whether a tensor with ``total`` changes goes whole, for ``diff_and_update`` (the
-        snapshot not yet moved). The sample is only taken where the counts leave it open."""
-        numel, options = cur.numel(), self.options
+    def _dense_rule(self, info: _KeyInfo, numel: int) -> Callable[[int, Callable[[], torch.Tensor]], bool]:
+        """Whether a tensor with ``total`` changes goes whole, for ``diff_and_update``, given
+        a function returning its sampled differences (taken only where the counts leave it open)."""
+        options = self.options
 
-        def goes_dense(total: int) -> bool:
+        def goes_dense(total: int, sample: Callable[[], torch.Tensor]) -> bool:
             if total <= info.candidate * numel:
                 return False
             if total > info.surely * numel:  # what options.goes_dense says whatever the sample
                 return options.goes_dense(total, numel, info.itemsize, None)
-            return options.goes_dense(total, numel, info.itemsize, sampled_differences(cur, snap))
+            return options.goes_dense(total, numel, info.itemsize, sample())
 
         return goes_dense
 
@@ -438,17 +442,6 @@ class PatchBuilder:
             step = max(1, changes.nnz // 2048)
             diffs = entropy.ulp_differences(changes.new[::step], changes.old[::step])
         return self.options.goes_dense(changes.nnz, dense.numel(), dense.element_size(), diffs)
-
-
-def sampled_differences(cur: torch.Tensor, snap: torch.Tensor, sample: int = 2048) -> torch.Tensor:
-    """The ulp differences of the changed elements among ~``sample`` evenly strided ones of
-    ``cur`` (cast to the snapshot's dtype) against ``snap`` (not yet moved)."""
-    step = max(1, cur.numel() // sample)
-    if fastdiff.supported(cur, snap):  # the same, without a torch op per step (~25 -> ~6 us)
-        return fastdiff.sampled_differences(cur, snap, step)
-    new = cur.reshape(-1)[::step].to(snap.dtype)
-    diffs = entropy.ulp_differences(new, snap.reshape(-1)[::step])
-    return diffs[diffs != 0]
 
 
 class PatchSender(SenderBase):

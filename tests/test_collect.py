@@ -8,7 +8,8 @@ import torch
 from protocol.config import load_config
 from protocol.state import resolve_state
 from protocol.wire.metadata import ModelMetadata
-from sender.patch import PatchBuilder, sampled_differences
+from sender import fastdiff
+from sender.patch import PatchBuilder
 from sender.plan import SyncPlan
 from sender.stats import SyncStats
 
@@ -29,10 +30,19 @@ def test_the_dense_rule_is_the_options_rule_with_the_sample() -> None:
     snap = cur.to(torch.bfloat16)
     cur += torch.randn(10_000, generator=g) * 1e-2
     builder = builder_for({"w": cur}, torch.bfloat16)
-    rule = builder._dense_rule(builder._keys["w"], cur, snap)
-    diffs = sampled_differences(cur, snap)
+    rule = builder._dense_rule(builder._keys["w"], cur.numel())
+    diffs = fastdiff.sampled_differences(cur, snap, max(1, cur.numel() // fastdiff.SAMPLE))
+    taken = []
+
+    def sample() -> torch.Tensor:
+        taken.append(1)
+        return diffs
+
     for total in range(0, 10_001, 7):
-        assert rule(total) == builder.options.goes_dense(total, 10_000, 2, diffs)
+        taken.clear()
+        assert rule(total, sample) == builder.options.goes_dense(total, 10_000, 2, diffs)
+        open_band = builder._keys["w"].candidate * 10_000 < total <= builder._keys["w"].surely * 10_000
+        assert bool(taken) == open_band  # the sample only where the counts leave it open
 
 
 def test_collect_captures_and_moves_the_snapshot_exactly() -> None:

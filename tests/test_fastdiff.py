@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
 
 
+@contextlib.contextmanager
+def one_pass_from(elements: int) -> Iterator[None]:
+    saved = fastdiff.ONE_PASS_MIN
+    fastdiff.ONE_PASS_MIN = elements
+    try:
+        yield
+    finally:
+        fastdiff.ONE_PASS_MIN = saved
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(0, 70_000),  # across the 65536-element chunk boundary
@@ -41,8 +53,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     density=st.floats(0, 1),
     seed=st.integers(0, 2**16),
     specials=st.booleans(),
+    expect=st.one_of(st.none(), st.integers(0, 80_000)),  # one pass: chunks that fit their room, and chunks that spill
 )
-def test_fused_diff_matches_torch(n: int, pair: tuple[torch.dtype, torch.dtype], density: float, seed: int, specials: bool) -> None:
+def test_fused_diff_matches_torch(
+    n: int, pair: tuple[torch.dtype, torch.dtype], density: float, seed: int, specials: bool, expect: int | None
+) -> None:
     state_dtype, receiver_dtype = pair
     g = torch.Generator().manual_seed(seed)
     base = (torch.randn(n, generator=g) * 0.02) if state_dtype.is_floating_point else torch.randint(-9, 9, (n,), generator=g).double()
@@ -58,7 +73,8 @@ def test_fused_diff_matches_torch(n: int, pair: tuple[torch.dtype, torch.dtype],
     assert fastdiff.supported(cur, snapshot)
     expect_flat, expect_new, expect_old = reference(cur, snapshot)
     expected_snapshot = cur.to(receiver_dtype)
-    changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot)
+    with one_pass_from(0):  # the one-pass kernel at every size here
+        changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot, expect=expect)
     assert changed == expect_flat.numel()
     assert flat is not None and new is not None and old is not None
     assert torch.equal(flat, expect_flat)
@@ -95,15 +111,17 @@ def test_past_dense_above_only_counts_and_moves_the_snapshot(pair: tuple[torch.d
     assert same_bits(snapshot, cur.to(pair[1]))
 
 
+@pytest.mark.parametrize("expect", [None, 0, 30_000, 50_000], ids=["two-passes", "all-spill", "some-spill", "one-pass"])
 @pytest.mark.parametrize("pair", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
-def test_large_tensors_take_the_threaded_kernels(pair: tuple[torch.dtype, torch.dtype]) -> None:
+def test_large_tensors_take_the_threaded_kernels(pair: tuple[torch.dtype, torch.dtype], expect: int | None) -> None:
     n = fastdiff.PARALLEL_MIN + 77  # and a partial last word
     g = torch.Generator().manual_seed(4)
     cur = torch.randn(n, generator=g).to(pair[0])
     snapshot = cur.to(pair[1]).clone()
-    cur[torch.rand(n, generator=g) < 0.01] += 0.5
+    cur[torch.rand(n, generator=g) < 0.01] += 0.5  # ~42k changes, ~650 a chunk
+    cur[: 1 << 16] += 0.5  # and one chunk changed everywhere: it spills whatever the room
     expect_flat, expect_new, expect_old = reference(cur, snapshot)
-    changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot)
+    changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot, expect=expect)
     assert changed == expect_flat.numel() and flat is not None and new is not None and old is not None
     assert torch.equal(flat, expect_flat) and same_bits(new, expect_new) and same_bits(old, expect_old)
     assert same_bits(snapshot, cur.to(pair[1]))
@@ -111,7 +129,7 @@ def test_large_tensors_take_the_threaded_kernels(pair: tuple[torch.dtype, torch.
 
 def _kernel_outputs(parallel: bool, cur: torch.Tensor, snapshot: torch.Tensor) -> tuple[np.ndarray, ...]:
     """Marks, counts and collected changes from one build of the kernels (``snapshot`` is moved)."""
-    mark, collect = fastdiff._KERNELS[parallel]
+    mark, collect = fastdiff._KERNELS[parallel].mark, fastdiff._KERNELS[parallel].collect
     n = cur.numel()
     cur_u, snap_u = fastdiff._bits(cur), fastdiff._bits(snapshot)
     rounding = cur.dtype != snapshot.dtype
@@ -121,7 +139,7 @@ def _kernel_outputs(parallel: bool, cur: torch.Tensor, snapshot: torch.Tensor) -
     offsets = np.concatenate([[0], np.cumsum(counts)])
     total = int(offsets[-1])
     flat, new, old = np.empty(total, dtype=np.int64), np.empty(total, dtype=snap_u.dtype), np.empty(total, dtype=snap_u.dtype)
-    collect(cur_u, snap_u, rounding, marks, offsets, flat, new, old)
+    collect(cur_u, snap_u, rounding, marks, offsets, fastdiff._NO_CHUNKS, flat, new, old)
     return marks, counts, flat, new, old, snap_u.copy()
 
 
@@ -139,6 +157,29 @@ def test_parallel_and_serial_kernels_agree_bit_for_bit(pair: tuple[torch.dtype, 
     assert np.array_equal(serial[0], packed)  # bit i of the marks is element i
     for a, b in zip(serial, threaded):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("expect", [None, 10, 5000])
+def test_the_dense_rule_samples_the_snapshot_as_it_was(expect: int | None) -> None:
+    """Whether one pass has moved the snapshot by the time the count is known or not, the
+    rule's sample is the differences against the version before."""
+    g = torch.Generator().manual_seed(8)
+    cur = torch.randn(50_000, generator=g)
+    snapshot = cur.to(torch.bfloat16)
+    cur[torch.rand(50_000, generator=g) < 0.1] += 0.01
+    step = max(1, cur.numel() // fastdiff.SAMPLE)
+    wanted = fastdiff.sampled_differences(cur, snapshot, step)
+    assert wanted.numel() > 50
+    seen: list[torch.Tensor] = []
+
+    def rule(total: int, sample: Callable[[], torch.Tensor]) -> bool:
+        seen.append(sample())
+        return False
+
+    with one_pass_from(0):
+        fastdiff.diff_and_update(cur, snapshot, rule, expect)
+    (got,) = seen
+    assert torch.equal(got, wanted)
 
 
 def test_the_two_builds_are_distinct_functions() -> None:
@@ -179,9 +220,10 @@ def test_threaded_dispatch_runs_threaded_code_after_a_serial_cache(tmp_path: Pat
 
 
 def torch_sampled_differences(cur: torch.Tensor, snapshot: torch.Tensor, step: int) -> torch.Tensor:
-    """``patch.sampled_differences``'s torch ops, which the kernel replaces on CPU."""
+    """The torch ops the kernel replaces on CPU. Cast whole, then strided: torch's strided
+    fp32 -> bf16 cast turns NaN into 0x7FC0 where its contiguous one (the snapshot's) gives 0xFFFF."""
     bits = BITS[snapshot.element_size()]
-    new = cur.reshape(-1)[::step].to(snapshot.dtype)
+    new = cur.reshape(-1).to(snapshot.dtype)[::step]
     diffs = (new.view(bits) - snapshot.reshape(-1)[::step].view(bits)).to(torch.int64)
     return diffs[diffs != 0]
 
