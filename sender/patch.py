@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 else:  # numba loads on first use (protocol/lazy.py)
     entropy, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("sender.fastdiff")
 
+
+T = TypeVar("T")
 
 # States whose compare reads at most this run it on the event loop's thread (~3 ms of
 # reading at 20 GB/s): below it a thread hand-off is a large share of the build.
@@ -64,6 +67,17 @@ class Changes:
         """What this capture holds: changed positions and values, or the whole tensor."""
         held = (self.flat, self.new, self.old) if self.flat is not None else (self.dense,)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One tensor's (or group's) collected changes: the bytes the capture held (what parts
+    are cut by), and either its encoding, under way since it was collected, or the changes
+    themselves, to encode with their part."""
+
+    nbytes: int
+    encoded: Future[EncodedTensor] | None
+    changes: Changes | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,9 @@ class PatchBuilder:
         self._runs: dict[_Group, torch.Tensor] = {}  # each group's snapshot, its keys' end to end (capture)
         # changes in each key's (or run's, by its first key) last compare: the next one collects as it compares
         self._expect: dict[str, int] = {}
+        # One thread encodes what a compare on a worker thread collects, in order, while the
+        # compare goes on: the two run on two cores (docs/performance.md, *Encoding beside the compare*).
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="weightsync-encode")
         # what a compare reads: the state and the snapshot
         self._read_bytes = sum(plan.state.tensors[k].numel() * (plan.state.tensors[k].element_size() + i.itemsize) for k, i in self._keys.items())
 
@@ -194,18 +211,25 @@ class PatchBuilder:
         changes, stats = await self.collect(tensors, version)
         return await self.encode(changes, version, base, stats), stats
 
-    async def collect(self, tensors: dict[str, torch.Tensor], version: int) -> tuple[list[Changes], SyncStats]:
+    async def collect(self, tensors: dict[str, torch.Tensor], version: int) -> tuple[list[Captured], SyncStats]:
         """Compare the model with the snapshot, collect the changes and advance the
-        snapshot to ``version``: the only part that reads the model."""
+        snapshot to ``version``: the only part that reads the model. Each tensor's changes
+        go to the encoder thread as soon as they are collected, so encoding runs beside the
+        compare and a tensor's raw changes live only until they are coded."""
         stats = SyncStats(version, "patch")
         started = time.perf_counter()
         await self.snapshot.wait_writeback()
         if self._inline(tensors):
-            changes = self._collect(tensors, stats)
+            # Encoded with their part, after the compare: beside a compare on the event
+            # loop's thread, an encoder thread's Python would hold the GIL the loop needs.
+            captured = self._collect(tensors, stats, lambda c: Captured(c.captured_nbytes(), None, c))
         else:
-            changes = await asyncio.to_thread(self._collect, tensors, stats)
+            captured = await asyncio.to_thread(self._collect, tensors, stats, self._submit)
         stats.build_seconds = time.perf_counter() - started
-        return changes, stats
+        return captured, stats
+
+    def _submit(self, changes: Changes) -> Captured:
+        return Captured(changes.captured_nbytes(), self._encoder.submit(self._encode, changes))
 
     def _inline(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether to compare on the caller's thread: a small state of plain CPU tensors,
@@ -216,49 +240,52 @@ class PatchBuilder:
             return False
         return all((t := tensors.get(key)) is not None and t.device.type == "cpu" and not is_dtensor(t) for key in self.plan.tracked)
 
-    async def encode(self, changes: list[Changes], version: int, base: int | None, stats: SyncStats) -> Message:
-        """Entropy code and pack captured changes as one message (host CPU work, off the event loop)."""
-        return await self._encode_part(changes, version, base, stats, 0, 1)
+    async def encode(self, captured: list[Captured], version: int, base: int | None, stats: SyncStats) -> Message:
+        """The collected version as one message, once its tensors are encoded."""
+        return await self._encode_part(captured, version, base, stats, 0, 1)
 
-    async def encode_parts(self, changes: list[Changes], version: int, base: int | None, stats: SyncStats) -> AsyncIterator[Message]:
+    async def encode_parts(self, captured: list[Captured], version: int, base: int | None, stats: SyncStats) -> AsyncIterator[Message]:
         """The same as parts of about ``part_bytes`` of changes each, yielded as each is
         encoded: a receiver decodes one part while the next is encoded (the daemon's way)."""
-        groups = self.parts(changes)
+        groups = self.parts(captured)
         for i, group in enumerate(groups):
             yield await self._encode_part(group, version, base, stats, i, len(groups))
 
-    def parts(self, changes: list[Changes]) -> list[list[Changes]]:
-        """Consecutive groups of ``changes`` of at least ``part_bytes`` each (by the bytes
+    def parts(self, captured: list[Captured]) -> list[list[Captured]]:
+        """Consecutive groups of ``captured`` of at least ``part_bytes`` each (by the bytes
         captured: positions and values, or the whole tensor); one group for 0, or for
         fewer changes than that."""
-        groups: list[list[Changes]] = [[]]
+        groups: list[list[Captured]] = [[]]
         size = 0
-        for c in changes:
+        for c in captured:
             if self.part_bytes and size >= self.part_bytes:
                 groups.append([])
                 size = 0
             groups[-1].append(c)
-            size += c.captured_nbytes()
+            size += c.nbytes
         return groups
 
     async def _encode_part(
-        self, changes: list[Changes], version: int, base: int | None, stats: SyncStats, part: int, parts: int
+        self, captured: list[Captured], version: int, base: int | None, stats: SyncStats, part: int, parts: int
     ) -> Message:
-        started = time.perf_counter()
-        encoded = await asyncio.to_thread(map_ordered, self._encode, changes)
+        started = time.perf_counter()  # encoding the collect did not hide: waits for the encoder, and framing
+        later = [c.changes for c in captured if c.changes is not None]
+        coded = iter(await asyncio.to_thread(map_ordered, self._encode, later) if later else [])
+        encoded = [await asyncio.wrap_future(c.encoded) if c.encoded is not None else next(coded) for c in captured]
         stats.tensors_dense += sum(len(e.group) or 1 for e in encoded if e.encoding is Encoding.DENSE)
         specs, frames = assemble(encoded)
         stats.encode_seconds += time.perf_counter() - started
         return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames, part=part, parts=parts)
 
-    def _collect(self, tensors: dict[str, torch.Tensor], stats: SyncStats) -> list[Changes]:
-        captured: list[Changes] = []
+    def _collect(self, tensors: dict[str, torch.Tensor], stats: SyncStats, emit: Callable[[Changes], T]) -> list[T]:
+        """Each changed tensor's (or group's) ``Changes``, passed through ``emit`` as it is collected."""
+        captured: list[T] = []
         keys = [k for k in self.plan.tracked if k not in self._groups]
         for group in self._distinct_groups:
             if self._compares_whole(group, tensors):
                 item = self._run_diff(group, tensors, stats)
                 if item is not None:
-                    captured.append(item)
+                    captured.append(emit(item))
             else:
                 keys.extend(group.keys)  # one by one, gathered into one run after the last
         members: list[_Member] = []
@@ -284,7 +311,7 @@ class PatchBuilder:
             # gather, so no more than one full tensor is alive at a time.
             del cur, snap
             if item is not None:
-                captured.append(item)
+                captured.append(emit(item))
         return captured
 
     def _compares_whole(self, group: _Group, tensors: dict[str, torch.Tensor]) -> bool:

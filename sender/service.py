@@ -29,7 +29,7 @@ from protocol.state import StateLike, resolve_state
 from protocol.wire.limits import Limits
 
 from .base import check_next_version
-from .patch import Changes, PatchBuilder
+from .patch import Captured, PatchBuilder
 from .source import TrainerSource
 from .stats import SyncStats
 
@@ -212,7 +212,7 @@ class Sender:
         return stats
 
     async def _encode(
-        self, builder: PatchBuilder, previous: asyncio.Task[None] | None, changes: list[Changes], version: int, base: int | None,
+        self, builder: PatchBuilder, previous: asyncio.Task[None] | None, changes: list[Captured], version: int, base: int | None,
         stats: SyncStats,
     ) -> None:
         """Encode a collected version into the ring, after the versions before it, part by

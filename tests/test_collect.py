@@ -54,7 +54,7 @@ def test_collect_captures_and_moves_the_snapshot_exactly() -> None:
     state["a"].view(-1)[::50] += 0.1  # sparse
     state["b"] += 1.0  # every element: surely whole
     state["d"].view(-1)[::4] += 0.1  # a quarter: a dense candidate
-    changes = builder._collect(state, SyncStats(1, "patch"))
+    changes = builder._collect(state, SyncStats(1, "patch"), lambda c: c)
     assert [c.key for c in changes] == [builder.plan.ordinal(k) for k in ("a", "b", "d")]
     for c, key in zip(changes, ("a", "b", "d")):
         new = state[key].to(torch.bfloat16).reshape(-1)
@@ -93,7 +93,7 @@ def test_small_tensors_are_captured_as_one_run_of_their_elements(whole: bool) ->
     state["n2"] += 0.5
     state["n4"] += 0.5
     stats = SyncStats(1, "patch")
-    changes = builder._collect(state, stats)
+    changes = builder._collect(state, stats, lambda c: c)
     assert sorted(c.group for c in changes) == [(), group.ordinals]
     run = next(c for c in changes if c.group)
     assert run.key == group.ordinals[0] and run.shape == (249,)
@@ -126,3 +126,36 @@ def test_groups_are_by_receiver_dtype_and_bounded() -> None:
     assert [g.keys for g in distinct] == [tuple(f"b{i}" for i in range(j, min(j + GROUP_SPAN, 10))) for j in range(0, 10, GROUP_SPAN)]
     assert all(g.numel <= GROUP_SPAN * 100 for g in distinct)
     assert plan_groups(plan, 0) == {} and plan_groups(plan, 99) == {}
+
+
+async def test_a_compare_on_a_worker_thread_hands_each_tensor_to_the_encoder_as_it_goes() -> None:
+    """Off the event loop the changes go to the encoder thread as collected (nothing raw is
+    kept for later); on it they are encoded with their part. Either way the same message,
+    and an encoder's failure surfaces where the version is encoded."""
+    from protocol.wire.framing import decode_message, encode_message
+
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(300, 70, generator=g) for i in range(4)} | {f"b{i}": torch.randn(70, generator=g) for i in range(6)}
+    messages = {}
+    for inline in (True, False):
+        builder = builder_for(state, torch.bfloat16, group_numel=1000)
+        builder._inline = lambda tensors, inline=inline: inline  # type: ignore[method-assign]
+        moved = {k: t + 0.01 * (torch.rand(t.shape, generator=torch.Generator().manual_seed(7)) < 0.1) for k, t in state.items()}
+        captured, stats = await builder.collect(moved, 1)
+        assert len(captured) == 5 and stats.tensors_changed == 10  # 4 matrices, one group of 6
+        assert all((c.encoded is None) == inline and (c.changes is not None) == inline for c in captured)
+        msg = await builder.encode(captured, 1, 0, stats)
+        messages[inline] = decode_message(encode_message(msg))
+    assert [t.to_wire()[:4] for t in messages[True].tensors] == [t.to_wire()[:4] for t in messages[False].tensors]
+    assert [bytes(f) for f in messages[True].frames] == [bytes(f) for f in messages[False].frames]
+
+    builder = builder_for(state, torch.bfloat16, group_numel=1000)
+    builder._inline = lambda tensors: False  # type: ignore[method-assign]
+
+    def broken(changes: object) -> object:
+        raise RuntimeError("encoder down")
+
+    builder._encode = broken  # type: ignore[assignment, method-assign]
+    captured, stats = await builder.collect({k: t + 1 for k, t in state.items()}, 1)
+    with pytest.raises(RuntimeError, match="encoder down"):
+        await builder.encode(captured, 1, 0, stats)

@@ -1,4 +1,6 @@
-"""One small thread pool for per-tensor codec work.
+"""One small thread pool for per-tensor codec work: the receiver's decode, and the sender's
+encode of a small state compared on the event loop's thread (a larger one is encoded by one
+thread beside its compare: ``PatchBuilder.collect``).
 
 The codec's kernels (numba, torch) release the GIL, so the tensors of one message can
 encode or decode in parallel threads; between the kernels each tensor runs Python
