@@ -82,8 +82,9 @@ class Captured:
 
 @dataclass(frozen=True)
 class _Group:
-    """Small tracked tensors of one receiver dtype, compared one by one and captured as one
-    run of their elements end to end (``Changes.group``, ``TensorEntry.group``)."""
+    """Small tracked tensors of one receiver dtype, captured as one run of their elements end
+    to end (``Changes.group``, ``TensorEntry.group``): compared as that run where they can be
+    (``_compares_whole``), else one by one."""
 
     keys: tuple[str, ...]
     ordinals: tuple[int, ...]
@@ -213,9 +214,10 @@ class PatchBuilder:
 
     async def collect(self, tensors: dict[str, torch.Tensor], version: int) -> tuple[list[Captured], SyncStats]:
         """Compare the model with the snapshot, collect the changes and advance the
-        snapshot to ``version``: the only part that reads the model. Each tensor's changes
-        go to the encoder thread as soon as they are collected, so encoding runs beside the
-        compare and a tensor's raw changes live only until they are coded."""
+        snapshot to ``version``: the only part that reads the model. Off the event loop's
+        thread, each tensor's changes go to the encoder thread as soon as they are collected,
+        so encoding runs beside the compare and a tensor's raw changes live only until they
+        are coded; a state compared on the loop's thread is encoded with its parts."""
         stats = SyncStats(version, "patch")
         started = time.perf_counter()
         await self.snapshot.wait_writeback()
