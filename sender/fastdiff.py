@@ -9,9 +9,10 @@ forward. When more than ``dense_above`` of the elements changed, the second pass
 skipped: the caller sends the tensor whole, and the snapshot becomes a plain copy.
 
 Given how many changes to expect (``expect``: the tensor's count last version), a large
-tensor (``ONE_PASS_MIN``) is compared and collected in one pass: each block's changes are collected while the block is still in cache, into
-room for 1.5x the expected count a chunk; a chunk that overflows its room is collected
-again by the second pass, from its marks (its snapshot moves only then). The second pass
+tensor (``ONE_PASS_MIN``) is compared and collected in one pass: each block's changes are
+collected while the block is still in cache, into room for 1.5x the expected count a chunk;
+a chunk that overflows its room is collected again by the second pass, from its marks (its
+snapshot moves only then). The second pass
 re-reads a changed element's cache line from memory: at 1% changed, that is most lines.
 Used for CPU tensors when the receiver dtype is the state's own, or fp32 state to a
 bf16 receiver (the common RL case); other pairs, and CUDA tensors, take the torch path,
@@ -255,7 +256,10 @@ def diff_and_update(
     rounding = cur.dtype != snapshot.dtype
     cur = cur.reshape(-1).contiguous()
     cur_u, snap_u = _bits(cur), _bits(snapshot.view(-1))
+    if n < ONE_PASS_MIN:
+        expect = None
     step = max(1, n // SAMPLE)
+    # one pass moves the snapshot before the count is known: keep the rule's sample of it as it was
     before = snap_u[::step].copy() if callable(dense_above) and expect is not None else None
     words = -(-n // 64)
     marks = np.empty(words, dtype=np.uint64)
@@ -264,8 +268,6 @@ def diff_and_update(
     offsets[0] = 0
     counts = offsets[1:]  # the mark writes each chunk's count; summed in place into offsets
     kernels = _KERNELS[n >= PARALLEL_MIN]
-    if n < ONE_PASS_MIN:
-        expect = None
     if expect is None:
         kernels.mark(cur_u, snap_u, rounding, marks, counts)
         spilled = None
@@ -305,8 +307,8 @@ def diff_and_update(
 
 def sampled_differences(cur: torch.Tensor, snapshot: torch.Tensor, step: int) -> torch.Tensor:
     """The nonzero ulp differences (``new_bits - old_bits`` wrapping at the snapshot's width,
-    as int64) of every ``step``-th element of ``cur`` (cast) against ``snapshot``: the
-    torch ops' result (``patch.sampled_differences``) in one kernel call and three numpy ops."""
+    as int64) of every ``step``-th element of ``cur`` (cast) against ``snapshot``, as torch's
+    ops would give them, in one kernel call and three numpy ops."""
     cur_u, snap_u = _bits(cur.reshape(-1)), _bits(snapshot.view(-1))
     return _differences(cur_u, snap_u[::step], cur.dtype != snapshot.dtype, step)
 

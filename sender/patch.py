@@ -178,6 +178,7 @@ class PatchBuilder:
         # One thread encodes what a compare on a worker thread collects, in order, while the
         # compare goes on: the two run on two cores (docs/performance.md, *Encoding beside the compare*).
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="weightsync-encode")
+        # (no shutdown needed: the executor's thread ends once the builder, and so it, is collected)
         # what a compare reads: the state and the snapshot
         self._read_bytes = sum(plan.state.tensors[k].numel() * (plan.state.tensors[k].element_size() + i.itemsize) for k, i in self._keys.items())
 

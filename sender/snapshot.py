@@ -14,7 +14,7 @@ import asyncio
 
 import torch
 
-from .streams import CopyStream, cuda_present, host_empty_like
+from .streams import CopyStream, cuda_present, host_empty, host_empty_like
 
 
 class Snapshot:
@@ -45,9 +45,8 @@ class Snapshot:
     def capture_run(self, keys: tuple[str, ...], tensors: list[torch.Tensor]) -> torch.Tensor:
         """Store copies of ``tensors`` (at the receiver's dtype, one dtype) end to end in one
         buffer, returned; each key's snapshot is its view of it, so one compare can cover them all."""
-        numel = sum(t.numel() for t in tensors)
-        like = torch.empty(numel, dtype=tensors[0].dtype)
-        run = host_empty_like(like) if self.device.type == "cpu" else torch.empty(numel, dtype=like.dtype, device=self.device)
+        numel, dtype = sum(t.numel() for t in tensors), tensors[0].dtype
+        run = host_empty((numel,), dtype) if self.device.type == "cpu" else torch.empty(numel, dtype=dtype, device=self.device)
         start = 0
         for key, t in zip(keys, tensors):
             view = run[start:start + t.numel()].view(t.shape)

@@ -15,7 +15,12 @@ def cuda_present() -> bool:
 
 def host_empty_like(t: torch.Tensor) -> torch.Tensor:
     """An empty host tensor like ``t``, pinned when CUDA is present (fast async copies)."""
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda_present())
+    return host_empty(t.shape, t.dtype)
+
+
+def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor, pinned when CUDA is present (fast async copies)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=cuda_present())
 
 
 class CopyStream:

@@ -159,3 +159,20 @@ async def test_a_compare_on_a_worker_thread_hands_each_tensor_to_the_encoder_as_
     captured, stats = await builder.collect({k: t + 1 for k, t in state.items()}, 1)
     with pytest.raises(RuntimeError, match="encoder down"):
         await builder.encode(captured, 1, 0, stats)
+
+
+def test_a_builders_encoder_thread_ends_with_it() -> None:
+    """The encoder thread belongs to its builder: nothing else keeps it (or the builder)
+    alive, so a dropped builder's thread ends."""
+    import gc
+    import threading
+
+    state = {"w": torch.randn(300, 70)}
+    builder = builder_for(state, torch.bfloat16)
+    before_threads = set(threading.enumerate())
+    builder._encoder.submit(lambda: None).result()  # its thread is started
+    (thread,) = [t for t in threading.enumerate() if t.name.startswith("weightsync-encode") and t not in before_threads]
+    del builder
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
