@@ -12,8 +12,8 @@ Given how many changes to expect (``expect``: the tensor's count last version), 
 tensor (``ONE_PASS_MIN``) is compared and collected in one pass: each block's changes are
 collected while the block is still in cache, into room for 1.5x the expected count a chunk;
 a chunk that overflows its room is collected again by the second pass, from its marks (its
-snapshot moves only then). The second pass
-re-reads a changed element's cache line from memory: at 1% changed, that is most lines.
+snapshot moves only then). The second pass re-reads a changed element's cache line from
+memory: at 1% changed, that is most lines.
 Used for CPU tensors when the receiver dtype is the state's own, or fp32 state to a
 bf16 receiver (the common RL case); other pairs, and CUDA tensors, take the torch path,
 and so does everything when numba is missing.
