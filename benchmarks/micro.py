@@ -10,7 +10,9 @@ the snapshot update); ``encode_tensor`` / ``decode_tensor`` are one entropy-code
 tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``scaling`` the same at
 1 to 300k changes (per change: the slope at the top; per tensor: at 1 change; each against
 issue 14's 20 us a tensor + 10 ns a change), ``packed_encode`` / ``packed_decode`` the
-one-call kernels an entropy-coded tensor goes through (``protocol.codec.packed``), and
+one-call kernels an entropy-coded tensor goes through (``protocol.codec.packed``;
+``packed_decode_onto`` decodes straight to the new values, as the receiver stages them, against
+``packed_decode+gather_add``, the differences and then a pass adding them), and
 ``rice_parameter``, ``pack_entry`` and the rANS kernels their parts. ``header`` is ``decode_message`` and
 ``peek_type`` of a 300-tensor patch; ``recv`` receives such a message (~2,100 frames) over
 TCP loopback with ``DealerSocket.recv`` (one await a message) and with one await a frame
@@ -97,6 +99,7 @@ def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
     from protocol.codec.positions import gaps_of
     from protocol.codec.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse, pack_entry, sparse_buffers
     from protocol.wire.framing import Message, MessageType, decode_message, encode_message
+    from receiver import kernels
 
     g = torch.Generator().manual_seed(2)
     old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
@@ -125,6 +128,9 @@ def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
     case("packed_encode", lambda: packed.encode(flat, newv, oldv))
     buf = packed.encode(flat, newv, oldv).numpy()
     case("packed_decode", lambda: packed.decode(buf, nnz, n))
+    # the new values as the receiver stages them: the differences then a gather-add pass, or decoded onto the target
+    case("packed_decode+gather_add", lambda: kernels.gather_add(old, *packed.decode(buf, nnz, n)))
+    case("packed_decode_onto", lambda: packed.decode_onto(buf, nnz, old))
     symbols = np.random.default_rng(4).integers(0, 3, nnz).astype(np.uint8)
     counts = np.bincount(symbols, minlength=3).astype(np.int64)
     words = rans.encode(symbols, counts)

@@ -385,8 +385,10 @@ class ReceiverBase:
                 raise ProtocolError(f"{msg.describe()}: {entry.values.name} values outside a patch")
             if not entry.group:
                 shape, dtype = metadata.shapes[entry.key], metadata.dtypes[entry.key]
-                decoded = decode_entry(entry, msg.frames, shape, dtype, self.device, exact_dtype=exact)
-                return [StagedUpdate.stage(decoded, targets[entry.key])]
+                target = targets[entry.key]
+                base = target if isinstance(target, torch.Tensor) else None  # read where the entry's values are relative
+                decoded = decode_entry(entry, msg.frames, shape, dtype, self.device, exact_dtype=exact, base=base)
+                return [StagedUpdate.stage(decoded, target)]
             dtype = metadata.dtypes[entry.key]
             if msg.type is not MessageType.PATCH or any(metadata.dtypes[k] != dtype for k in entry.group):
                 raise ProtocolError(f"{msg.describe()}: tensor {entry.key}: a group outside a patch, or of tensors of several dtypes")

@@ -34,13 +34,17 @@ class StagedUpdate:
     @classmethod
     def stage(cls, decoded: DecodedTensor, target: Target) -> StagedUpdate:
         """Resolve XOR and ulp values against ``target`` and move everything to its device."""
+        raw = decoded.encoding is ValueEncoding.RAW  # final values: sent raw, or decoded onto the target
         if decoded.flat is None:
             update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
         elif isinstance(target, Placed):  # it reads and writes by flat index itself
-            update = cls(decoded.key, decoded.flat, decoded.new_values(target.read(decoded.flat).cpu()).to(target.device))
+            values = decoded.values if raw else decoded.new_values(target.read(decoded.flat).cpu())
+            update = cls(decoded.key, decoded.flat, values.to(target.device))
         else:
             flat = decoded.flat.to(target.device)
-            if decoded.encoding is ValueEncoding.ULP and kernels.supported(target):
+            if raw:
+                update = cls(decoded.key, flat, decoded.values.to(target.device))
+            elif decoded.encoding is ValueEncoding.ULP and kernels.supported(target):
                 update = cls(decoded.key, flat, kernels.gather_add(target, flat, decoded.values.cpu()))
             else:
                 update = cls(decoded.key, flat, decoded.new_values(read_flat(target, flat)).to(target.device))

@@ -45,6 +45,15 @@ def roundtrip(flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor, numel: i
     assert torch.equal(got_flat, flat)
     bits = bits_dtype(new.dtype)
     assert torch.equal(entropy.apply_differences(old, diffs).view(bits), new.view(bits))
+    if numel <= NUMEL:  # and straight onto a target holding ``old`` at ``flat``
+        base = torch.randint(-100, 100, (numel,), generator=torch.Generator().manual_seed(numel), dtype=torch.int64).to(bits).view(new.dtype)
+        base[flat] = old
+        if packed.decodes_onto(base):
+            before = base.clone()
+            onto_flat, values = packed.decode_onto(buf, flat.numel(), base)
+            assert torch.equal(onto_flat, flat) and values.dtype == new.dtype
+            assert torch.equal(values.view(bits), new.view(bits))
+            assert torch.equal(base.view(bits), before.view(bits))  # only read
 
 
 @settings(max_examples=40, deadline=None)
@@ -89,6 +98,23 @@ def test_an_entry_is_one_uncompressed_values_buffer_and_decodes_through_decode_e
     assert torch.equal(decoded.new_values(old).view(torch.int16), new.view(torch.int16))
     with pytest.raises(ProtocolError, match="changes for a tensor"):  # checked against the target before decoding
         decode_entry(msg.tensors[0], msg.frames, (1500,), torch.bfloat16, torch.device("cpu"))
+    # Given the target, it decodes onto it: the new values themselves, RAW.
+    target = torch.zeros(NUMEL, dtype=torch.bfloat16)
+    target[flat] = old
+    onto = decode_entry(msg.tensors[0], msg.frames, (NUMEL,), torch.bfloat16, torch.device("cpu"), base=target)
+    assert onto.encoding is ValueEncoding.RAW and onto.flat is not None and torch.equal(onto.flat, flat)
+    assert torch.equal(onto.values.view(torch.int16), new.view(torch.int16))
+    with pytest.raises(ValueError, match="base"):  # a caller's mistake, not the sender's
+        decode_entry(msg.tensors[0], msg.frames, (NUMEL,), torch.bfloat16, torch.device("cpu"), base=target.float())
+    bools = torch.zeros(NUMEL, dtype=torch.bool)  # a base it does not take: decoded as differences
+    assert decode_entry(msg.tensors[0], msg.frames, (NUMEL,), torch.bfloat16, torch.device("cpu"), base=bools).encoding is ValueEncoding.ULP
+
+
+def test_decodes_onto_contiguous_host_tensors_of_2_4_or_8_byte_elements() -> None:
+    for dtype in (torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.int32, torch.float64, torch.int64):
+        assert packed.decodes_onto(torch.zeros(8, dtype=dtype))
+    for t in (torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.bool), torch.zeros(4, 4)[:, 1], torch.zeros(8, dtype=torch.complex64)):
+        assert not packed.decodes_onto(t)
 
 
 def good_buffer() -> tuple[np.ndarray, int]:
@@ -96,13 +122,24 @@ def good_buffer() -> tuple[np.ndarray, int]:
     return packed.encode(flat, new, old).numpy(), flat.numel()
 
 
+BASE = torch.arange(NUMEL, dtype=torch.int32).view(torch.float32)  # good_buffer's target
+
+
 def decodes_in_bounds_or_refuses(buf: np.ndarray, nnz: int) -> None:
+    """Refused, or decoded in bounds; decoding onto a target refuses the same buffers and
+    otherwise gives the values ``decode``'s differences make, reading the target only."""
     try:
-        flat, _ = packed.decode(buf, nnz, NUMEL)
+        flat, diffs = packed.decode(buf, nnz, NUMEL)
     except ProtocolError:
+        with pytest.raises(ProtocolError):
+            packed.decode_onto(buf, nnz, BASE)
         return
     assert flat.numel() == nnz and (nnz == 0 or (int(flat[0]) >= 0 and int(flat[-1]) < NUMEL))
     assert nnz < 2 or bool((flat[1:] > flat[:-1]).all())
+    onto_flat, values = packed.decode_onto(buf, nnz, BASE)
+    assert torch.equal(onto_flat, flat)
+    assert torch.equal(values.view(torch.int32), entropy.apply_differences(BASE[flat], diffs).view(torch.int32))
+    assert torch.equal(BASE.view(torch.int32), torch.arange(NUMEL, dtype=torch.int32))
 
 
 def test_every_truncation_and_extension_is_refused() -> None:
@@ -110,6 +147,8 @@ def test_every_truncation_and_extension_is_refused() -> None:
     for cut in range(len(buf)):
         with pytest.raises(ProtocolError):
             packed.decode(buf[:cut].copy(), nnz, NUMEL)
+        with pytest.raises(ProtocolError):
+            packed.decode_onto(buf[:cut].copy(), nnz, BASE)
     with pytest.raises(ProtocolError):
         packed.decode(np.concatenate([buf, np.zeros(1, np.uint8)]), nnz, NUMEL)
 

@@ -372,11 +372,14 @@ def decode_entry(
     device: torch.device,
     *,
     exact_dtype: bool = True,
+    base: torch.Tensor | None = None,
 ) -> DecodedTensor:
     """Check ``entry`` against a target of ``shape``/``dtype``, then decode its buffers.
 
     ``exact_dtype`` False accepts dense values of another dtype of the same kind (bucket
-    mode converts floating tensors). ``frames`` are the message's payload frames.
+    mode converts floating tensors). ``frames`` are the message's payload frames. ``base``,
+    the target's values now (only read), lets a packed entry decode straight to its new
+    values (``packed.decode_onto``, where it takes ``base``): they come back RAW.
     """
     where = f"tensor {entry.key}"
     roles = {b.role for b in entry.buffers}
@@ -405,7 +408,13 @@ def decode_entry(
     if entry.values in (ValueEncoding.RAW, ValueEncoding.XOR) and vspec.shape != (nnz,):
         raise ProtocolError(f"{where}: {vspec.shape[0]} values for {nnz} changes")
     if _is_packed(entry.encoding, entry.values):
-        flat, diffs = packed.decode(_host_bytes(vspec, frames[vspec.frame - 1]), nnz, numel)
+        buf = _host_bytes(vspec, frames[vspec.frame - 1])
+        if base is not None and packed.decodes_onto(base):
+            if base.dtype != dtype or base.numel() != numel:
+                raise ValueError(f"{where}: base of {base.dtype}[{base.numel()}] for a target of {dtype}[{numel}]")
+            flat, values = packed.decode_onto(buf, nnz, base)
+            return DecodedTensor(entry.key, flat, values, ValueEncoding.RAW)
+        flat, diffs = packed.decode(buf, nnz, numel)
         return DecodedTensor(entry.key, flat, diffs, entry.values)
     decoded = {b.role: unpack_buffer(b, frames[b.frame - 1], device) for b in entry.buffers}
     if entry.encoding is Encoding.ANS_GAPS:
