@@ -12,7 +12,8 @@ tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``scaling`` the
 issue 14's 20 us a tensor + 10 ns a change), ``packed_encode`` / ``packed_decode`` the
 one-call kernels an entropy-coded tensor goes through (``protocol.codec.packed``;
 ``packed_decode_onto`` decodes straight to the new values, as the receiver stages them, against
-``packed_decode+gather_add``, the differences and then a pass adding them), and
+``packed_decode+gather_add``, the differences and then a pass adding them; ``onto`` the two ways
+it adds them, for the density it chooses by), and
 ``rice_parameter``, ``pack_entry`` and the rANS kernels their parts. ``header`` is ``decode_message`` and
 ``peek_type`` of a 300-tensor patch; ``recv`` receives such a message (~2,100 frames) over
 TCP loopback with ``DealerSocket.recv`` (one await a message) and with one await a frame
@@ -298,7 +299,33 @@ def recv_cases(repeat: int) -> dict[str, Any]:
     return asyncio.run(run())
 
 
-CASES = ("mark", "codec", "scaling", "compress", "pool", "header", "recv")
+def onto_cases(repeat: int, sizes: tuple[int, ...] = (1 << 20, 1 << 23), densities: tuple[float, ...] = (0.01, 0.03, 0.1)) -> dict[str, Any]:
+    """``packed.decode_onto`` with the differences added as they decode (``fused``) and in
+    a pass after, on bf16 tensors of each size at each share of changed elements: what
+    ``packed.FUSED_FROM`` chooses between."""
+    from protocol.codec import packed
+
+    g = torch.Generator().manual_seed(9)
+    out: dict[str, Any] = {}
+    chosen = packed.FUSED_FROM
+    try:
+        for n in sizes:
+            base = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+            for density in densities:
+                flat = torch.randperm(n, generator=g)[: int(n * density)].sort().values
+                old = base[flat]
+                new = (old.view(torch.int16) + torch.randint(-3, 4, (flat.numel(),), generator=g).to(torch.int16)).view(torch.bfloat16)
+                buf = packed.encode(flat, new, old).numpy()
+                for how, share in (("fused", 0.0), ("after", 2.0)):
+                    packed.FUSED_FROM = share
+                    r = timed(functools.partial(packed.decode_onto, buf, flat.numel(), base), repeat)
+                    out[f"onto {how} n={n} density={density}"] = {**r, "ns_per_change": r["best_s"] / flat.numel() * 1e9}
+    finally:
+        packed.FUSED_FROM = chosen
+    return out
+
+
+CASES = ("mark", "codec", "scaling", "onto", "compress", "pool", "header", "recv")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         results.update(codec_cases(1 << 16, 0.024, args.repeat))
     if "scaling" in args.only:
         results.update(scaling_cases(args.repeat))
+    if "onto" in args.only:
+        results.update(onto_cases(args.repeat))
     if "compress" in args.only:
         results.update(compress_cases(args.repeat))
     if "pool" in args.only:
@@ -328,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         results.update(recv_cases(max(5, args.repeat // 3)))
     for name, r in results.items():
         extra = f"  {r['ns_per_element']:.3f} ns/elem" if "ns_per_element" in r else ""
+        if "ns_per_change" in r:
+            extra = f"  {r['ns_per_change']:.2f} ns a change (best)"
         if "per_change_ns" in r:
             budget = ", ".join(f"{k}: {x:.2f}x" for k, x in r["over_budget"].items())
             extra = f"  -> {r['per_change_ns']:.2f} ns a change, {r['per_tensor_us']:.1f} us a tensor; vs 20 us + 10 ns/change: {budget}"

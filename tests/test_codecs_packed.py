@@ -49,10 +49,15 @@ def roundtrip(flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor, numel: i
         base = torch.randint(-100, 100, (numel,), generator=torch.Generator().manual_seed(numel), dtype=torch.int64).to(bits).view(new.dtype)
         base[flat] = old
         if packed.decodes_onto(base):
-            before = base.clone()
-            onto_flat, values = packed.decode_onto(buf, flat.numel(), base)
-            assert torch.equal(onto_flat, flat) and values.dtype == new.dtype
-            assert torch.equal(values.view(bits), new.view(bits))
+            before, chosen = base.clone(), packed.FUSED_FROM
+            try:
+                for share in (0.0, 2.0):  # added as they decode, and in a pass after
+                    packed.FUSED_FROM = share
+                    onto_flat, values = packed.decode_onto(buf, flat.numel(), base)
+                    assert torch.equal(onto_flat, flat) and values.dtype == new.dtype
+                    assert torch.equal(values.view(bits), new.view(bits))
+            finally:
+                packed.FUSED_FROM = chosen
             assert torch.equal(base.view(bits), before.view(bits))  # only read
 
 
@@ -125,21 +130,38 @@ def good_buffer() -> tuple[np.ndarray, int]:
 BASE = torch.arange(NUMEL, dtype=torch.int32).view(torch.float32)  # good_buffer's target
 
 
+def onto_both_ways(buf: np.ndarray, nnz: int) -> list[tuple[torch.Tensor, torch.Tensor] | ProtocolError]:
+    """``decode_onto``'s result (or error) adding the differences as they decode and in a pass after."""
+    results: list[tuple[torch.Tensor, torch.Tensor] | ProtocolError] = []
+    chosen = packed.FUSED_FROM
+    try:
+        for share in (0.0, 2.0):
+            packed.FUSED_FROM = share
+            try:
+                results.append(packed.decode_onto(buf, nnz, BASE))
+            except ProtocolError as e:
+                results.append(e)
+    finally:
+        packed.FUSED_FROM = chosen
+    return results
+
+
 def decodes_in_bounds_or_refuses(buf: np.ndarray, nnz: int) -> None:
-    """Refused, or decoded in bounds; decoding onto a target refuses the same buffers and
-    otherwise gives the values ``decode``'s differences make, reading the target only."""
+    """Refused, or decoded in bounds; decoding onto a target (either way) refuses the same
+    buffers and otherwise gives the values ``decode``'s differences make, reading the target only."""
+    onto = onto_both_ways(buf, nnz)
+    assert torch.equal(BASE.view(torch.int32), torch.arange(NUMEL, dtype=torch.int32))
     try:
         flat, diffs = packed.decode(buf, nnz, NUMEL)
     except ProtocolError:
-        with pytest.raises(ProtocolError):
-            packed.decode_onto(buf, nnz, BASE)
+        assert all(isinstance(r, ProtocolError) for r in onto)
         return
     assert flat.numel() == nnz and (nnz == 0 or (int(flat[0]) >= 0 and int(flat[-1]) < NUMEL))
     assert nnz < 2 or bool((flat[1:] > flat[:-1]).all())
-    onto_flat, values = packed.decode_onto(buf, nnz, BASE)
-    assert torch.equal(onto_flat, flat)
-    assert torch.equal(values.view(torch.int32), entropy.apply_differences(BASE[flat], diffs).view(torch.int32))
-    assert torch.equal(BASE.view(torch.int32), torch.arange(NUMEL, dtype=torch.int32))
+    want = entropy.apply_differences(BASE[flat], diffs).view(torch.int32)
+    for r in onto:
+        assert not isinstance(r, ProtocolError)
+        assert torch.equal(r[0], flat) and torch.equal(r[1].view(torch.int32), want)
 
 
 def test_every_truncation_and_extension_is_refused() -> None:
@@ -147,8 +169,7 @@ def test_every_truncation_and_extension_is_refused() -> None:
     for cut in range(len(buf)):
         with pytest.raises(ProtocolError):
             packed.decode(buf[:cut].copy(), nnz, NUMEL)
-        with pytest.raises(ProtocolError):
-            packed.decode_onto(buf[:cut].copy(), nnz, BASE)
+        assert all(isinstance(r, ProtocolError) for r in onto_both_ways(buf[:cut].copy(), nnz))
     with pytest.raises(ProtocolError):
         packed.decode(np.concatenate([buf, np.zeros(1, np.uint8)]), nnz, NUMEL)
 
