@@ -24,6 +24,7 @@ from protocol.wire.dtypes import bits_dtype
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
 
 from .base import Send, SenderBase
+from .copies import WholeCopies
 from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
@@ -175,6 +176,7 @@ class PatchBuilder:
         self._runs: dict[_Group, torch.Tensor] = {}  # each group's snapshot, its keys' end to end (capture)
         # changes in each key's (or run's, by its first key) last compare: the next one collects as it compares
         self._expect: dict[str, int] = {}
+        self._copies = WholeCopies()  # of the tensors that may go whole, on the host
         # One thread encodes what a compare on a worker thread collects, in order, while the
         # compare goes on: the two run on two cores (docs/performance.md, *Encoding beside the compare*).
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="weightsync-encode")
@@ -364,7 +366,12 @@ class PatchBuilder:
         stats.total_elements += numel
         stats.dense_bytes += numel * info.itemsize
         if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
-            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, dense_above, self._expect.get(key))
+            expect = self._expect.get(key)
+            if callable(dense_above) and expect is not None and expect > info.candidate * numel:
+                # It may go whole again: counted first, not collected in the same pass (which
+                # writes 10-16 bytes a change, fresh memory a whole send then throws away).
+                expect = None
+            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, dense_above, expect)
             self._expect[key] = nnz
         else:
             nnz, flat, new, old = self._torch_diff(key, info.dtype, cur, snap)
@@ -376,10 +383,14 @@ class PatchBuilder:
     def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
         info = self._keys[key]
         nnz, flat, new, old = self._compare(key, cur, snap, stats, self._dense_rule(info, cur.numel()))
+        if nnz > info.candidate * cur.numel():
+            # The snapshot now holds exactly the new tensor: keep a copy, as dense may win.
+            dense = self._copies.copy(key, snap) if snap.device.type == "cpu" else snap.clone()
+        else:
+            dense = None
+            self._copies.drop(key)
         if nnz == 0:
             return None
-        # The snapshot now holds exactly the new tensor: keep it when dense may win.
-        dense = snap.clone() if nnz > info.candidate * cur.numel() else None
         return self._capture(Changes(info.ordinal, tuple(cur.shape), nnz, flat, new, old, dense, []))
 
     def _grouped(self, group: _Group, members: list[_Member]) -> Changes | None:
