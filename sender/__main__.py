@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="module:factory building the trainer's model (marks frozen parameters); default: all keys tracked")
     p.add_argument("--poll", type=float, default=0.05, help="seconds between scans of --watch")
     p.add_argument("--ring-size", type=int, default=8, help="recent patches kept to catch up late receivers")
+    p.add_argument("--ring-bytes", type=int, default=None, help="and of those no more bytes than this (default: a whole copy of the state)")
     p.add_argument("--max-inflight", type=int, default=2, help="versions sent to a receiver ahead of its acks")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     p.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence before a receiver is dropped")
@@ -106,7 +107,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     if model is None:
         raise SystemExit(f"no --model and no checkpoint in {args.watch}: nothing to serve")
     sender = Sender(
-        args.endpoint, args.config, ring_size=args.ring_size, max_inflight=args.max_inflight,
+        args.endpoint, args.config, ring_size=args.ring_size, ring_bytes=args.ring_bytes, max_inflight=args.max_inflight,
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
         curve=args.curve, insecure_plaintext=args.insecure_plaintext,
     )

@@ -52,6 +52,12 @@ class Sender:
     (``resync_backoff``: first and largest delay, doubling) and, after ``max_resyncs`` in a
     row with no ACK between, dropped with a ``ResyncLimitError`` sent to it and logged.
 
+    Up to ``ring_size`` recent patches are kept to catch up a receiver that fell behind,
+    and of those, newest first, no more bytes than ``ring_bytes`` (None: a whole copy of
+    the state, taken at ``start``): further behind, a resync sends fewer bytes than the
+    patches would, and the sender does not hold several whole copies of a model whose
+    patches go dense.
+
     ``server`` (the ``VersionServer``) serves the receivers; the properties below are its.
     """
 
@@ -62,6 +68,7 @@ class Sender:
         *,
         trainable_keys: Iterable[str] | None = None,
         ring_size: int = 8,
+        ring_bytes: int | None = None,
         max_inflight: int = 2,
         heartbeat_interval: float = 0.5,
         peer_timeout: float = 10.0,
@@ -74,7 +81,7 @@ class Sender:
         max_resyncs: int = 8,
     ) -> None:
         self.server = VersionServer(
-            endpoint, ring_size=ring_size, max_inflight=max_inflight, heartbeat_interval=heartbeat_interval,
+            endpoint, ring_size=ring_size, ring_bytes=ring_bytes, max_inflight=max_inflight, heartbeat_interval=heartbeat_interval,
             peer_timeout=peer_timeout, context=context, curve=curve, insecure_plaintext=insecure_plaintext,
             resync_backoff=resync_backoff, max_resyncs=max_resyncs,
         )
@@ -97,6 +104,8 @@ class Sender:
             raise WeightSyncError("sender already started")
         state = resolve_state(model, self._trainable_keys)
         self._source = TrainerSource(state, model, self.config)
+        if self.server.ring_bytes is None:
+            self.server.ring_bytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
         self.server.moved(version)
         self.server.start(self._source, self._limits or Limits.for_control(state.tensors))
         log.info("sender %s serving %s (%s, version %s)", self.session[:8], self.endpoint, self.strategy, version)

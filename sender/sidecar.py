@@ -118,7 +118,7 @@ class ShmSidecar:
         assert self.layout is not None
         a = self.args
         self.sender = Sender(
-            a.endpoint, a.config, trainable_keys=self.layout.tracked, ring_size=a.ring_size, max_inflight=a.max_inflight,
+            a.endpoint, a.config, trainable_keys=self.layout.tracked, ring_size=a.ring_size, ring_bytes=a.ring_bytes, max_inflight=a.max_inflight,
             heartbeat_interval=a.heartbeat, peer_timeout=a.peer_timeout,
             curve=getattr(a, "curve", None), insecure_plaintext=getattr(a, "insecure_plaintext", False),
         )

@@ -678,7 +678,7 @@ async def test_sixteen_receivers_one_hundred_versions(rig: Rig, reliability: Any
     back (the trainer waits for nobody; the ring holds every version, so no receiver needs
     a resync): each receiver commits every version exactly once, in order, each one
     checked against the trainer's digest the moment it is published."""
-    sender = await rig.start_sender(ring_size=VERSIONS + 1, max_inflight=4)
+    sender = await rig.start_sender(ring_size=VERSIONS + 1, ring_bytes=1 << 40, max_inflight=4)  # no byte cap either
     receivers = [await rig.receiver(f"r{i:02d}", rig.endpoint) for i in range(RECEIVERS)]
     await sender.wait_acked(0, timeout=T)
     began = time.perf_counter()

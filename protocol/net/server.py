@@ -57,6 +57,10 @@ class RingEntry:
     complete: bool = True
     grown: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each new part
 
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f) for frames in self.messages for f in frames)
+
     def add(self, frames: list[Buffer], last: bool) -> None:
         self.messages.append(frames)
         self.complete = last
@@ -97,6 +101,11 @@ class VersionServer:
     ``rejected_handshakes``. Without it, binding beyond loopback is a ``ConfigError``
     unless ``insecure_plaintext``.
 
+    The ring keeps the last ``ring_size`` patches to catch up a receiver that fell behind,
+    and of those only as many, newest first, as add up to ``ring_bytes`` (None: no byte
+    cap): a receiver further behind is resynced, which a cap of a bootstrap's size makes
+    never more bytes than the patches it would have needed.
+
     ``resync_backoff`` (first, largest; seconds, doubling) spaces the resyncs of a receiver
     that NACKs them one after another, and ``max_resyncs`` caps how many it is sent in a
     row (no ACK between) before it is dropped with a ``ResyncLimitError``.
@@ -108,6 +117,7 @@ class VersionServer:
         *,
         role: str = "sender",
         ring_size: int = 8,
+        ring_bytes: int | None = None,
         max_inflight: int = 2,
         heartbeat_interval: float = 0.5,
         peer_timeout: float = 10.0,
@@ -119,6 +129,8 @@ class VersionServer:
     ) -> None:
         if ring_size < 1 or max_inflight < 1:
             raise ConfigError("ring_size and max_inflight must be at least 1")
+        if ring_bytes is not None and (type(ring_bytes) is not int or ring_bytes < 0):
+            raise ConfigError(f"ring_bytes must be None or an int >= 0, got {ring_bytes!r}")
         if type(max_resyncs) is not int or max_resyncs < 1:
             raise ConfigError(f"max_resyncs must be an int of at least 1, got {max_resyncs!r}")
         if len(resync_backoff) != 2 or not 0 <= resync_backoff[0] <= resync_backoff[1]:
@@ -132,7 +144,7 @@ class VersionServer:
         self.rejected_keys: set[str] = set()
         self.bytes_sent = 0  # every message queued for a receiver: this server's egress
         self._endpoint = endpoint
-        self.ring_size, self.max_inflight = ring_size, max_inflight
+        self.ring_size, self.ring_bytes, self.max_inflight = ring_size, ring_bytes, max_inflight
         self.heartbeat_interval, self.peer_timeout = heartbeat_interval, peer_timeout
         self._context = context or zmq.asyncio.Context.instance()
         self.stamp = Stamper()
@@ -267,10 +279,25 @@ class VersionServer:
         newest = self._ring[-1] if self._ring else None
         if newest is not None and not newest.complete and (newest.base, newest.version) == (base, version):
             newest.add(frames, last)
+            self._trim_ring()
             return
         self._ring.append(RingEntry(base, version, [frames], complete=last))
         self._pending_bases.discard(base)
+        self._trim_ring()
         self._wake_all()
+
+    def _trim_ring(self) -> None:
+        """Drop the oldest patches past ``ring_bytes`` (the newest always stays: receivers
+        at its base need it). A pump already sending one holds its frames until it is done."""
+        if self.ring_bytes is None:
+            return
+        total = 0
+        for kept, entry in enumerate(reversed(self._ring)):
+            total += entry.nbytes
+            if kept and total > self.ring_bytes:
+                for _ in range(len(self._ring) - kept):
+                    self._ring.popleft()
+                return
 
     def publish_buckets(self, version: int, messages: list[list[Buffer]]) -> None:
         """Bucket mode: every receiver behind ``version`` gets these messages."""
