@@ -307,23 +307,17 @@ def onto_cases(repeat: int, sizes: tuple[int, ...] = (1 << 20, 1 << 23), densiti
 
     g = torch.Generator().manual_seed(9)
     out: dict[str, Any] = {}
-    chosen = packed.FUSED_FROM
-    try:
-        for n in sizes:
-            base = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
-            for density in densities:
-                flat = torch.randperm(n, generator=g)[: int(n * density)].sort().values
-                old = base[flat]
-                new = (old.view(torch.int16) + torch.randint(-3, 4, (flat.numel(),), generator=g).to(torch.int16)).view(torch.bfloat16)
-                buf = packed.encode(flat, new, old).numpy()
-                for how, share in (("fused", 0.0), ("after", 2.0)):
-                    packed.FUSED_FROM = share
-                    r = timed(functools.partial(packed.decode_onto, buf, flat.numel(), base), repeat)
-                    out[f"onto {how} n={n} density={density}"] = {**r, "ns_per_change": r["best_s"] / flat.numel() * 1e9}
-    finally:
-        packed.FUSED_FROM = chosen
+    for n in sizes:
+        base = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        for density in densities:
+            flat = torch.randperm(n, generator=g)[: int(n * density)].sort().values
+            old = base[flat]
+            new = (old.view(torch.int16) + torch.randint(-3, 4, (flat.numel(),), generator=g).to(torch.int16)).view(torch.bfloat16)
+            buf = packed.encode(flat, new, old).numpy()
+            for how, fused in (("fused", True), ("after", False)):
+                r = timed(functools.partial(packed.decode_onto, buf, flat.numel(), base, fused=fused), repeat)
+                out[f"onto {how} n={n} density={density}"] = {**r, "ns_per_change": r["best_s"] / flat.numel() * 1e9}
     return out
-
 
 CASES = ("mark", "codec", "scaling", "onto", "compress", "pool", "header", "recv")
 

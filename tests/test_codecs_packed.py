@@ -49,15 +49,11 @@ def roundtrip(flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor, numel: i
         base = torch.randint(-100, 100, (numel,), generator=torch.Generator().manual_seed(numel), dtype=torch.int64).to(bits).view(new.dtype)
         base[flat] = old
         if packed.decodes_onto(base):
-            before, chosen = base.clone(), packed.FUSED_FROM
-            try:
-                for share in (0.0, 2.0):  # added as they decode, and in a pass after
-                    packed.FUSED_FROM = share
-                    onto_flat, values = packed.decode_onto(buf, flat.numel(), base)
-                    assert torch.equal(onto_flat, flat) and values.dtype == new.dtype
-                    assert torch.equal(values.view(bits), new.view(bits))
-            finally:
-                packed.FUSED_FROM = chosen
+            before = base.clone()
+            for fused in (None, True, False):  # as FUSED_FROM picks; added as they decode; in a pass after
+                onto_flat, values = packed.decode_onto(buf, flat.numel(), base, fused=fused)
+                assert torch.equal(onto_flat, flat) and values.dtype == new.dtype
+                assert torch.equal(values.view(bits), new.view(bits))
             assert torch.equal(base.view(bits), before.view(bits))  # only read
 
 
@@ -133,16 +129,11 @@ BASE = torch.arange(NUMEL, dtype=torch.int32).view(torch.float32)  # good_buffer
 def onto_both_ways(buf: np.ndarray, nnz: int) -> list[tuple[torch.Tensor, torch.Tensor] | ProtocolError]:
     """``decode_onto``'s result (or error) adding the differences as they decode and in a pass after."""
     results: list[tuple[torch.Tensor, torch.Tensor] | ProtocolError] = []
-    chosen = packed.FUSED_FROM
-    try:
-        for share in (0.0, 2.0):
-            packed.FUSED_FROM = share
-            try:
-                results.append(packed.decode_onto(buf, nnz, BASE))
-            except ProtocolError as e:
-                results.append(e)
-    finally:
-        packed.FUSED_FROM = chosen
+    for fused in (True, False):
+        try:
+            results.append(packed.decode_onto(buf, nnz, BASE, fused=fused))
+        except ProtocolError as e:
+            results.append(e)
     return results
 
 

@@ -50,7 +50,6 @@ VARINT_MAX = 10  # LEB128 bytes of a u64
 COUNT_BITS_MAX = 6 + 62  # a count's length field and mantissa, counts below 2**63
 TABLES_MAX = -(-(HIGH_SYMBOLS + VALUE_SYMBOLS) * COUNT_BITS_MAX // 8) + 1  # with the pad byte
 _bits_of = functools.cache(bits_dtype)  # wire.dtypes.bits_dtype builds a tensor (~1.3 us)
-_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # decode_onto's bases, as bits
 _NO_BASE = np.empty(0, dtype=np.int64)  # decode: differences, not values
 # From this share of changed elements decode_onto adds each difference to the target as it
 # decodes it; below, in a pass of its own after, whose loads do not wait on the decoding's
@@ -97,17 +96,20 @@ def decode(buf: np.ndarray, nnz: int, numel: int) -> tuple[torch.Tensor, torch.T
 def decodes_onto(base: torch.Tensor) -> bool:
     """Whether ``decode_onto`` takes ``base``: a contiguous host tensor of 2, 4 or 8-byte
     elements (not complex)."""
-    return base.device.type == "cpu" and base.is_contiguous() and base.element_size() in _SIGNED and not base.dtype.is_complex
+    return base.device.type == "cpu" and base.is_contiguous() and base.element_size() in (2, 4, 8) and not base.dtype.is_complex
 
 
-def decode_onto(buf: np.ndarray, nnz: int, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_onto(buf: np.ndarray, nnz: int, base: torch.Tensor, *, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted flat positions and the new values of ``nnz`` changes to ``base`` (its values
     now, only read; ``decodes_onto``), from an untrusted packed buffer: ``decode`` and
-    ``entropy.apply_differences`` in one pass. ``ProtocolError`` if the buffer is off."""
-    bits = base.view(_SIGNED[base.element_size()]).numpy().reshape(-1)
+    ``entropy.apply_differences`` in one call. ``fused``: add each difference as it
+    decodes, or in a pass after (None: by ``FUSED_FROM``). ``ProtocolError`` if the buffer is off."""
+    bits = base.view(_bits_of(base.dtype)).numpy().reshape(-1)
+    if fused is None:
+        fused = nnz >= FUSED_FROM * bits.shape[0]
     flat = np.empty(nnz, dtype=np.int64)
     values = np.empty(nnz, dtype=bits.dtype)
-    _check(_decode(buf, bits.shape[0], bits, nnz >= FUSED_FROM * bits.shape[0], flat, values))
+    _check(_decode(buf, bits.shape[0], bits, fused, flat, values))
     return torch.from_numpy(flat), torch.from_numpy(values).view(base.dtype)
 
 
@@ -435,8 +437,9 @@ def _changes(gap_symbols, value_symbols, k, escapes, low, extra, numel, base, fu
     escape), position, ulp difference and (given a ``base``) new value, there or in a pass
     after; an error code. ``base`` is read only at positions checked first.
 
-    A kernel of its own, over its arguments: written inside ``_decode``, whose arrays
-    are views it made, the same loop ran 3x (inline) to 10x (an inlined helper) slower."""
+    A kernel of its own, over its arguments: written inside ``_decode``, over the array
+    views it makes, the same loop ran 3x (inline) to 10x (an inlined helper) slower (the
+    cause not pinned down; numba's reference counting of those views is the likely one)."""
     pos, e, bit = -1, 0, 0
     for i in range(flat.shape[0]):
         s = gap_symbols[i]
