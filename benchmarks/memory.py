@@ -91,11 +91,10 @@ def release_freed() -> None:
 
 def warm_runtime() -> None:
     """Load what every daemon loads whatever the model's size (compiled kernels, the codec
-    threads, ZeroMQ's I/O thread), so ``base`` holds the runtime and growth is the model's."""
-    import zmq.asyncio
-
+    threads, ZeroMQ's I/O threads), so ``base`` holds the runtime and growth is the model's."""
     from protocol.codec import entropy
     from protocol.codec.parallel import map_ordered
+    from protocol.net.context import shared_context
     from receiver import kernels
     from sender import fastdiff
 
@@ -103,7 +102,7 @@ def warm_runtime() -> None:
     kernels.warm_up()
     fastdiff.warm_up({(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)})
     map_ordered(abs, [1, 2, 3, 4])
-    zmq.asyncio.Context.instance()
+    shared_context()
 
 
 async def run_sender(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import zmq.asyncio
 
 from protocol.errors import WeightSyncError, WeightSyncTimeout
+from protocol.net.context import shared_context
 from protocol.net.security import CurveClient, check_transport
 from protocol.net.sockets import DealerSocket
 from protocol.wire.framing import MessageType, decode_message, encode_message
@@ -38,7 +39,7 @@ async def ask_metadata(
     upstreams = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     if not upstreams:
         raise WeightSyncError("no upstream endpoint to ask")
-    ctx = context or zmq.asyncio.Context.instance()
+    ctx = context or shared_context()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     errors: list[str] = []

@@ -42,6 +42,7 @@ from protocol.errors import (
     WeightSyncError,
     WeightSyncTimeout,
 )
+from protocol.net.context import shared_context
 from protocol.net.security import CurveClient, CurveServer, check_transport
 from protocol.state import Placed, StateLike, resolve_state
 from protocol.wire.buffers import Buffer
@@ -143,7 +144,7 @@ class Receiver:
         self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.heartbeat_interval, self.peer_timeout = heartbeat_interval, peer_timeout
         self.reconnect_backoff = reconnect_backoff
-        self._context = context or zmq.asyncio.Context.instance()
+        self._context = context or shared_context()
         self.lock = ReadWriteLock()
         self.strategy = make_receiver(self.config)
         # wrap_write: a sidecar wraps each version's write (receiver.attach.seqlock_writes: a shared-memory seqlock)

@@ -31,6 +31,7 @@ import torch
 from protocol.errors import ConfigError
 from protocol.host.cli import load_object, report, run, setup_logging
 from protocol.host.snapfile import read_snapshot
+from protocol.net.context import IO_THREADS, shared_context
 from protocol.net.security import CurveServer, write_keypair
 
 from .service import Sender
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ring-size", type=int, default=8, help="recent patches kept to catch up late receivers")
     p.add_argument("--ring-bytes", type=int, default=None, help="and of those no more bytes than this (default: a whole copy of the state)")
     p.add_argument("--max-inflight", type=int, default=2, help="versions sent to a receiver ahead of its acks")
+    p.add_argument("--io-threads", type=int, default=IO_THREADS, help="ZeroMQ I/O threads the connections to receivers share (default: %(default)s)")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     p.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence before a receiver is dropped")
     p.add_argument("--curve-secret", type=Path, metavar="FILE", help="the sender's CURVE .key_secret (python -m sender keygen)")
@@ -63,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="allow binding a non-loopback --endpoint without CURVE (weights in plaintext, anyone may connect)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    if args.io_threads < 1:
+        p.error(f"--io-threads must be at least 1, got {args.io_threads}")
     if (args.curve_secret is None) != (args.curve_allow is None):
         p.error("--curve-secret and --curve-allow go together")
     try:
@@ -109,7 +113,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     sender = Sender(
         args.endpoint, args.config, ring_size=args.ring_size, ring_bytes=args.ring_bytes, max_inflight=args.max_inflight,
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
-        curve=args.curve, insecure_plaintext=args.insecure_plaintext,
+        curve=args.curve, insecure_plaintext=args.insecure_plaintext, context=shared_context(args.io_threads),
     )
     async with sender:
         await sender.start(model, version=version)

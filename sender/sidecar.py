@@ -23,6 +23,7 @@ import zmq.asyncio
 from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, WeightSyncError
 from protocol.host.cli import report
 from protocol.host.shm import Layout, Region
+from protocol.net.context import shared_context
 from protocol.net.sockets import handoff_socket
 
 from .client import decode, encode, error_reply
@@ -36,7 +37,7 @@ class ShmSidecar:
 
     def __init__(self, args: argparse.Namespace, context: zmq.asyncio.Context | None = None) -> None:
         self.args = args
-        self._context = context or zmq.asyncio.Context.instance()
+        self._context = context or shared_context()
         self.region: Region | None = None
         self.layout: Layout | None = None  # fixed by the first region served
         self.views: dict[str, torch.Tensor] = {}
@@ -120,7 +121,7 @@ class ShmSidecar:
         self.sender = Sender(
             a.endpoint, a.config, trainable_keys=self.layout.tracked, ring_size=a.ring_size, ring_bytes=a.ring_bytes, max_inflight=a.max_inflight,
             heartbeat_interval=a.heartbeat, peer_timeout=a.peer_timeout,
-            curve=getattr(a, "curve", None), insecure_plaintext=getattr(a, "insecure_plaintext", False),
+            curve=getattr(a, "curve", None), insecure_plaintext=getattr(a, "insecure_plaintext", False), context=self._context,
         )
         await self.sender.start(self.views, version=version)
         report("listening", endpoint=self.sender.endpoint, version=version, session=self.sender.session, shm=a.shm)
@@ -128,7 +129,7 @@ class ShmSidecar:
 
 async def serve_shm(args: argparse.Namespace, stop: asyncio.Event) -> None:
     """Run the ``ipc`` sidecar until ``stop``."""
-    context = zmq.asyncio.Context.instance()
+    context = shared_context(args.io_threads)
     handoff = handoff_socket(context, zmq.ROUTER)
     handoff.bind(args.handoff)
     sidecar = ShmSidecar(args, context)

@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import UNKNOWN_PEER, ConfigError, ProtocolError, ResyncLimitError, WeightSyncError, WeightSyncTimeout
+from protocol.net.context import shared_context
 from protocol.net.heartbeat import ticks
 from protocol.net.peers import Peer
 from protocol.net.security import CurveServer, check_transport
@@ -146,7 +147,7 @@ class VersionServer:
         self._endpoint = endpoint
         self.ring_size, self.ring_bytes, self.max_inflight = ring_size, ring_bytes, max_inflight
         self.heartbeat_interval, self.peer_timeout = heartbeat_interval, peer_timeout
-        self._context = context or zmq.asyncio.Context.instance()
+        self._context = context or shared_context()
         self.stamp = Stamper()
         self.version: int | None = None
         self._ring: collections.deque[RingEntry] = collections.deque(maxlen=ring_size)
