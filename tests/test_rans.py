@@ -84,6 +84,77 @@ def test_damaged_streams_are_rejected(damage: str) -> None:
     assert code in rans.ERRORS
 
 
+def reference_encode(symbols: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The stream format in plain Python: lane ``i % 4`` takes symbol ``i``, coded last to
+    first; a state sheds its low word when the symbol would overflow it; the final states
+    lead the stream, lane 0's first, high word first."""
+    freq = rans.quantize(counts)
+    cum, _ = rans.tables(freq)
+    states, words = [rans.STATE_LOW] * rans.LANES, []
+    for i in range(len(symbols) - 1, -1, -1):
+        s, x = int(symbols[i]), states[i % rans.LANES]
+        f = int(freq[s])
+        if x >= f << (32 - rans.PROB_BITS):
+            words.append(x & 0xFFFF)
+            x >>= 16
+        states[i % rans.LANES] = (x // f << rans.PROB_BITS) + x % f + int(cum[s])
+    for x in reversed(states):
+        words += [x & 0xFFFF, x >> 16]
+    return np.array(words[::-1], dtype=np.uint16)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 300), alphabet=st.integers(1, 64), skew=st.floats(0.0, 4.0), seed=st.integers(0, 2**32 - 1))
+def test_the_encoder_writes_the_reference_stream(n: int, alphabet: int, skew: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    weights = np.exp(-skew * np.arange(alphabet))
+    symbols = rng.choice(alphabet, size=n, p=weights / weights.sum()).astype(np.uint8)
+    counts = np.bincount(symbols, minlength=alphabet).astype(np.int64) if n else np.ones(1, dtype=np.int64)
+    assert np.array_equal(rans.encode(symbols, counts), reference_encode(symbols, counts))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    alphabet=st.integers(1, 40),
+    skew=st.floats(0.0, 6.0),
+    damage=st.sampled_from(["none", "truncate", "append", "flip", "random"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_both_renormalisations_decode_alike(n: int, alphabet: int, skew: float, damage: str, seed: int) -> None:
+    """Branchy and branchless decoding (``decode_into`` picks one by the table's entropy)
+    give the same code for any words, and the same symbols when the code is 0."""
+    rng = np.random.default_rng(seed)
+    weights = np.exp(-skew * np.arange(alphabet))
+    symbols = rng.choice(alphabet, size=n, p=weights / weights.sum()).astype(np.uint8)
+    counts = np.bincount(symbols).astype(np.int64)
+    words = rans.encode(symbols, counts)
+    if damage == "truncate":
+        words = words[: int(rng.integers(0, len(words)))]
+    elif damage == "append":
+        words = np.concatenate([words, rng.integers(0, 1 << 16, size=int(rng.integers(1, 4)), dtype=np.uint16)])
+    elif damage == "flip":
+        words = words.copy()
+        words[int(rng.integers(0, len(words)))] ^= np.uint16(1 << int(rng.integers(0, 16)))
+    elif damage == "random":
+        words = rng.integers(0, 1 << 16, size=len(words), dtype=np.uint16)
+    freq = rans.quantize(counts)
+    cum, lut = rans.tables(freq)
+    outs = [np.zeros(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)]
+    codes = [rans.decode_lanes(words, freq, cum, lut, out, branchless) for out, branchless in zip(outs, (False, True))]
+    assert codes[0] == codes[1]
+    if codes[0] == 0:
+        assert np.array_equal(outs[0], outs[1])
+    if damage == "none":
+        assert codes[0] == 0 and np.array_equal(outs[0], symbols)
+
+
+def test_a_tables_entropy_picks_the_renormalisation() -> None:
+    assert rans.entropy_bits(rans.quantize(np.array([5], dtype=np.int64))) == 0.0
+    assert rans.entropy_bits(rans.quantize(np.ones(8, dtype=np.int64))) == pytest.approx(3.0)
+    assert 0 < rans.BRANCHLESS_FROM < 3.0
+
+
 def rice_reference(gaps: np.ndarray) -> int:
     """``entropy.rice_parameter`` as plain numpy: the median's neighbourhood, each
     candidate ``k`` costed as k low bits plus the entropy of ``gap >> k`` (escapes at 64 bits)."""
