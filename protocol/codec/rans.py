@@ -22,8 +22,9 @@ LANES = 4  # interleaved states
 STATE_LOW = 1 << 16  # states live in [STATE_LOW, 2**32); words are 16 bits
 FLUSH_WORDS = 2 * LANES  # each final state is flushed as two words
 # From this many bits a symbol the decoder renormalises without a branch: below, the branch
-# is predicted well and faster (ns a symbol, one core: at 0.06 bits 1.02 branchy against 1.53;
-# at 1.28 bits 1.60 and 1.53; the real lr 1e-5 workload's gap stream, 3.4 bits, 2.30 and 1.54).
+# is predicted well and faster. ns a symbol, one core, branchy against branchless: at 0.06
+# bits 1.05 and 1.71, at 1.29 bits 1.72 and 1.70, at 2.41 bits 2.30 and 1.70; the real lr 1e-5
+# workload's gap stream (3.4 bits) 2.74 and 1.85 (docs/performance.md).
 BRANCHLESS_FROM = 1.2
 
 # Decoder error codes (0 is success); ``decode`` turns them into messages.
@@ -77,7 +78,8 @@ def _put(symbols, i, freq, cum, out, pos, x):  # pragma: no cover - numba
 
     Without a branch: the low word is written below the stream every time and kept only
     when the state must shed it (the next word written overwrites it otherwise). On
-    high-entropy symbols the branch was mispredicted about every other symbol."""
+    high-entropy streams the branch was mispredicted often enough to cost more than the
+    write, and on low-entropy ones the write costs about what the branch did."""
     s = symbols[i]
     f = np.uint64(freq[s])
     emit = np.int64(x >= f << np.uint64(32 - PROB_BITS))  # one 16-bit word always suffices
