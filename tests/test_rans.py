@@ -149,7 +149,7 @@ def test_both_renormalisations_decode_alike(n: int, alphabet: int, skew: float, 
         assert codes[0] == 0 and np.array_equal(outs[0], symbols)
 
 
-def test_a_tables_entropy_picks_the_renormalisation() -> None:
+def test_entropy_bits_of_a_table_and_the_renormalisation_threshold() -> None:
     assert rans.entropy_bits(rans.quantize(np.array([5], dtype=np.int64))) == 0.0
     assert rans.entropy_bits(rans.quantize(np.ones(8, dtype=np.int64))) == pytest.approx(3.0)
     assert 0 < rans.BRANCHLESS_FROM < 3.0
