@@ -6,7 +6,8 @@ Each case reports the median and the best of ``--repeat`` timed calls (after one
 untimed call that compiles or loads the kernels). ``mark_serial`` / ``mark_parallel``
 call the compare kernel of ``sender.fastdiff`` directly (it does not write the
 snapshot); ``diff`` is ``diff_and_update`` on a fresh snapshot copy (mark, collect and
-the snapshot update); ``encode_tensor`` / ``decode_tensor`` are one entropy-coded
+the snapshot update); ``build`` the sender's whole compare of the suites' real models, against
+the read floor; ``encode_tensor`` / ``decode_tensor`` are one entropy-coded
 tensor's full codec path (``encode_sparse`` / ``decode_entry``), ``scaling`` the same at
 1 to 300k changes (per change: the slope at the top; per tensor: at 1 change; each against
 issue 14's 20 us a tensor + 10 ns a change), ``packed_encode`` / ``packed_decode`` the
@@ -319,7 +320,66 @@ def onto_cases(repeat: int, sizes: tuple[int, ...] = (1 << 20, 1 << 23), densiti
                 out[f"onto {how} n={n} density={density}"] = {**r, "ns_per_change": r["best_s"] / flat.numel() * 1e9}
     return out
 
-CASES = ("mark", "codec", "scaling", "onto", "compress", "pool", "header", "recv")
+def build_cases(repeat: int) -> dict[str, Any]:
+    """The sender's build (``PatchBuilder.collect``: compare, collect, snapshot update; the
+    encoder thread running beside it as in a sync) of the suites' real models, fp32 master to
+    bf16 receiver after real AdamW steps, with the fused diff's kernels timed inside it
+    (``benchmarks.phases``: one-pass time counts as ``mark``). ``read_floor`` is the bytes the
+    compare reads at this run's copy bandwidth (what issue 14's build target is against)."""
+    import asyncio
+
+    from benchmarks import phases
+    from benchmarks.bandwidth import copy_bandwidth
+    from benchmarks.workloads import SUITES
+    from examples.tiny_model import TinyLM, train_step
+    from protocol.config import load_config
+    from protocol.state import resolve_state
+    from protocol.wire.metadata import ModelMetadata
+    from sender.patch import PatchBuilder
+    from sender.plan import SyncPlan
+
+    copy_bps = copy_bandwidth(256 << 20)
+    out: dict[str, Any] = {}
+
+    async def run(suite: str, lr: float) -> None:
+        torch.manual_seed(0)
+        model = TinyLM(**SUITES[suite].model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(1234)
+        config = load_config({"type": "patch"})
+        metadata = ModelMetadata.of(TinyLM(**SUITES[suite].model).to(torch.bfloat16).state_dict())
+        builder = PatchBuilder(SyncPlan(resolve_state(model), metadata, config.init_sync), config.patch)
+        builder.capture(dict(model.state_dict()))
+        times: list[float] = []
+        kernels: list[tuple[float, float]] = []
+        with phases.sender_timers():
+            for version in range(1, repeat + 3):  # two untimed: AdamW's first step, and the first one-pass compare
+                train_step(model, opt, g)
+                tensors = dict(model.state_dict())
+                phases.RECORDER.take()
+                started = time.perf_counter()
+                captured, stats = await builder.collect(tensors, version)
+                elapsed = time.perf_counter() - started
+                sums = phases.RECORDER.take()["sums_ns"]
+                await builder.encode(captured, version, version - 1, stats)
+                if version > 2:
+                    times.append(elapsed)
+                    kernels.append((sums.get("mark", 0) * 1e-9, sums.get("collect", 0) * 1e-9))
+        read_floor = builder._read_bytes / copy_bps
+        median = statistics.median(times)
+        out[f"build {suite} real lr={lr:g}"] = {
+            "median_s": median, "best_s": min(times), "read_floor_s": read_floor, "vs_read_floor": median / read_floor,
+            "mark_s": statistics.median(k[0] for k in kernels), "collect_s": statistics.median(k[1] for k in kernels),
+            "changed": stats.changed_elements, "copy_Bps": copy_bps,
+        }
+
+    for suite in ("quick", "full"):
+        for lr in (1e-6, 1e-5):
+            asyncio.run(run(suite, lr))
+    return out
+
+
+CASES = ("mark", "build", "codec", "scaling", "onto", "compress", "pool", "header", "recv")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if "mark" in args.only:
         results.update(mark_cases(args.mark_n, args.repeat))
         results.update(mark_cases(1 << 20, args.repeat))
+    if "build" in args.only:
+        results.update(build_cases(min(args.repeat, 8)))
     if "codec" in args.only:
         results.update(codec_cases(1 << 20, 0.024, args.repeat))
         results.update(codec_cases(1 << 16, 0.024, args.repeat))
@@ -351,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         results.update(recv_cases(max(5, args.repeat // 3)))
     for name, r in results.items():
         extra = f"  {r['ns_per_element']:.3f} ns/elem" if "ns_per_element" in r else ""
+        if "vs_read_floor" in r:
+            extra = (f"  {r['vs_read_floor']:.2f}x the read floor ({r['read_floor_s'] * 1e3:.1f} ms); mark {r['mark_s'] * 1e3:.1f} ms,"
+                     f" collect {r['collect_s'] * 1e3:.1f} ms; {r['changed']:,} changes")
         if "ns_per_change" in r:
             extra = f"  {r['ns_per_change']:.2f} ns a change (best)"
         if "per_change_ns" in r:

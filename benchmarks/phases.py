@@ -117,18 +117,20 @@ def sender_timers() -> Iterator[None]:
     from sender import fastdiff
 
     kernels = dict(fastdiff._KERNELS)
+    threaded, serial = fastdiff._THREADED_ONE_PASS, fastdiff._SERIAL_ONE_PASS
     stamp, send = framing.Stamper.__call__, sockets.RouterSocket.try_send
-    for parallel, k in kernels.items():  # one pass collects inside the compare: its time is the mark's
-        fastdiff._KERNELS[parallel] = fastdiff.Kernels(
-            _TimedKernel("mark", k.mark), _TimedKernel("collect", k.collect), _TimedKernel("mark", k.mark_collect),
-            _TimedKernel("collect", k.compact),
-        )
+    for parallel, k in kernels.items():
+        fastdiff._KERNELS[parallel] = fastdiff.Kernels(_TimedKernel("mark", k.mark), _TimedKernel("collect", k.collect))
+    # one pass collects inside the compare: its time is the mark's
+    fastdiff._THREADED_ONE_PASS = fastdiff.ChunkedOnePass(_TimedKernel("mark", threaded.mark_collect), _TimedKernel("collect", threaded.compact))
+    fastdiff._SERIAL_ONE_PASS = fastdiff.SerialOnePass(_TimedKernel("mark", serial.mark_collect), _TimedKernel("collect", serial.collect_from))
     framing.Stamper.__call__ = _timed("frame", stamp)  # type: ignore[method-assign]
     sockets.RouterSocket.try_send = _timed("send", send)  # type: ignore[method-assign]
     try:
         yield
     finally:
         fastdiff._KERNELS.update(kernels)
+        fastdiff._THREADED_ONE_PASS, fastdiff._SERIAL_ONE_PASS = threaded, serial
         framing.Stamper.__call__ = stamp  # type: ignore[method-assign]
         sockets.RouterSocket.try_send = send  # type: ignore[method-assign]
 

@@ -3,17 +3,19 @@
 The plain torch path makes several passes over model-sized arrays (cast to the receiver
 dtype, compare, nonzero, gather, scatter into the snapshot). Here a numba kernel reads
 the state and the snapshot once, writing one bit per element and a count per chunk
-(compared a block at a time into bytes, which vectorizes, then packed into bits);
+(64 compares shifted into each word, which vectorizes);
 a second visits the changed elements alone to collect them and move the snapshot
 forward. When more than ``dense_above`` of the elements changed, the second pass is
 skipped: the caller sends the tensor whole, and the snapshot becomes a plain copy.
 
-Given how many changes to expect (``expect``: the tensor's count last version), a large
-tensor (``ONE_PASS_MIN``) is compared and collected in one pass: each block's changes are
-collected while the block is still in cache, into room for 1.5x the expected count a chunk;
-a chunk that overflows its room is collected again by the second pass, from its marks (its
-snapshot moves only then). The second pass re-reads a changed element's cache line from
-memory: at 1% changed, that is most lines.
+Given how many changes to expect (``expect``: the tensor's count last version), the compare
+collects in the same pass, each word's changes while its elements are still in cache (the
+second pass re-reads a changed element's cache line from memory: at 1% changed, that is
+most lines). A serial pass (tensors below ``PARALLEL_MIN``) collects in order straight into
+arrays with room for 1.5x the expected count, and what overflows them is collected after,
+from the marks. The threaded pass (below ``THREADED_ONE_PASS_BELOW`` expected changed) gives
+each chunk room for 1.5x its share and moves the chunks into place after; a chunk that
+overflows its room is collected again from its marks (its snapshot moves only then).
 Used for CPU tensors when the receiver dtype is the state's own, or fp32 state to a
 bf16 receiver (the common RL case); other pairs, and CUDA tensors, take the torch path,
 and so does everything when numba is missing.
@@ -37,13 +39,12 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps a br
 
 CHUNK_WORDS = 1024  # 65536 elements per parallel task
 PARALLEL_MIN = 1 << 22  # elements from which the kernels run on all cores
-# Elements from which the compare collects in one pass (given ``expect``). Measured on the
-# 2-core development machine, in the harness: one pass took the threaded compare and collect
-# of 8M-element bf16 tensors at 1% from ~3.4 to ~2.3 ms a tensor, and the serial one of the
-# quick suite's 256k-2M-element tensors from 3.5 to 4.0 ms a version (slower): so threaded only.
-ONE_PASS_MIN = PARALLEL_MIN
-BLOCK = 4096  # elements compared into a cache-resident byte buffer before packing to bits
-_PACK = np.uint64(0x0102040810204080)  # (8 bytes of 0/1) * _PACK >> 56 = those 8 flags as bits
+# The threaded one pass writes each change twice (into its chunk's room, then into place):
+# from about this share expected changed, the two passes are faster. ms a 12.6M-element fp32
+# tensor against bf16 (two passes, one pass), 2 cores: at 1% 5.4, 3.5; 3% 5.6, 3.5; 10% 4.3,
+# 5.8; 16% 4.4, 8.0. The serial one pass writes each change once: 0.97-1.05x the two passes
+# from 6% to 25%, 0.69-0.79x at 1-3% on 2.4M elements.
+THREADED_ONE_PASS_BELOW = 0.05
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}
@@ -61,12 +62,24 @@ class Diff(NamedTuple):
 
 
 class Kernels(NamedTuple):
-    """One build (serial or threaded) of the kernels."""
+    """One build (serial or threaded) of the two-pass kernels: mark, then collect."""
 
     mark: Any
     collect: Any
+
+
+class ChunkedOnePass(NamedTuple):
+    """The threaded one pass: each chunk collects into room of its own, moved into place after."""
+
     mark_collect: Any
     compact: Any
+
+
+class SerialOnePass(NamedTuple):
+    """The serial one pass: a tensor's changes in order, straight into their arrays."""
+
+    mark_collect: Any
+    collect_from: Any
 
 
 DenseRule = Callable[[int, Callable[[], torch.Tensor]], bool]  # (changed, sample) -> whether it goes whole
@@ -98,47 +111,96 @@ if numba is not None:
         return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
 
     @numba.njit(inline="always")
-    def _flag_block(c_block, s_block, rounding, flags):  # pragma: no cover - numba
-        """``flags[i]`` = whether element ``i`` of the block changed; zeros past its end.
-        Indexed from 0 on block views: an index the compiler knows is not negative needs
-        no wraparound check, and the compare loop vectorizes."""
-        size = c_block.shape[0]
-        if rounding:
-            for i in range(size):
-                flags[i] = _bf16(c_block[i]) != s_block[i]
-        else:
-            for i in range(size):
-                flags[i] = c_block[i] != s_block[i]
-        for i in range(size, flags.shape[0]):  # a partial last block: no stale flags
-            flags[i] = 0
-
-    @numba.njit(inline="always")
-    def _word(words, w):  # pragma: no cover - numba
-        """The 64 flags of ``words[w * 8:(w + 1) * 8]`` as the bits of one word."""
+    def _word(cur, snap, base, rounding):  # pragma: no cover - numba
+        """Bit ``q`` set where element ``base + q`` changed, for the 64 elements from ``base``.
+        One loop of compares shifted into a word: LLVM turns it into vector compares and
+        byte masks, ~1.5x faster from memory than comparing into a byte buffer and packing."""
         m = np.uint64(0)
-        for q in range(8):
-            m |= ((words[w * 8 + q] * _PACK) >> np.uint64(56)) << np.uint64(8 * q)
+        if rounding:
+            for q in range(64):
+                m |= np.uint64(_bf16(cur[base + q]) != snap[base + q]) << np.uint64(q)
+        else:
+            for q in range(64):
+                m |= np.uint64(cur[base + q] != snap[base + q]) << np.uint64(q)
         return m
 
-    def _mark(cur, snap, rounding, marks, counts):  # pragma: no cover - numba
-        """Bit ``i`` of ``marks`` is set where element ``i`` changed; ``counts`` per chunk.
+    @numba.njit(inline="always")
+    def _tail_word(cur, snap, base, rounding):  # pragma: no cover - numba
+        """``_word`` for the last, partial word (from ``base`` to the end); zeros past it."""
+        m = np.uint64(0)
+        for q in range(cur.shape[0] - base):
+            value = _bf16(cur[base + q]) if rounding else cur[base + q]
+            m |= np.uint64(value != snap[base + q]) << np.uint64(q)
+        return m
 
-        Compares a block at a time into bytes (a loop the compiler vectorizes), then packs
-        each 8 bytes into 8 bits with one multiply."""
+    @numba.njit(inline="always")
+    def _take_word(cur, snap, rounding, m, w, flat, new, old, o):  # pragma: no cover - numba
+        """Word ``w``'s changes (its mark ``m``) appended at ``o``, the snapshot moved; the next ``o``."""
+        while m:
+            i = w * 64 + _popcount((m & (~m + np.uint64(1))) - np.uint64(1))  # the lowest set bit
+            m &= m - np.uint64(1)
+            value = _bf16(cur[i]) if rounding else cur[i]
+            flat[o] = i
+            new[o] = value
+            old[o] = snap[i]
+            snap[i] = value
+            o += 1
+        return o
+
+    @numba.njit(nogil=True, cache=True)
+    def _chunk_marks(cur, snap, rounding, marks):  # pragma: no cover - numba
+        """One chunk's marks (``cur``, ``snap`` and ``marks`` are its views); its count.
+        A function of its own: with the partial word's loop inlined after the full words',
+        the serial build no longer vectorized (3.5x slower)."""
+        total = 0
+        full_words = cur.shape[0] >> 6
+        for w in range(full_words):
+            m = _word(cur, snap, w * 64, rounding)
+            marks[w] = m
+            total += _popcount(m)
+        if cur.shape[0] & 63:
+            m = _tail_word(cur, snap, full_words * 64, rounding)
+            marks[full_words] = m
+            total += _popcount(m)
+        return total
+
+    @numba.njit(nogil=True, cache=True)
+    def _chunk_mark_collect(cur, snap, rounding, marks, first, flat, new, old, room):  # pragma: no cover - numba
+        """``_chunk_marks``, collecting the chunk's changes into ``flat``, ``new`` and
+        ``old`` (its ``room`` slots) while their elements are in cache; the count, and
+        whether they fit (the snapshot is moved only then). ``first``: the chunk's offset."""
+        total = 0
+        o = 0
+        fits = True
+        full_words = cur.shape[0] >> 6
+        for w in range((cur.shape[0] + 63) >> 6):
+            m = _word(cur, snap, w * 64, rounding) if w < full_words else _tail_word(cur, snap, w * 64, rounding)
+            marks[w] = m
+            k = _popcount(m)
+            total += k
+            if not fits or k == 0:
+                continue
+            if o + k > room:
+                fits = False
+                continue
+            while m:
+                j = w * 64 + _popcount((m & (~m + np.uint64(1))) - np.uint64(1))  # the lowest set bit
+                m &= m - np.uint64(1)
+                flat[o] = first + j
+                new[o] = _bf16(cur[j]) if rounding else cur[j]
+                old[o] = snap[j]
+                o += 1
+        if fits:
+            for j in range(o):
+                snap[flat[j] - first] = new[j]
+        return total, fits
+
+    def _mark(cur, snap, rounding, marks, counts):  # pragma: no cover - numba
+        """Bit ``i`` of ``marks`` is set where element ``i`` changed; ``counts`` per chunk."""
         n = cur.shape[0]
         for c in numba.prange(counts.shape[0]):
-            flags = np.zeros(BLOCK, dtype=np.uint8)
-            words = flags.view(np.uint64)
-            total = 0
-            chunk_end = min(n, (c + 1) * CHUNK_WORDS * 64)
-            for start in range(c * CHUNK_WORDS * 64, chunk_end, BLOCK):
-                end = min(chunk_end, start + BLOCK)
-                _flag_block(cur[start:end], snap[start:end], rounding, flags)
-                for w in range((end - start + 63) >> 6):
-                    m = _word(words, w)
-                    marks[(start >> 6) + w] = m
-                    total += _popcount(m)
-            counts[c] = total
+            first, end = c * CHUNK_WORDS * 64, min(n, (c + 1) * CHUNK_WORDS * 64)
+            counts[c] = _chunk_marks(cur[first:end], snap[first:end], rounding, marks[c * CHUNK_WORDS:])
 
     def _collect(cur, snap, rounding, marks, offsets, only, flat, new, old):  # pragma: no cover - numba
         """The changes of the chunks ``only`` flags (all, when it is empty), from their marks."""
@@ -147,16 +209,7 @@ if numba is not None:
             if offsets[c + 1] == o or (only.shape[0] and not only[c]):
                 continue
             for w in range(c * CHUNK_WORDS, min(marks.shape[0], (c + 1) * CHUNK_WORDS)):
-                m = marks[w]
-                while m:
-                    i = w * 64 + _popcount((m & (~m + np.uint64(1))) - np.uint64(1))  # the lowest set bit
-                    m &= m - np.uint64(1)
-                    value = _bf16(cur[i]) if rounding else cur[i]
-                    flat[o] = i
-                    new[o] = value
-                    old[o] = snap[i]
-                    snap[i] = value  # the snapshot moves to the new version in the same pass
-                    o += 1
+                o = _take_word(cur, snap, rounding, marks[w], w, flat, new, old, o)
 
     def _mark_collect(cur, snap, rounding, marks, counts, flat, new, old, room, spilled):  # pragma: no cover - numba
         """``_mark``, collecting each chunk's changes into its ``room`` slots of ``flat``,
@@ -164,40 +217,14 @@ if numba is not None:
         chunk with more changes than its room sets ``spilled`` and leaves its snapshot be."""
         n = cur.shape[0]
         for c in numba.prange(counts.shape[0]):
-            flags = np.zeros(BLOCK, dtype=np.uint8)
-            words = flags.view(np.uint64)
-            total = 0
-            base = c * room
-            o = base
-            full = False
-            chunk_end = min(n, (c + 1) * CHUNK_WORDS * 64)
-            for start in range(c * CHUNK_WORDS * 64, chunk_end, BLOCK):
-                end = min(chunk_end, start + BLOCK)
-                c_block, s_block = cur[start:end], snap[start:end]
-                _flag_block(c_block, s_block, rounding, flags)
-                for w in range((end - start + 63) >> 6):
-                    m = _word(words, w)
-                    marks[(start >> 6) + w] = m
-                    k = _popcount(m)
-                    total += k
-                    if full or k == 0:
-                        continue
-                    if o - base + k > room:
-                        full = True
-                        continue
-                    while m:  # the block is in cache: collect its changes now
-                        j = w * 64 + _popcount((m & (~m + np.uint64(1))) - np.uint64(1))
-                        m &= m - np.uint64(1)
-                        flat[o] = start + j
-                        new[o] = _bf16(c_block[j]) if rounding else c_block[j]
-                        old[o] = s_block[j]
-                        o += 1
+            first, end = c * CHUNK_WORDS * 64, min(n, (c + 1) * CHUNK_WORDS * 64)
+            slots = slice(c * room, (c + 1) * room)
+            total, fits = _chunk_mark_collect(
+                cur[first:end], snap[first:end], rounding, marks[c * CHUNK_WORDS:], first, flat[slots], new[slots], old[slots], room
+            )
             counts[c] = total
-            if full:
+            if not fits:
                 spilled[c] = 1
-            else:
-                for j in range(base, o):
-                    snap[flat[j]] = new[j]
 
     def _compact(room, offsets, spilled, flat_t, new_t, old_t, flat, new, old):  # pragma: no cover - numba
         """Each collected chunk's changes from its room to its place at ``offsets``."""
@@ -216,20 +243,54 @@ if numba is not None:
         for j in range(out.shape[0]):
             out[j] = _bf16(cur[j * step]) if rounding else cur[j * step]
 
-    # Each kernel twice: threads pay off on large tensors only. Waking a thread team costs
-    # microseconds on an idle host and milliseconds on a busy one (a trainer's), which
-    # would dominate a model's many small tensors. The two builds must be two functions:
-    # numba's on-disk cache keys an entry by the function's name, line and signature,
-    # not by ``parallel``, so one function compiled both ways would load whichever build
-    # was cached first for both. Each copy gets its own name (so its own cache file); the
-    # names are new, so no index written by the old one-function layout is ever read.
+    @numba.njit(nogil=True, cache=True)
+    def _run_mark_collect(cur, snap, rounding, marks, flat, new, old):  # pragma: no cover - numba
+        """Marks, collecting each word's changes while its elements are in cache, in order,
+        into ``flat``, ``new`` and ``old`` until they are full (moving the snapshot as it
+        goes); (changes, collected, first word left to collect or -1)."""
+        n = cur.shape[0]
+        full_words = n >> 6
+        total = 0
+        o = 0
+        stop = -1
+        for w in range((n + 63) >> 6):
+            m = _word(cur, snap, w * 64, rounding) if w < full_words else _tail_word(cur, snap, w * 64, rounding)
+            marks[w] = m
+            k = _popcount(m)
+            total += k
+            if k == 0 or stop >= 0:
+                continue
+            if o + k > flat.shape[0]:
+                stop = w
+                continue
+            o = _take_word(cur, snap, rounding, m, w, flat, new, old, o)
+        return total, o, stop
+
+    @numba.njit(nogil=True, cache=True)
+    def _run_collect_from(cur, snap, rounding, marks, first, flat, new, old, o):  # pragma: no cover - numba
+        """The changes of words ``first`` on, from their marks, appended at ``o``."""
+        for w in range(first, marks.shape[0]):
+            o = _take_word(cur, snap, rounding, marks[w], w, flat, new, old, o)
+
+    _SERIAL_ONE_PASS = SerialOnePass(_run_mark_collect, _run_collect_from)
+
+    # The two-pass kernels twice: threads pay off on large tensors only. Waking a thread
+    # team costs microseconds on an idle host and milliseconds on a busy one (a trainer's),
+    # which would dominate a model's many small tensors. The two builds must be two
+    # functions: numba's on-disk cache keys an entry by the function's name, line and
+    # signature, not by ``parallel``, so one function compiled both ways would load
+    # whichever build was cached first for both. Each copy gets its own name (so its own
+    # cache file); the names are new, so no index written by the old one-function layout is ever read.
     _KERNELS = {
         parallel: Kernels(*(
             numba.njit(parallel=parallel, cache=True, nogil=True)(_named_copy(fn, "_parallel" if parallel else "_serial"))
-            for fn in (_mark, _collect, _mark_collect, _compact)
+            for fn in (_mark, _collect)
         ))
         for parallel in (False, True)
     }
+    _THREADED_ONE_PASS = ChunkedOnePass(*(
+        numba.njit(parallel=True, cache=True, nogil=True)(_named_copy(fn, "_parallel")) for fn in (_mark_collect, _compact)
+    ))
 
 
 def supported(cur: torch.Tensor, snapshot: torch.Tensor) -> bool:
@@ -256,11 +317,21 @@ def diff_and_update(
     rounding = cur.dtype != snapshot.dtype
     cur = cur.reshape(-1).contiguous()
     cur_u, snap_u = _bits(cur), _bits(snapshot.view(-1))
-    if n < ONE_PASS_MIN:
-        expect = None
     step = max(1, n // SAMPLE)
     # one pass moves the snapshot before the count is known: keep the rule's sample of it as it was
     before = snap_u[::step].copy() if callable(dense_above) and expect is not None else None
+
+    def goes_whole(total: int) -> bool:
+        if not callable(dense_above):
+            return total > dense_above * n
+        if before is None:
+            return dense_above(total, lambda: sampled_differences(cur, snapshot, step))
+        return dense_above(total, lambda: _differences(cur_u, before, rounding, step))
+
+    if n < PARALLEL_MIN and expect is not None:
+        return _serial_one_pass(cur, cur_u, snapshot, snap_u, rounding, expect, goes_whole)
+    if expect is not None and expect > THREADED_ONE_PASS_BELOW * n:
+        expect = None
     words = -(-n // 64)
     marks = np.empty(words, dtype=np.uint64)
     chunks = -(-words // CHUNK_WORDS)
@@ -276,18 +347,11 @@ def diff_and_update(
         flat_t = np.empty(chunks * room, dtype=np.int64)
         new_t, old_t = np.empty(chunks * room, dtype=snap_u.dtype), np.empty(chunks * room, dtype=snap_u.dtype)
         spilled = np.zeros(chunks, dtype=np.uint8)
-        kernels.mark_collect(cur_u, snap_u, rounding, marks, counts, flat_t, new_t, old_t, room, spilled)
+        _THREADED_ONE_PASS.mark_collect(cur_u, snap_u, rounding, marks, counts, flat_t, new_t, old_t, room, spilled)
     if counts.size > 1:
         np.cumsum(counts, out=counts)
     total = int(offsets[-1])
-    if callable(dense_above):
-        if before is None:
-            dense = dense_above(total, lambda: sampled_differences(cur, snapshot, step))
-        else:
-            dense = dense_above(total, lambda: _differences(cur_u, before, rounding, step))
-    else:
-        dense = total > dense_above * n
-    if dense:
+    if goes_whole(total):
         snapshot.view(-1).copy_(cur)  # the same rounding as _bf16
         return Diff(total, None, None, None)
     if spilled is not None and chunks == 1 and not spilled[0]:  # collected where it stays
@@ -299,10 +363,31 @@ def diff_and_update(
         kernels.collect(cur_u, snap_u, rounding, marks, offsets, _NO_CHUNKS, flat, new, old)
     elif total:
         assert spilled is not None
-        kernels.compact(room, offsets, spilled, flat_t, new_t, old_t, flat, new, old)
+        _THREADED_ONE_PASS.compact(room, offsets, spilled, flat_t, new_t, old_t, flat, new, old)
         if spilled.any():
             kernels.collect(cur_u, snap_u, rounding, marks, offsets, spilled, flat, new, old)
     return Diff(total, torch.from_numpy(flat), _tensor(new, snapshot.dtype), _tensor(old, snapshot.dtype))
+
+
+def _serial_one_pass(
+    cur: torch.Tensor, cur_u: np.ndarray, snapshot: torch.Tensor, snap_u: np.ndarray, rounding: bool, expect: int,
+    goes_whole: Callable[[int], bool],
+) -> Diff:
+    """``diff_and_update`` of a tensor below ``PARALLEL_MIN`` in one serial pass, collected
+    in order into arrays with room for 1.5x ``expect``; the changes past that room are
+    collected after, from the marks, into arrays of the right size."""
+    n = cur_u.shape[0]
+    room = min(n, (3 * expect) // 2 + 64)
+    flat, new, old = np.empty(room, dtype=np.int64), np.empty(room, dtype=snap_u.dtype), np.empty(room, dtype=snap_u.dtype)
+    marks = np.empty(-(-n // 64), dtype=np.uint64)
+    total, collected, rest = _SERIAL_ONE_PASS.mark_collect(cur_u, snap_u, rounding, marks, flat, new, old)
+    if goes_whole(total):
+        snapshot.view(-1).copy_(cur)  # the same rounding as _bf16
+        return Diff(total, None, None, None)
+    if rest >= 0:
+        flat, new, old = (np.concatenate([a[:collected], np.empty(total - collected, dtype=a.dtype)]) for a in (flat, new, old))
+        _SERIAL_ONE_PASS.collect_from(cur_u, snap_u, rounding, marks, rest, flat, new, old, collected)
+    return Diff(total, torch.from_numpy(flat[:total]), _tensor(new[:total], snapshot.dtype), _tensor(old[:total], snapshot.dtype))
 
 
 def sampled_differences(cur: torch.Tensor, snapshot: torch.Tensor, step: int) -> torch.Tensor:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,16 +34,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
 
 
-@contextlib.contextmanager
-def one_pass_from(elements: int) -> Iterator[None]:
-    saved = fastdiff.ONE_PASS_MIN
-    fastdiff.ONE_PASS_MIN = elements
-    try:
-        yield
-    finally:
-        fastdiff.ONE_PASS_MIN = saved
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(0, 70_000),  # across the 65536-element chunk boundary
@@ -53,7 +42,7 @@ def one_pass_from(elements: int) -> Iterator[None]:
     density=st.floats(0, 1),
     seed=st.integers(0, 2**16),
     specials=st.booleans(),
-    expect=st.one_of(st.none(), st.integers(0, 80_000)),  # one pass: chunks that fit their room, and chunks that spill
+    expect=st.one_of(st.none(), st.integers(0, 80_000)),  # the serial one pass: changes that fit its room, and that do not
 )
 def test_fused_diff_matches_torch(
     n: int, pair: tuple[torch.dtype, torch.dtype], density: float, seed: int, specials: bool, expect: int | None
@@ -73,8 +62,7 @@ def test_fused_diff_matches_torch(
     assert fastdiff.supported(cur, snapshot)
     expect_flat, expect_new, expect_old = reference(cur, snapshot)
     expected_snapshot = cur.to(receiver_dtype)
-    with one_pass_from(0):  # the one-pass kernel at every size here
-        changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot, expect=expect)
+    changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot, expect=expect)
     assert changed == expect_flat.numel()
     assert flat is not None and new is not None and old is not None
     assert torch.equal(flat, expect_flat)
@@ -127,6 +115,47 @@ def test_large_tensors_take_the_threaded_kernels(pair: tuple[torch.dtype, torch.
     assert same_bits(snapshot, cur.to(pair[1]))
 
 
+@pytest.mark.parametrize("room", ["none", "some", "all"])
+@pytest.mark.parametrize("pair", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_the_serial_one_pass_collects_what_overflows_its_room(pair: tuple[torch.dtype, torch.dtype], room: str) -> None:
+    """Below ``PARALLEL_MIN`` the pass collects into room for 1.5x ``expect``: the changes
+    past it come from the marks after, in order, and the snapshot ends where it would."""
+    n = 200_003  # a partial last word
+    g = torch.Generator().manual_seed(9)
+    cur = torch.randn(n, generator=g).to(pair[0])
+    snapshot = cur.to(pair[1]).clone()
+    cur[torch.rand(n, generator=g) < 0.05] += 0.5
+    expect_flat, expect_new, expect_old = reference(cur, snapshot)
+    expect = {"none": 0, "some": expect_flat.numel() // 3, "all": expect_flat.numel()}[room]
+    changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot, expect=expect)
+    assert changed == expect_flat.numel() and flat is not None and new is not None and old is not None
+    assert torch.equal(flat, expect_flat) and same_bits(new, expect_new) and same_bits(old, expect_old)
+    assert same_bits(snapshot, cur.to(pair[1]))
+
+
+def test_the_threaded_one_pass_is_for_sparse_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``THREADED_ONE_PASS_BELOW`` expected changed, a large tensor is compared in two
+    passes (the one pass would write each change twice); below, in one."""
+    n = fastdiff.PARALLEL_MIN
+    calls: list[int] = []
+    one_pass = fastdiff._THREADED_ONE_PASS
+
+    def counted(*args: object) -> None:
+        calls.append(1)
+        one_pass.mark_collect(*args)
+
+    monkeypatch.setattr(fastdiff, "_THREADED_ONE_PASS", fastdiff.ChunkedOnePass(counted, one_pass.compact))
+    cur = torch.randn(n)
+    snapshot = cur.to(torch.bfloat16)
+    cur[::7] += 1.0
+    expected = reference(cur, snapshot)[0]
+    dense_expect = int(n * fastdiff.THREADED_ONE_PASS_BELOW) + 1
+    for expect, passes in ((dense_expect, 0), (dense_expect - 2, 1)):
+        work = snapshot.clone()
+        flat = fastdiff.diff_and_update(cur, work, expect=expect).flat
+        assert flat is not None and torch.equal(flat, expected) and len(calls) == passes
+
+
 def _kernel_outputs(parallel: bool, cur: torch.Tensor, snapshot: torch.Tensor) -> tuple[np.ndarray, ...]:
     """Marks, counts and collected changes from one build of the kernels (``snapshot`` is moved)."""
     mark, collect = fastdiff._KERNELS[parallel].mark, fastdiff._KERNELS[parallel].collect
@@ -176,8 +205,7 @@ def test_the_dense_rule_samples_the_snapshot_as_it_was(expect: int | None) -> No
         seen.append(sample())
         return False
 
-    with one_pass_from(0):
-        fastdiff.diff_and_update(cur, snapshot, rule, expect)
+    fastdiff.diff_and_update(cur, snapshot, rule, expect)
     (got,) = seen
     assert torch.equal(got, wanted)
 
