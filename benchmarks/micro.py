@@ -325,13 +325,16 @@ def build_cases(repeat: int) -> dict[str, Any]:
     encoder thread running beside it as in a sync) of the suites' real models, fp32 master to
     bf16 receiver after real AdamW steps, with the fused diff's kernels timed inside it
     (``benchmarks.phases``: one-pass time counts as ``mark``). ``read_floor`` is the bytes the
-    compare reads at this run's copy bandwidth (what issue 14's build target is against)."""
+    compare reads at this run's copy bandwidth (what issue 14's build target is against).
+    ``encode_version``: every tensor of the last version with changes, through
+    ``packed.encode`` (the entropy-coded layout) in turn on one thread."""
     import asyncio
 
     from benchmarks import phases
     from benchmarks.bandwidth import copy_bandwidth
     from benchmarks.workloads import SUITES
     from examples.tiny_model import TinyLM, train_step
+    from protocol.codec import packed
     from protocol.config import load_config
     from protocol.state import resolve_state
     from protocol.wire.metadata import ModelMetadata
@@ -352,8 +355,17 @@ def build_cases(repeat: int) -> dict[str, Any]:
         builder.capture(dict(model.state_dict()))
         times: list[float] = []
         kernels: list[tuple[float, float]] = []
+        last: list[Any] = []
+        encode = builder._encode
+
+        def kept(changes: Any) -> Any:
+            last.append(changes)
+            return encode(changes)
+
+        builder._encode = kept  # type: ignore[method-assign]
         with phases.sender_timers():
             for version in range(1, repeat + 3):  # two untimed: AdamW's first step, and the first one-pass compare
+                last.clear()
                 train_step(model, opt, g)
                 tensors = dict(model.state_dict())
                 phases.RECORDER.take()
@@ -372,6 +384,11 @@ def build_cases(repeat: int) -> dict[str, Any]:
             "mark_s": statistics.median(k[0] for k in kernels), "collect_s": statistics.median(k[1] for k in kernels),
             "changed": stats.changed_elements, "copy_Bps": copy_bps,
         }
+        sparse = [c for c in last if c.flat is not None]
+        changes = sum(c.flat.numel() for c in sparse)
+        r = timed(lambda: [packed.encode(c.flat, c.new, c.old) for c in sparse], max(5, repeat))
+        name = f"encode_version {suite} real lr={lr:g} ({len(sparse)} tensors)"
+        out[name] = {**r, "ns_per_change": r["best_s"] / changes * 1e9, "changes": changes}
 
     for suite in ("quick", "full"):
         for lr in (1e-6, 1e-5):

@@ -77,6 +77,20 @@ def test_huge_gaps_escape_and_come_back() -> None:
     roundtrip(flat, old + 1, old, numel)
 
 
+@pytest.mark.parametrize("gap_bits", [3, 31, 33, 38])
+def test_low_bits_of_any_width_come_back(gap_bits: int) -> None:
+    """The encoder packs up to 32 low bits a gap in a word of its own and wider ones
+    through ``entropy``'s writer: both read back through the decoder's."""
+    gen = torch.Generator().manual_seed(gap_bits)
+    gaps = torch.randint(1 << (gap_bits - 1), 1 << gap_bits, (2001,), generator=gen)
+    flat = torch.cumsum(gaps, 0) - 1
+    old = torch.randint(-100, 100, (flat.numel(),), generator=gen).to(torch.bfloat16)
+    new = (old.view(torch.int16) + torch.randint(-300, 300, (flat.numel(),), generator=gen).to(torch.int16)).view(torch.bfloat16)
+    k = int(packed.encode(flat, new, old)[0])
+    assert (k > 32) == (gap_bits > 33)
+    roundtrip(flat, new, old, int(flat[-1]) + 1)
+
+
 def test_not_larger_than_the_separate_buffers_it_replaced() -> None:
     for nnz in (512, 5000, 30000):
         flat, new, old = changes(nnz, torch.bfloat16, 2, nnz, numel=1 << 20)

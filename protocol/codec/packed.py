@@ -56,6 +56,7 @@ _NO_BASE = np.empty(0, dtype=np.int64)  # decode: differences, not values
 # chain and so overlap their cache misses. ns a change on a 16 MB bf16 tensor (python -m
 # benchmarks.micro --only onto): at 1% fused 9.8, after 7.0; at 3% 8.0 and 10.1; at 10% 7.3 and 7.9.
 FUSED_FROM = 0.02
+COUNT_LANES = 4  # interleaved count tables in the encoder (a power of two)
 
 # Decoder error codes (0 is success); a stream's own codes (rans.ERRORS) come offset by 10
 # (gaps) or 20 (values).
@@ -166,16 +167,6 @@ def gaps_and_top(flat):  # pragma: no cover - numba
 
 
 @numba.njit(cache=True, nogil=True)
-def _differences(new, old, shift):  # pragma: no cover - numba
-    """``new - old`` of bit patterns, wrapped at their width (64 - ``shift`` bits), as int64."""
-    out = np.empty(new.shape[0], dtype=np.int64)
-    for i in range(new.shape[0]):
-        d = np.int64(new[i]) - np.int64(old[i])
-        out[i] = (d << shift) >> shift
-    return out
-
-
-@numba.njit(cache=True, nogil=True)
 def _used(counts):  # pragma: no cover - numba
     """Symbols up to the last counted one (at least one)."""
     n = counts.shape[0]
@@ -197,11 +188,15 @@ def _stream(symbols, counts):  # pragma: no cover - numba
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _bit_length(x):  # pragma: no cover - numba
-    """Bits of a non-negative int64 (0 for 0)."""
+    """Bits of a non-negative int64 or a uint64 (0 for 0), without a data-dependent branch."""
+    z = np.uint64(x)
     n = 0
-    while n < 64 and (np.uint64(x) >> np.uint64(n)) != np.uint64(0):
-        n += 1
-    return n
+    for step in (32, 16, 8, 4, 2, 1):
+        high = z >> np.uint64(step)
+        if high != np.uint64(0):  # a select, not a branch
+            n += step
+            z = high
+    return n + (z != np.uint64(0))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -231,19 +226,94 @@ def _put_varint(out, at, value):  # pragma: no cover - numba
 
 
 @numba.njit(cache=True, nogil=True)
+def _sampled_gaps(flat, stride):  # pragma: no cover - numba
+    """Every ``stride``-th zero-run length of sorted ``flat`` (what the Rice parameter is chosen on)."""
+    out = np.empty((flat.shape[0] + stride - 1) // stride, dtype=np.int64)
+    for j in range(out.shape[0]):
+        i = j * stride
+        out[j] = flat[i] - (flat[i - 1] if i > 0 else -1) - 1
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _symbols(flat, new, old, shift, k, gap_symbols, value_symbols, low, escaped, gap_counts, value_counts, extra):  # pragma: no cover - numba
+    """One pass over the changes: each gap's symbol, low bits and escape, each value's
+    symbol and extra bits (the layout's sections, in ``entropy``'s bits), and both tables'
+    counts; returns (escapes, extra bits).
+
+    The low bits gather in a 64-bit word that stores 4 bytes whenever it holds 32 (a branch
+    that repeats with the period of ``k``; ``entropy``'s writer stores a byte at a time, a
+    branch a change); the counts go to four interleaved tables, so a run of one symbol does
+    not wait on its own increments."""
+    gap_lanes = np.zeros((COUNT_LANES, HIGH_SYMBOLS), dtype=np.int64)
+    value_lanes = np.zeros((COUNT_LANES, VALUE_SYMBOLS), dtype=np.int64)
+    uk = np.uint64(k)
+    low_mask = (np.uint64(1) << uk) - np.uint64(1)
+    narrow = k <= 32  # else the word could overflow: entropy's writer
+    acc, held, at = np.uint64(0), np.uint64(0), 0
+    low_state = np.zeros(3, dtype=np.uint64)
+    extra_state = np.zeros(3, dtype=np.uint64)
+    escapes, extra_bits, prev = 0, 0, -1
+    for i in range(flat.shape[0]):
+        gap = flat[i] - prev - 1
+        prev = flat[i]
+        high = np.uint64(gap) >> uk
+        s = ESCAPE if high >= np.uint64(ESCAPE) else np.int64(high)
+        gap_symbols[i] = s
+        gap_lanes[i & (COUNT_LANES - 1), s] += 1
+        if s == ESCAPE:
+            escaped[escapes] = gap
+            escapes += 1
+        if narrow:
+            acc = (acc << uk) | (np.uint64(gap) & low_mask)
+            held += uk
+            if held >= np.uint64(32):
+                held -= np.uint64(32)
+                word = acc >> held
+                for b in range(4):
+                    low[at + b] = np.uint8((word >> np.uint64(24 - 8 * b)) & np.uint64(0xFF))
+                at += 4
+                acc &= (np.uint64(1) << held) - np.uint64(1)
+        else:
+            entropy._put_wide(low, low_state, np.uint64(gap), k)
+        d = np.int64(new[i]) - np.int64(old[i])
+        z = entropy._zigzag((d << shift) >> shift)  # the difference wraps at the values' width
+        if z < np.uint64(DIRECT):
+            v = np.int64(z)
+        else:
+            width = _bit_length(z)
+            v = DIRECT + width - DIRECT_BITS - 1
+            entropy._put_wide(extra, extra_state, z, width - 1)  # the bits below the leading one
+            extra_bits += width - 1
+        value_symbols[i] = v
+        value_lanes[i & (COUNT_LANES - 1), v] += 1
+    if narrow:
+        while held >= np.uint64(8):  # the whole bytes left, then the partial one
+            held -= np.uint64(8)
+            low[at] = np.uint8((acc >> held) & np.uint64(0xFF))
+            at += 1
+        low_state[0], low_state[1], low_state[2] = acc & ((np.uint64(1) << held) - np.uint64(1)), held, at
+    entropy._flush(low, low_state)
+    entropy._flush(extra, extra_state)
+    for lane in range(COUNT_LANES):
+        gap_counts += gap_lanes[lane]
+        value_counts += value_lanes[lane]
+    return escapes, extra_bits
+
+
+@numba.njit(cache=True, nogil=True)
 def _encode(flat, new, old, shift):  # pragma: no cover - numba
     n = flat.shape[0]
-    gaps, _ = gaps_and_top(flat)
-    k = entropy._choose_k(gaps, max(1, n // entropy.RICE_SAMPLE))
-    gap_symbols = np.empty(n, dtype=np.uint8)
-    low = np.zeros((n * k + 7) // 8, dtype=np.uint8)
+    k = entropy._choose_k(_sampled_gaps(flat, max(1, n // entropy.RICE_SAMPLE)), 1)
+    gap_symbols, value_symbols = np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
+    low_bytes = (n * k + 7) // 8
+    low = np.empty(low_bytes, dtype=np.uint8)
+    escaped = np.empty(n, dtype=np.int64)  # pages only as far as written: escapes are few
+    extra = np.empty((n * (64 - shift) + 7) // 8, dtype=np.uint8)  # room for the widest differences
     gap_counts = np.zeros(HIGH_SYMBOLS, dtype=np.int64)
-    escapes = entropy._split_gaps(gaps, k, gap_symbols, low, gap_counts)
-    diffs = _differences(new, old, shift)
-    value_symbols = np.empty(n, dtype=np.uint8)
     value_counts = np.zeros(VALUE_SYMBOLS, dtype=np.int64)
-    extra = np.zeros((entropy._value_symbols(diffs, value_symbols, value_counts) + 7) // 8, dtype=np.uint8)
-    entropy._value_extra(diffs, value_symbols, extra)
+    escapes, extra_bits = _symbols(flat, new, old, shift, k, gap_symbols, value_symbols, low, escaped, gap_counts, value_counts, extra)
+    extra_bytes = (extra_bits + 7) // 8
     g, v = _used(gap_counts), _used(value_counts)
     gap_words = _stream(gap_symbols, gap_counts[:g])
     value_words = _stream(value_symbols, value_counts[:v])
@@ -259,18 +329,13 @@ def _encode(flat, new, old, shift):  # pragma: no cover - numba
     value_at = words_at + 2 * gap_words.shape[0]
     escapes_at = value_at + 2 * value_words.shape[0]
     low_at = escapes_at + 8 * escapes
-    out = np.empty(low_at + low.shape[0] + extra.shape[0], dtype=np.uint8)
+    out = np.empty(low_at + low_bytes + extra_bytes, dtype=np.uint8)
     out[:words_at] = head[:words_at]
     out[words_at:value_at].view(np.uint16)[:] = gap_words
     out[value_at:escapes_at].view(np.uint16)[:] = value_words
-    escaped = out[escapes_at:low_at].view(np.int64)
-    e = 0
-    for i in range(n):
-        if gap_symbols[i] == ESCAPE:
-            escaped[e] = gaps[i]
-            e += 1
-    out[low_at : low_at + low.shape[0]] = low
-    out[low_at + low.shape[0] :] = extra
+    out[escapes_at:low_at].view(np.int64)[:] = escaped[:escapes]
+    out[low_at : low_at + low_bytes] = low[:low_bytes]
+    out[low_at + low_bytes :] = extra[:extra_bytes]
     return out
 
 
