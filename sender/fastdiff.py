@@ -134,16 +134,19 @@ if numba is not None:
         return m
 
     @numba.njit(inline="always")
-    def _take_word(cur, snap, rounding, m, w, flat, new, old, o):  # pragma: no cover - numba
-        """Word ``w``'s changes (its mark ``m``) appended at ``o``, the snapshot moved; the next ``o``."""
+    def _take_word(cur, snap, rounding, m, w, flat, new, old, o, first=0, move=True):  # pragma: no cover - numba
+        """Word ``w``'s changes (its mark ``m``) appended at ``o``, their positions offset by
+        ``first`` (``cur`` and ``snap`` may be a chunk's views) and the snapshot moved unless
+        not ``move``; the next ``o``."""
         while m:
             i = w * 64 + _popcount((m & (~m + np.uint64(1))) - np.uint64(1))  # the lowest set bit
             m &= m - np.uint64(1)
             value = _bf16(cur[i]) if rounding else cur[i]
-            flat[o] = i
+            flat[o] = first + i
             new[o] = value
             old[o] = snap[i]
-            snap[i] = value
+            if move:
+                snap[i] = value
             o += 1
         return o
 
@@ -183,13 +186,7 @@ if numba is not None:
             if o + k > room:
                 fits = False
                 continue
-            while m:
-                j = w * 64 + _popcount((m & (~m + np.uint64(1))) - np.uint64(1))  # the lowest set bit
-                m &= m - np.uint64(1)
-                flat[o] = first + j
-                new[o] = _bf16(cur[j]) if rounding else cur[j]
-                old[o] = snap[j]
-                o += 1
+            o = _take_word(cur, snap, rounding, m, w, flat, new, old, o, first, False)
         if fits:
             for j in range(o):
                 snap[flat[j] - first] = new[j]

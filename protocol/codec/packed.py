@@ -188,12 +188,13 @@ def _stream(symbols, counts):  # pragma: no cover - numba
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _bit_length(x):  # pragma: no cover - numba
-    """Bits of a non-negative int64 or a uint64 (0 for 0), without a data-dependent branch."""
+    """Bits of a non-negative int64 or a uint64 (0 for 0): six fixed steps, not a loop
+    whose length is the answer."""
     z = np.uint64(x)
     n = 0
     for step in (32, 16, 8, 4, 2, 1):
         high = z >> np.uint64(step)
-        if high != np.uint64(0):  # a select, not a branch
+        if high != np.uint64(0):
             n += step
             z = high
     return n + (z != np.uint64(0))
@@ -308,7 +309,7 @@ def _encode(flat, new, old, shift):  # pragma: no cover - numba
     gap_symbols, value_symbols = np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
     low_bytes = (n * k + 7) // 8
     low = np.empty(low_bytes, dtype=np.uint8)
-    escaped = np.empty(n, dtype=np.int64)  # pages only as far as written: escapes are few
+    escaped = np.empty(n, dtype=np.int64)  # room for every gap to escape; few do
     extra = np.empty((n * (64 - shift) + 7) // 8, dtype=np.uint8)  # room for the widest differences
     gap_counts = np.zeros(HIGH_SYMBOLS, dtype=np.int64)
     value_counts = np.zeros(VALUE_SYMBOLS, dtype=np.int64)
