@@ -294,7 +294,7 @@ def memory_excess(mem: dict[str, Any] | None, last: dict[str, Any], model_bytes:
 def phase_medians(steps: list[dict[str, Any]], key: str) -> dict[str, float | None]:
     """Each phase's median over ``steps`` (None where no step timed it)."""
     out: dict[str, float | None] = {}
-    for name in (*phases.PHASES, "e2e"):
+    for name in (*phases.PHASES, "e2e", *phases.CPU):
         values = [s[key][name] for s in steps if s.get(key) and s[key].get(name) is not None]
         out[name] = _median(values) if values else None
     return out

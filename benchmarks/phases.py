@@ -29,7 +29,11 @@ tensor), ``encode``, ``frame``, ``send``; receiver (the one that acknowledged la
 ``receive`` (from the sender's last queued send to the arrival of the whole message),
 ``validate``, ``decode``, ``stage`` (``StagedUpdate.stage``: gathering the old values and
 applying the differences), ``commit``; ``ack`` (from the ACK leaving to ``wait_acked`` returning); ``other`` is
-what the phases leave of the end-to-end time (waits between them, event-loop turns).
+what the phases leave of the end-to-end time (waits between them, event-loop turns). Beside
+them, off the critical path: ``cpu_sender`` (the sender's process, every thread, from
+``sync()`` to ``wait_acked``) and ``cpu_receivers`` (every receiver's process, summed, from its
+previous report to this one): set against ``e2e`` times the cores, they say whether a
+version waits on CPU.
 """
 
 from __future__ import annotations
@@ -43,16 +47,19 @@ from typing import Any
 SENDER_PHASES = ("mark", "collect", "per_tensor", "encode", "frame", "send")
 RECEIVER_PHASES = ("receive", "validate", "decode", "stage", "commit", "ack")
 PHASES = (*SENDER_PHASES, *RECEIVER_PHASES, "other")
+CPU = ("cpu_sender", "cpu_receivers")  # reported beside the phases, not stacked
 
 
 class Recorder:
-    """Summed durations (ns) and last instants (monotonic ns) since the last ``take``."""
+    """Summed durations (ns) and last instants (monotonic ns) since the last ``take``, and
+    the CPU time this process spent meanwhile (every thread's: ``time.process_time_ns``)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, int] = {}
         self.counts: dict[str, int] = {}
         self.first: dict[str, int] = {}
         self.last: dict[str, int] = {}
+        self.cpu_from = time.process_time_ns()
 
     def add(self, name: str, started: int, ended: int) -> None:
         self.sums[name] = self.sums.get(name, 0) + ended - started
@@ -61,9 +68,14 @@ class Recorder:
         self.last[name] = ended
 
     def take(self) -> dict[str, Any]:
-        out = {"sums_ns": self.sums, "counts": self.counts, "first_ns": self.first, "last_ns": self.last}
-        self.sums, self.counts, self.first, self.last = {}, {}, {}, {}
+        cpu = time.process_time_ns()
+        out = {"sums_ns": self.sums, "counts": self.counts, "first_ns": self.first, "last_ns": self.last, "cpu_ns": cpu - self.cpu_from}
+        self.sums, self.counts, self.first, self.last, self.cpu_from = {}, {}, {}, {}, cpu
         return out
+
+    def skip_cpu(self) -> None:
+        """What this process does from here to the next ``take`` is not counted until now."""
+        self.cpu_from = time.process_time_ns()
 
 
 RECORDER = Recorder()
@@ -196,4 +208,8 @@ def breakdown(sender: dict[str, Any], receivers: list[dict[str, Any] | None], bu
         out.update({k: None for k in RECEIVER_PHASES})
     out["other"] = e2e_s * 1e3 - sum(v for v in out.values() if v is not None)
     out["e2e"] = e2e_s * 1e3
+    # CPU time, not on the critical path: is a version bound by the cores it shares?
+    out["cpu_sender"] = _ms(sender.get("cpu_ns"))
+    cpus = [_ms(r["phases"].get("cpu_ns")) for r in reports]
+    out["cpu_receivers"] = sum(cpus) if cpus else None
     return out

@@ -160,6 +160,7 @@ async def test_result_objects_have_every_required_key() -> None:
         assert all(phased[k] is not None and phased[k] >= 0 for k in PHASES if k != "other")
         assert phased["encode"] > 0 and phased["frame"] > 0 and phased["send"] > 0 and phased["decode"] > 0 and phased["validate"] > 0
         assert phased["e2e"] == pytest.approx(sum(phased[k] for k in PHASES))
+        assert phased["cpu_sender"] > 0 and phased["cpu_receivers"] > 0  # the CPU time beside them, not stacked
 
 
 def test_phase_breakdown_by_hand() -> None:
@@ -178,6 +179,12 @@ def test_phase_breakdown_by_hand() -> None:
     assert out["other"] == pytest.approx(40 - (2 + 1 + 2 + 10 + 0.5 + 1 + 3 + 1 + 4 + 2 + 2 + 1))
     no_receivers = breakdown(sender, [None], 0.005, 0.010, 0.040, 80 * ms, 111 * ms)
     assert no_receivers["decode"] is None and no_receivers["other"] == pytest.approx(40 - 16.5)
+    # CPU time beside the phases: the sender's, and every receiver's summed
+    sender["cpu_ns"] = 30 * ms
+    fast["phases"]["cpu_ns"], slow["phases"]["cpu_ns"] = 12 * ms, 15 * ms
+    cpu = breakdown(sender, [fast, None, slow], 0.005, 0.010, 0.040, 80 * ms, 111 * ms)
+    assert cpu["cpu_sender"] == 30 and cpu["cpu_receivers"] == 27 and cpu["other"] == pytest.approx(out["other"])
+    assert breakdown(sender, [None], 0.005, 0.010, 0.040, 80 * ms, 111 * ms)["cpu_receivers"] is None
 
 
 def test_phase_timers_time_and_pass_through() -> None:
@@ -189,6 +196,11 @@ def test_phase_timers_time_and_pass_through() -> None:
     taken = phases.RECORDER.take()
     assert taken["counts"] == {"x": 2} and taken["sums_ns"]["x"] >= 0 and taken["last_ns"]["x"] >= taken["first_ns"]["x"]
     assert phases.RECORDER.take()["counts"] == {}  # take() restarts
+    sum(range(200_000))  # some CPU, then none counted from skip_cpu on
+    assert phases.RECORDER.take()["cpu_ns"] > 0
+    sum(range(200_000))
+    phases.RECORDER.skip_cpu()
+    assert phases.RECORDER.take()["cpu_ns"] < 1_000_000
 
 
 def test_benchmarks_without_the_bench_extra_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
