@@ -137,18 +137,23 @@ if numba is not None:
     def _take_word(cur, snap, rounding, m, w, flat, new, old, o, first=0, move=True):  # pragma: no cover - numba
         """Word ``w``'s changes (its mark ``m``) appended at ``o``, their positions offset by
         ``first`` (``cur`` and ``snap`` may be a chunk's views) and the snapshot moved unless
-        not ``move``; the next ``o``."""
+        not ``move``; the next ``o``.
+
+        The indices are unsigned: for a signed one numba adds a negative-index fixup to every
+        access, five a change (the serial one pass of the quick model's lr 1e-5 step: 6.5 -> 6.0 ms)."""
+        at = np.uint64(o)
+        start = np.uint64(w * 64)
         while m:
-            i = w * 64 + _popcount((m & (~m + np.uint64(1))) - np.uint64(1))  # the lowest set bit
+            i = start + np.uint64(_popcount((m & (~m + np.uint64(1))) - np.uint64(1)))  # the lowest set bit
             m &= m - np.uint64(1)
             value = _bf16(cur[i]) if rounding else cur[i]
-            flat[o] = first + i
-            new[o] = value
-            old[o] = snap[i]
+            flat[at] = first + np.int64(i)
+            new[at] = value
+            old[at] = snap[i]
             if move:
                 snap[i] = value
-            o += 1
-        return o
+            at += np.uint64(1)
+        return np.int64(at)
 
     @numba.njit(nogil=True, cache=True)
     def _chunk_marks(cur, snap, rounding, marks):  # pragma: no cover - numba
