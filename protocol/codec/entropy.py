@@ -75,10 +75,11 @@ def _flush(out, state):  # pragma: no cover - numba
 @numba.njit(cache=True, nogil=True, inline="always")
 def _get(buf, bit, width):  # pragma: no cover - numba
     """``width`` <= 32 bits at bit offset ``bit`` of ``buf`` (zero past its end)."""
-    start = bit >> 3
+    start = np.uint64(bit >> 3)
     window = np.uint64(0)
     for j in range(5):  # 40 bits cover any 32-bit field and its offset within a byte
-        b = np.uint64(buf[start + j]) if start + j < buf.shape[0] else np.uint64(0)
+        at = start + np.uint64(j)
+        b = np.uint64(buf[at]) if at < np.uint64(buf.shape[0]) else np.uint64(0)
         window = (window << np.uint64(8)) | b
     return (window >> np.uint64(40 - (bit & 7) - width)) & ((np.uint64(1) << np.uint64(width)) - np.uint64(1))
 

@@ -265,9 +265,9 @@ def _symbols(flat, new, old, shift, k, gap_symbols, value_symbols, low, escaped,
         high = np.uint64(gap) >> uk
         s = ESCAPE if high >= np.uint64(ESCAPE) else np.int64(high)
         gap_symbols[i] = s
-        gap_lanes[i & (COUNT_LANES - 1), s] += 1
+        gap_lanes[np.uint64(i & (COUNT_LANES - 1)), np.uint64(s)] += 1
         if s == ESCAPE:
-            escaped[escapes] = gap
+            escaped[np.uint64(escapes)] = gap
             escapes += 1
         if narrow:
             acc = (acc << uk) | (np.uint64(gap) & low_mask)
@@ -276,7 +276,7 @@ def _symbols(flat, new, old, shift, k, gap_symbols, value_symbols, low, escaped,
                 held -= np.uint64(32)
                 word = acc >> held
                 for b in range(4):
-                    low[at + b] = np.uint8((word >> np.uint64(24 - 8 * b)) & np.uint64(0xFF))
+                    low[np.uint64(at + b)] = np.uint8((word >> np.uint64(24 - 8 * b)) & np.uint64(0xFF))
                 at += 4
                 acc &= (np.uint64(1) << held) - np.uint64(1)
         else:
@@ -291,7 +291,7 @@ def _symbols(flat, new, old, shift, k, gap_symbols, value_symbols, low, escaped,
             entropy._put_wide(extra, extra_state, z, width - 1)  # the bits below the leading one
             extra_bits += width - 1
         value_symbols[i] = v
-        value_lanes[i & (COUNT_LANES - 1), v] += 1
+        value_lanes[np.uint64(i & (COUNT_LANES - 1)), np.uint64(v)] += 1
     if narrow:
         while held >= np.uint64(8):  # the whole bytes left, then the partial one
             held -= np.uint64(8)
@@ -534,7 +534,7 @@ def _changes(gap_symbols, value_symbols, k, escapes, low, extra, numel, base, fu
         d = np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
         # Added wider and truncated to out's width on the store: the bits of the encoder's
         # wrapping difference (a difference stored alone first adds up to the same).
-        out[i] = base[pos] + d if fused else d
+        out[i] = base[np.uint64(pos)] + d if fused else d
     if e != escapes.shape[0]:
         return 5
     if (bit + 7) // 8 != extra.shape[0]:
