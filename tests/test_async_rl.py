@@ -168,7 +168,9 @@ def test_trainer_never_waits_for_a_frozen_rollout(run: Run, reliability: Any) ->
 def test_frozen_rollout_waits_instead_of_generating_stale(run: Run) -> None:
     """After SIGCONT, ``frozen`` may finish the one generation the freeze interrupted
     (the trainer drops it), then waits for its receiver: every later sample is tagged
-    with a version within K of the trainer's version at SIGCONT."""
+    with a version within K of the trainer's version at SIGCONT. Its receiver catches up
+    beside that generation, so on a loaded host it can be current before the rollout asks
+    the gate again; then there is no wait, and the next sample is already fresh."""
     f = run.frozen
     after = [r for r in run.samples("frozen") if r.arrived > f["time_at_cont"]]
     assert after, "frozen sent nothing after SIGCONT"
@@ -176,7 +178,11 @@ def test_frozen_rollout_waits_instead_of_generating_stale(run: Run) -> None:
     assert len(stale) <= 1 and stale == after[: len(stale)], [(r.sample.seq, r.sample.version) for r in stale]
     assert all(not r.consumed for r in stale)
     waits = [e for e in run.events["frozen"] if e.get("event") == "gate_wait" and e["latest"] >= f["version_at_cont"]]
-    assert waits and waits[0]["latest"] - waits[0]["version"] > K, f"no gate wait after SIGCONT: {run.events['frozen'][-5:]}"
+    if waits:
+        assert waits[0]["latest"] - waits[0]["version"] > K, waits[0]
+    else:
+        fresh = after[len(stale):]
+        assert fresh, f"no gate wait after SIGCONT and no fresh sample: {run.events['frozen'][-5:]}"
 
 
 def test_slow_rollout_waits_at_the_gate(run: Run) -> None:
