@@ -74,7 +74,8 @@ class Recorder:
         return out
 
     def skip_cpu(self) -> None:
-        """What this process does from here to the next ``take`` is not counted until now."""
+        """Count CPU time from now on: what this process did since the last ``take`` is left
+        out of the next one (the harness's own checks between versions)."""
         self.cpu_from = time.process_time_ns()
 
 

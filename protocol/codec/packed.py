@@ -57,7 +57,7 @@ _NO_BASE = np.empty(0, dtype=np.int64)  # decode: differences, not values
 # benchmarks.micro --only onto): at 1% fused 9.8, after 7.0; at 3% 8.0 and 10.1; at 10% 7.3 and 7.9.
 # A receiver's target is mostly out of cache when a patch arrives: eight 16 MB tensors read
 # cold, fused against after, at 2% 20.7 and 13.3 ns, at 2.5% 11.6 and 12.2, at 5% 6.9 and 8.6;
-# the real full-suite lr 1e-6 step's tensors (1.7-30% changed) decode in 9.4 ns a change
+# the real full-suite lr 1e-6 step's tensors (1.7-30% changed) decode in 9.5 ns a change
 # from 3%, 10.5 from 2%.
 FUSED_FROM = 0.03
 COUNT_LANES = 4  # interleaved count tables in the encoder (a power of two)
