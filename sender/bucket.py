@@ -11,7 +11,7 @@ import torch
 
 from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.config import BucketConfig
-from protocol.errors import ConfigError, MetadataMismatchError
+from protocol.errors import ConfigError
 from protocol.state import StateLike, materialize, resolve_state
 from protocol.wire.framing import Message, MessageType
 
@@ -57,10 +57,8 @@ class BucketBuilder:
 
         ``copy`` False lets frames share memory with ``tensors`` (see ``bucket_messages``).
         """
+        self.plan.check_tensors(tensors)
         keys = self.plan.tracked
-        for key in keys:
-            if key not in tensors:
-                raise MetadataMismatchError(f"key {key!r} was tracked at init but is missing from the model now")
         # A version always has at least one message, even with nothing tracked.
         buckets = plan_buckets(keys, lambda k: tensors[k].numel() * self.wire_dtype(tensors[k]).itemsize, self.bucket_size)
         messages = bucket_messages(
@@ -79,6 +77,7 @@ class BucketBuilder:
     def retain(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host copies of the tracked tensors at their wire dtypes: a consistent version
         that frames can share and resyncs can be built from after the model moves on."""
+        self.plan.check_tensors(tensors)
         out = {}
         for key in self.plan.tracked:
             src = materialize(tensors[key]).detach()

@@ -17,13 +17,13 @@ from protocol.codec.compress import Codec
 from protocol.codec.parallel import map_ordered
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, pack_entry, raw_nbytes, sparse_buffers
 from protocol.config import PatchConfig
-from protocol.errors import MetadataMismatchError
+from protocol.errors import MetadataMismatchError, WeightSyncError
 from protocol.lazy import lazy_module
 from protocol.state import ModelState, StateLike, is_dtensor, materialize, resolve_state
 from protocol.wire.dtypes import bits_dtype
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
 
-from .base import Send, SenderBase
+from .base import Send, SenderBase, send_all
 from .copies import WholeCopies
 from .plan import SyncPlan
 from .snapshot import Snapshot
@@ -177,6 +177,8 @@ class PatchBuilder:
         # changes in each key's (or run's, by its first key) last compare: the next one collects as it compares
         self._expect: dict[str, int] = {}
         self._copies = WholeCopies()  # of the tensors that may go whole, on the host
+        self._diverged = False  # ``diverged``
+        self._comparing: asyncio.Future[Any] | None = None  # a compare on its thread
         # One thread encodes what a compare on a worker thread collects, in order, while the
         # compare goes on: the two run on two cores (docs/performance.md, *Encoding beside the compare*).
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="weightsync-encode")
@@ -186,9 +188,7 @@ class PatchBuilder:
 
     def capture(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the snapshot: what the receivers hold after the bootstrap."""
-        def receiver_copy(key: str) -> torch.Tensor:
-            return materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key))
-
+        receiver_copy = self._receiver_copy(tensors)
         for key in self.plan.tracked:
             if key not in self._groups:
                 self.snapshot.capture(key, receiver_copy(key))
@@ -197,6 +197,41 @@ class PatchBuilder:
         # JIT now, during the handshake, rather than in the first sync.
         fastdiff.warm_up({(tensors[k].dtype, self.plan.receiver_dtype(k)) for k in self.plan.tracked})
         entropy.warm_up()
+
+    def _receiver_copy(self, tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        return lambda key: materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key))
+
+    @property
+    def diverged(self) -> bool:
+        """A collect began comparing and did not hand its changes over (it failed or was
+        cancelled): the snapshot may hold changes no receiver was sent. Until ``recapture``,
+        a patch from it would leave receivers silently behind on those elements."""
+        return self._diverged
+
+    async def recapture(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The snapshot anew from ``tensors`` (checked first), in place, once any compare a
+        cancelled collect left running has ended: what receivers resynced to it will hold."""
+        self.plan.check_tensors(tensors)
+        await self._settle()
+        receiver_copy = self._receiver_copy(tensors)
+
+        def take() -> None:
+            for key in self.plan.tracked:
+                self.snapshot.tensors[key].copy_(receiver_copy(key))
+
+        await asyncio.to_thread(take)
+        self._expect.clear()
+        self._copies = WholeCopies()
+        self._diverged = False
+
+    async def _settle(self) -> None:
+        """Until the compare of a cancelled collect, still running on its thread, is done."""
+        running, self._comparing = self._comparing, None
+        if running is not None:
+            await asyncio.wait([running])
+            if not running.cancelled():
+                running.exception()  # its collect is gone: what it raised is retrieved here
+        await self.snapshot.wait_writeback()
 
     async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
         """Start holding the version in ``tensors`` (the first receiver's dtypes are known)."""
@@ -223,13 +258,22 @@ class PatchBuilder:
         are coded; a state compared on the loop's thread is encoded with its parts."""
         stats = SyncStats(version, "patch")
         started = time.perf_counter()
-        await self.snapshot.wait_writeback()
+        self.plan.check_tensors(tensors)
+        await self._settle()
+        if self._diverged:
+            raise WeightSyncError("the snapshot diverged from the receivers in a failed collect: recapture() first")
+        self._diverged = True  # until the changes are handed over
         if self._inline(tensors):
             # Encoded with their part, after the compare: beside a compare on the event
             # loop's thread, an encoder thread's Python would hold the GIL the loop needs.
             captured = self._collect(tensors, stats, lambda c: Captured(c.captured_nbytes(), None, c))
         else:
-            captured = await asyncio.to_thread(self._collect, tensors, stats, self._submit)
+            # Shielded: a cancelled collect cannot stop its thread, which goes on moving the
+            # snapshot; the next collect waits for it (``_settle``) and finds it diverged.
+            self._comparing = asyncio.ensure_future(asyncio.to_thread(self._collect, tensors, stats, self._submit))
+            captured = await asyncio.shield(self._comparing)
+            self._comparing = None
+        self._diverged = False
         stats.build_seconds = time.perf_counter() - started
         return captured, stats
 
@@ -507,10 +551,17 @@ class PatchSender(SenderBase):
         The snapshot and ``self.version`` advance once the changes are collected, before
         anything is sent: if ``send`` fails, the receiver misses ``version`` and rejects
         the next patch as stale, which asks for a resync rather than silently diverging.
+        A model missing a tracked key or with one reshaped is refused before anything is
+        read. If the compare itself fails (or is cancelled) midway, the snapshot is ahead
+        of the receiver on what it compared: the next sync sends its version as a
+        bootstrap instead (``PatchBuilder.diverged``). One sync at a time.
         """
-        self.require_plan(version)
+        plan = self.require_plan(version)
         assert self.builder is not None
-        changes, stats = await self.builder.collect(resolve_state(model).tensors, version)
+        tensors = resolve_state(model).tensors
+        if self.builder.diverged:  # a failed sync moved the snapshot on: resync the receiver instead
+            return await self._resync(plan, tensors, send, version)
+        changes, stats = await self.builder.collect(tensors, version)
         base, self.version = self.version, version
         async for msg in self.builder.encode_parts(changes, version, base, stats):
             started = time.perf_counter()
@@ -521,4 +572,18 @@ class PatchSender(SenderBase):
             started = time.perf_counter()
             await send(wire)
             stats.send_seconds += time.perf_counter() - started
+        return stats
+
+    async def _resync(self, plan: SyncPlan, tensors: dict[str, torch.Tensor], send: Send, version: int) -> SyncStats:
+        """``version`` as a bootstrap of every tracked tensor from a new snapshot: the
+        receiver takes a BOOTSTRAP in place of a patch."""
+        assert self.builder is not None
+        started = time.perf_counter()
+        await self.builder.recapture(tensors)
+        self.version = version
+        held = self.builder.held()
+        parts, messages = plan.bootstrap(version, held.__getitem__, list(plan.tracked))
+        stats = SyncStats(version, self.strategy, messages=parts)
+        stats.wire_bytes = await send_all(send, self.stamp, messages)
+        stats.build_seconds = time.perf_counter() - started
         return stats

@@ -3,14 +3,14 @@ keys, aliases and the bootstrap. Shared by the transport-free senders and the da
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.config import InitSyncConfig
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, MetadataMismatchError
 from protocol.state import ModelState, sync_keys
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.messages import Welcome
@@ -34,6 +34,18 @@ class SyncPlan:
 
     def ordinal(self, key: str) -> int:
         return self.metadata.ordinal(key)
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """``MetadataMismatchError`` unless every tracked key is in ``tensors`` at its shape
+        at init. Checked before a sync reads anything: one that failed at its tenth tensor
+        would have moved the snapshot (or retained copy) of the nine before it on."""
+        for key in self.tracked:
+            t = tensors.get(key)
+            if t is None:
+                raise MetadataMismatchError(f"key {key!r} was tracked at init but is missing from the model now")
+            shape = self.metadata.shapes[self.ordinal(key)]
+            if tuple(t.shape) != shape:
+                raise MetadataMismatchError(f"key {key!r} changed shape from {list(shape)} to {list(t.shape)}")
 
     def receiver_dtype(self, key: str) -> torch.dtype:
         return self.metadata.dtypes[self.metadata.ordinal(key)]

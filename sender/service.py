@@ -121,7 +121,11 @@ class Sender:
 
         Versions must increase: a version not above the current one (also when another
         ``sync`` of a later version got there first) is a ``StaleVersionError`` and
-        changes nothing.
+        changes nothing. So is a model missing a tracked key or with one reshaped
+        (``MetadataMismatchError``). A patch sync whose compare fails or is cancelled
+        midway leaves the version where it was, but its snapshot ahead of the receivers
+        on what it compared: the next sync waits for that compare to end, then resyncs
+        every receiver to its version by bootstrap, and patches resume after it.
         """
         self.server.check_running()
         source = self._source
@@ -206,6 +210,8 @@ class Sender:
             source.hold(tensors)
             return SyncStats(version, self.strategy)
         if isinstance(builder, PatchBuilder):  # encoded in the background, in version order
+            if builder.diverged:  # a failed sync moved the snapshot: patches from it would be wrong
+                return await self._resync_all(builder, tensors, version)
             changes, stats = await builder.collect(tensors, version)
             base, previous = self.version, self._encoding
             self.server.expect_patch(base)
@@ -217,6 +223,20 @@ class Sender:
         frames_list = [self.server.stamp(m) for m in await asyncio.to_thread(list, messages)]
         self.server.publish_buckets(version, frames_list)
         stats.messages, stats.wire_bytes = len(frames_list), sum(len(f) for fr in frames_list for f in fr)
+        stats.build_seconds = time.perf_counter() - started
+        return stats
+
+    async def _resync_all(self, builder: PatchBuilder, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
+        """``version`` as a new snapshot and no patch: every receiver, none of which is at
+        it, is resynced to it by bootstrap (the ring is dropped)."""
+        started = time.perf_counter()
+        if self._encoding is not None:  # the versions before it reach the ring first
+            await asyncio.shield(self._encoding)
+        await builder.recapture(tensors)
+        self.server.forget()
+        log.warning("sender %s: a failed sync left the snapshot ahead of the receivers; v%s resyncs them all",
+                    self.session[:8], version)
+        stats = SyncStats(version, self.strategy)
         stats.build_seconds = time.perf_counter() - started
         return stats
 

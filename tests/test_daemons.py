@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import zmq
 import zmq.asyncio
 from daemon_helpers import CONFIGS, DAEMON_KW, PEER_TIMEOUT, T, Trainer, assert_matches, free_port, receiver_model, wait_until
 
-from protocol.errors import WeightSyncError
+from protocol.errors import MetadataMismatchError, WeightSyncError
 from protocol.wire.checksum import state_digest
 from receiver import Receiver
 from sender import Sender
@@ -273,6 +274,71 @@ async def test_sender_restart_on_same_endpoint(mode: str, transport: str, later:
             assert r.stats[2] is before[r.identity]
     for _ in range(2):
         await step_all(trainer, second, rs)
+
+
+# -- a sync that fails midway ----------------------------------------------------------------
+@pytest.mark.parametrize("how", ["fails", "cancelled"])
+async def test_a_sync_broken_off_midway_resyncs_every_receiver(how: str, daemons: Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compare that fails, or whose sync is cancelled while it runs on its thread, after
+    it moved part of the snapshot: the next version resyncs every receiver by bootstrap
+    (a patch from that snapshot would leave them behind on those tensors), then patches resume."""
+    from sender import fastdiff
+    from sender.patch import PatchBuilder
+
+    monkeypatch.setattr(PatchBuilder, "_inline", lambda self, tensors: False)  # the compare on its thread
+    trainer = Trainer()
+    s = await daemons.sender(trainer, "patch")
+    rs = [await daemons.start_receiver(s.endpoint, "patch", f"r{i}") for i in range(2)]
+    await step_all(trainer, s, rs)
+    real, calls, started = fastdiff.diff_and_update, [], asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:  # the first call moves the small tensors' run
+        calls.append(1)
+        if len(calls) == 2:
+            if how == "fails":
+                raise RuntimeError("compare failed")
+            loop.call_soon_threadsafe(started.set)
+            time.sleep(0.5)  # cancelled meanwhile: the thread goes on, and moves this one too
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fastdiff, "diff_and_update", broken)
+    broken_version = trainer.step()
+    sync = asyncio.ensure_future(s.sync(trainer.model, broken_version))
+    if how == "fails":
+        with pytest.raises(RuntimeError, match="compare failed"):
+            await asyncio.wait_for(sync, T)
+    else:
+        await asyncio.wait_for(started.wait(), T)
+        sync.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sync
+    assert s.version == broken_version - 1
+    monkeypatch.setattr(fastdiff, "diff_and_update", real)
+    version = await step_all(trainer, s, rs)  # waits for the cancelled compare first
+    for r in rs:
+        assert r.stats[version].kind == "bootstrap"
+    version = await step_all(trainer, s, rs)
+    for r in rs:
+        assert r.stats[version].kind == "patch"
+    assert s.failure is None
+
+
+async def test_a_sync_of_a_mismatched_model_moves_nothing(daemons: Daemons) -> None:
+    trainer = Trainer()
+    s = await daemons.sender(trainer, "patch")
+    rs = [await daemons.start_receiver(s.endpoint, "patch", "r0")]
+    await step_all(trainer, s, rs)
+    version = trainer.step()
+    bad = dict(trainer.model.state_dict())
+    del bad["norm.bias"]  # late in the order: refused before the tensors before it are compared
+    with pytest.raises(MetadataMismatchError, match=r"norm\.bias"):
+        await s.sync(bad, version)
+    assert s.version == version - 1
+    await s.sync(trainer.model, version)  # the same weights again: all of the step must travel
+    await s.wait_acked(version, timeout=T)
+    await assert_matches(rs[0], trainer, version)
+    assert rs[0].stats[version].kind == "patch"
 
 
 # -- a receiver whose model does not match ----------------------------------------------------

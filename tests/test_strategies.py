@@ -554,6 +554,81 @@ async def test_metadata_mismatch_raised_on_both_sides(kind: str, mutate: Any) ->
         await s.sync(model, ch.to_receiver.send, 1)  # never initialised
 
 
+# -- a sync that fails midway -------------------------------------------------------------------
+def _sender_missing(sd: dict[str, torch.Tensor]) -> None:
+    del sd["blocks.1.fc2.bias"]  # late in the order: the tensors before it compare first
+
+
+def _sender_reshaped(sd: dict[str, torch.Tensor]) -> None:
+    sd["blocks.1.fc1.weight"] = torch.zeros(63, 32)
+
+
+@pytest.mark.parametrize("kind", ["patch", "bucket"])
+@pytest.mark.parametrize("mutate", [_sender_missing, _sender_reshaped], ids=["missing", "shape"])
+async def test_sync_of_a_mismatched_model_moves_nothing(kind: str, mutate: Any) -> None:
+    """Refused before anything is read: a compare that had moved the snapshot of the
+    tensors before the bad one would leave the receiver behind on them for good (the
+    next patch, diffed against that snapshot, would not carry those changes)."""
+    config = patch_cfg() if kind == "patch" else bucket_cfg(bucket_size=16 << 10)
+    model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
+    s, r = make_pair(config)
+    ch = Channel()
+    await handshake(s, r, model, rmodel, ch)
+    Trainer(model, 1e-3).step()
+    bad = dict(model.state_dict())
+    mutate(bad)
+    sent = len(ch.to_receiver.sent)
+    with pytest.raises(MetadataMismatchError, match=r"blocks\.1\.fc"):
+        await s.sync(bad, ch.to_receiver.send, 1)
+    assert len(ch.to_receiver.sent) == sent and s.version is None
+    await s.sync(model, ch.to_receiver.send, 2)  # the same weights: only what the snapshot lacks travels
+    assert await r.apply(rmodel, ch.to_receiver.recv) == 2
+    assert_synced(model, rmodel)
+    if kind == "patch":
+        assert not s.builder.diverged
+        assert {m.type for m in messages(ch.to_receiver, sent)} == {MessageType.PATCH}
+
+
+async def test_patch_sync_failing_midway_resyncs_by_bootstrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compare that fails after moving part of the snapshot: the next version goes as a
+    bootstrap of a new snapshot, then patches resume, exact throughout."""
+    from sender import fastdiff
+
+    model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
+    s, r = make_pair(patch_cfg())
+    ch = Channel()
+    await handshake(s, r, model, rmodel, ch)
+    trainer = Trainer(model, 1e-3)
+    real, calls = fastdiff.diff_and_update, []
+
+    def fails_second(*args: Any, **kwargs: Any) -> Any:  # the first moved the small tensors' run
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("compare failed")
+        return real(*args, **kwargs)
+
+    trainer.step()
+    monkeypatch.setattr(fastdiff, "diff_and_update", fails_second)
+    with pytest.raises(RuntimeError, match="compare failed"):
+        await s.sync(model, ch.to_receiver.send, 1)
+    monkeypatch.setattr(fastdiff, "diff_and_update", real)
+    assert s.builder.diverged and s.version is None
+    with pytest.raises(WeightSyncError, match="recapture"):  # the builder itself refuses to patch from it
+        await s.builder.collect(dict(model.state_dict()), 1)
+    sent = len(ch.to_receiver.sent)
+    await s.sync(model, ch.to_receiver.send, 2)
+    assert {m.type for m in messages(ch.to_receiver, sent)} == {MessageType.BOOTSTRAP}
+    assert await r.apply(rmodel, ch.to_receiver.recv) == 2 and r.version == 2
+    assert_synced(model, rmodel)
+    for version in (3, 4):
+        trainer.step()
+        sent = len(ch.to_receiver.sent)
+        await s.sync(model, ch.to_receiver.send, version)
+        assert {m.type for m in messages(ch.to_receiver, sent)} == {MessageType.PATCH}
+        assert await r.apply(rmodel, ch.to_receiver.recv) == version
+        assert_synced(model, rmodel)
+
+
 # -- nvcomp_lz4 with the default encodings ----------------------------------------------------
 async def test_nvcomp_lz4_gets_the_entropy_coders_host_tables_on_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """``compression: nvcomp_lz4`` with the default encodings (ANS positions, ULP values):
