@@ -34,6 +34,14 @@ log = logging.getLogger(__name__)
 Send = Callable[[Sequence[Buffer]], Awaitable[Any]]
 Recv = Callable[[], Awaitable[Sequence[Buffer]]]
 
+class _Superseded(Exception):
+    """A resync's first message arrived while a patch was incomplete: it replaces the patch."""
+
+    def __init__(self, pending: str, parts: int, by: Message) -> None:
+        super().__init__(pending)
+        self.pending, self.parts, self.by = pending, parts, by
+
+
 @dataclass
 class PendingVersion:
     """A version received, validated and staged, not yet written."""
@@ -174,8 +182,19 @@ class ReceiverBase:
         each message as it comes; the version returned is ``written``."""
         if self.metadata is None:
             raise WeightSyncError("init_receiver() must complete before apply()")
-        targets = self.targets(model)
         first = await self._next(recv)
+        while True:
+            try:
+                return await self._receive(model, recv, first, bootstrap, before_write)
+            except _Superseded as e:
+                log.warning("%s abandoned by the sender after %d parts; taking its resync", e.pending, e.parts)
+                first = e.by
+
+    async def _receive(
+        self, model: StateLike, recv: Recv, first: Message, bootstrap: bool,
+        before_write: Callable[[PendingVersion], Awaitable[None]] | None,
+    ) -> PendingVersion:
+        targets = self.targets(model)
         started = time.perf_counter()
         self._check_first(first, bootstrap)
         kind = "bootstrap" if first.type is MessageType.BOOTSTRAP else self.strategy
@@ -190,9 +209,15 @@ class ReceiverBase:
         try:
             while True:
                 if msg is not first:
+                    if first.type is MessageType.PATCH and msg.type is MessageType.BOOTSTRAP and msg.part == 0:
+                        # A patch whose compare failed after its first parts went out: the
+                        # sender resyncs instead (``VersionServer.abandon_patch``); nothing of it is staged in the model.
+                        raise _Superseded(first.describe(), received, msg)
                     self._check_same_version(first, msg)
                 if msg.part != received:  # ZeroMQ keeps order: a gap or a repeat is an error
-                    raise ProtocolError(f"{msg.describe()}: expected part {received + 1} of {first.parts}")
+                    raise ProtocolError(f"{msg.describe()}: expected part {received + 1}")
+                if not msg.last and not msg.tensors:  # each part but the last covers new tensors: a version's parts are bounded
+                    raise ProtocolError(f"{msg.describe()}: a part before the last with no tensors")
                 received += 1
                 for entry in msg.tensors:
                     for key in entry.covers:
@@ -213,7 +238,7 @@ class ReceiverBase:
                     await self._stage(msg, targets, pending)
                 else:
                     raw.append(msg)
-                if received == first.parts:
+                if msg.last:
                     break
                 msg = await self._next(recv)
         except BaseException:
@@ -362,7 +387,7 @@ class ReceiverBase:
 
     @staticmethod
     def _check_same_version(first: Message, msg: Message) -> None:
-        if (msg.type, msg.version, msg.base_version, msg.parts) != (first.type, first.version, first.base_version, first.parts):
+        if (msg.type, msg.version, msg.base_version) != (first.type, first.version, first.base_version):
             raise ProtocolError(f"{msg.describe()} arrived while {first.describe()} was incomplete")
 
     async def _stage(self, msg: Message, targets: list[Target], pending: PendingVersion) -> None:

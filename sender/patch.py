@@ -81,6 +81,44 @@ class Captured:
     changes: Changes | None = None
 
 
+class CompareFailed(Exception):
+    """Raised by a ``CapturedStream`` whose compare failed or was cancelled: the version's
+    parts already sent must be abandoned (the compare's own error reaches ``sync()``)."""
+
+
+class CapturedStream:
+    """A version's ``Captured`` in order, handed from the compare (on its thread, or the
+    loop's) to the task that encodes and publishes it as parts while the compare goes on.
+    Iterating ends once the compare is done, or raises ``CompareFailed`` if it was not."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Captured) -> Captured:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        return item
+
+    def close(self, failed: BaseException | None = None) -> None:
+        """The compare is over (``failed``: it raised); safe from any thread, and after the loop closed."""
+        end = self._END if failed is None else CompareFailed(repr(failed))
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is left reading
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, end)
+
+    def __aiter__(self) -> CapturedStream:
+        return self
+
+    async def __anext__(self) -> Captured:
+        item = await self._queue.get()
+        if item is self._END:
+            raise StopAsyncIteration
+        if isinstance(item, CompareFailed):
+            raise item
+        return item
+
+
 @dataclass(frozen=True)
 class _Group:
     """Small tracked tensors of one receiver dtype, captured as one run of their elements end
@@ -250,32 +288,60 @@ class PatchBuilder:
         changes, stats = await self.collect(tensors, version)
         return await self.encode(changes, version, base, stats), stats
 
-    async def collect(self, tensors: dict[str, torch.Tensor], version: int) -> tuple[list[Captured], SyncStats]:
+    async def collect(
+        self, tensors: dict[str, torch.Tensor], version: int, stream: CapturedStream | None = None, stats: SyncStats | None = None
+    ) -> tuple[list[Captured], SyncStats]:
         """Compare the model with the snapshot, collect the changes and advance the
         snapshot to ``version``: the only part that reads the model. Off the event loop's
         thread, each tensor's changes go to the encoder thread as soon as they are collected,
         so encoding runs beside the compare and a tensor's raw changes live only until they
-        are coded; a state compared on the loop's thread is encoded with its parts."""
-        stats = SyncStats(version, "patch")
+        are coded; a state compared on the loop's thread is encoded with its parts.
+        ``stream`` gets each ``Captured`` as it is collected, and is closed at the end
+        (with the failure, if the compare fails)."""
+        stats = SyncStats(version, "patch") if stats is None else stats
         started = time.perf_counter()
-        self.plan.check_tensors(tensors)
-        await self._settle()
-        if self._diverged:
-            raise WeightSyncError("the snapshot diverged from the receivers in a failed collect: recapture() first")
+        try:
+            self.plan.check_tensors(tensors)
+            await self._settle()
+            if self._diverged:
+                raise WeightSyncError("the snapshot diverged from the receivers in a failed collect: recapture() first")
+        except BaseException as e:
+            if stream is not None:
+                stream.close(e)
+            raise
         self._diverged = True  # until the changes are handed over
         if self._inline(tensors):
             # Encoded with their part, after the compare: beside a compare on the event
             # loop's thread, an encoder thread's Python would hold the GIL the loop needs.
-            captured = self._collect(tensors, stats, lambda c: Captured(c.captured_nbytes(), None, c))
+            captured = self._streamed(tensors, stats, lambda c: Captured(c.captured_nbytes(), None, c), stream)
         else:
             # Shielded: a cancelled collect cannot stop its thread, which goes on moving the
             # snapshot; the next collect waits for it (``_settle``) and finds it diverged.
-            self._comparing = asyncio.ensure_future(asyncio.to_thread(self._collect, tensors, stats, self._submit))
-            captured = await asyncio.shield(self._comparing)
+            self._comparing = asyncio.ensure_future(asyncio.to_thread(self._streamed, tensors, stats, self._submit, stream))
+            try:
+                captured = await asyncio.shield(self._comparing)
+            except BaseException as e:  # cancelled: what the thread still streams comes after this end
+                if stream is not None:
+                    stream.close(e)
+                raise
             self._comparing = None
         self._diverged = False
         stats.build_seconds = time.perf_counter() - started
         return captured, stats
+
+    def _streamed(
+        self, tensors: dict[str, torch.Tensor], stats: SyncStats, emit: Callable[[Changes], Captured], stream: CapturedStream | None
+    ) -> list[Captured]:
+        """``_collect``, each item also put on ``stream``, which is closed however it ends."""
+        if stream is None:
+            return self._collect(tensors, stats, emit)
+        try:
+            captured = self._collect(tensors, stats, lambda c: stream.put(emit(c)))
+        except BaseException as e:
+            stream.close(e)
+            raise
+        stream.close()
+        return captured
 
     def _submit(self, changes: Changes) -> Captured:
         return Captured(changes.captured_nbytes(), self._encoder.submit(self._encode, changes))
@@ -291,14 +357,29 @@ class PatchBuilder:
 
     async def encode(self, captured: list[Captured], version: int, base: int | None, stats: SyncStats) -> Message:
         """The collected version as one message, once its tensors are encoded."""
-        return await self._encode_part(captured, version, base, stats, 0, 1)
+        return await self._encode_part(captured, version, base, stats, 0, True)
 
     async def encode_parts(self, captured: list[Captured], version: int, base: int | None, stats: SyncStats) -> AsyncIterator[Message]:
         """The same as parts of about ``part_bytes`` of changes each, yielded as each is
-        encoded: a receiver decodes one part while the next is encoded (the daemon's way)."""
+        encoded: a receiver decodes one part while the next is encoded."""
         groups = self.parts(captured)
         for i, group in enumerate(groups):
-            yield await self._encode_part(group, version, base, stats, i, len(groups))
+            yield await self._encode_part(group, version, base, stats, i, i + 1 == len(groups))
+
+    async def encode_stream(self, stream: CapturedStream, version: int, base: int | None, stats: SyncStats) -> AsyncIterator[Message]:
+        """``encode_parts`` of a collect still under way (the daemon's way): each part is
+        yielded once its tensors are encoded and the next one is collected, so the first
+        parts travel while the rest of the model is compared. The parts are those of
+        ``parts``; ``CompareFailed`` if the compare does not finish."""
+        group: list[Captured] = []
+        size = part = 0
+        async for c in stream:
+            if group and self.part_bytes and size >= self.part_bytes:
+                yield await self._encode_part(group, version, base, stats, part, False)
+                group, size, part = [], 0, part + 1
+            group.append(c)
+            size += c.nbytes
+        yield await self._encode_part(group, version, base, stats, part, True)
 
     def parts(self, captured: list[Captured]) -> list[list[Captured]]:
         """Consecutive groups of ``captured`` of at least ``part_bytes`` each (by the bytes
@@ -315,7 +396,7 @@ class PatchBuilder:
         return groups
 
     async def _encode_part(
-        self, captured: list[Captured], version: int, base: int | None, stats: SyncStats, part: int, parts: int
+        self, captured: list[Captured], version: int, base: int | None, stats: SyncStats, part: int, last: bool
     ) -> Message:
         started = time.perf_counter()  # encoding the collect did not hide: waits for the encoder, and framing
         later = [c.changes for c in captured if c.changes is not None]
@@ -324,7 +405,7 @@ class PatchBuilder:
         stats.tensors_dense += sum(len(e.group) or 1 for e in encoded if e.encoding is Encoding.DENSE)
         specs, frames = assemble(encoded)
         stats.encode_seconds += time.perf_counter() - started
-        return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames, part=part, parts=parts)
+        return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames, part=part, last=last)
 
     def _collect(self, tensors: dict[str, torch.Tensor], stats: SyncStats, emit: Callable[[Changes], T]) -> list[T]:
         """Each changed tensor's (or group's) ``Changes``, passed through ``emit`` as it is collected."""

@@ -29,7 +29,7 @@ from protocol.state import StateLike, resolve_state
 from protocol.wire.limits import Limits
 
 from .base import check_next_version
-from .patch import Captured, PatchBuilder
+from .patch import CapturedStream, CompareFailed, PatchBuilder
 from .source import TrainerSource
 from .stats import SyncStats
 
@@ -93,6 +93,7 @@ class Sender:
         self._stats_history = stats_history
         self._source: TrainerSource | None = None
         self._encoding: asyncio.Task[None] | None = None  # the newest patch being encoded
+        self._moved: asyncio.Future[bool] | None = None  # the version being encoded became the server's, or not (``_encode``)
 
     # -- public API -----------------------------------------------------------------
     async def start(self, model: StateLike, *, version: int | None = None) -> Sender:
@@ -115,8 +116,9 @@ class Sender:
         """Capture ``version`` from ``model`` once for every receiver and return its stats.
 
         Returns as soon as the changes are collected and the snapshot has moved (patch),
-        or the buckets are built (bucket): the model may change again. Encoding and
-        sending go on in the background; ``stats.wire_bytes`` and ``encode_seconds`` are
+        or the buckets are built (bucket): the model may change again. A patch's first
+        parts are encoded and sent while its later tensors are still compared; the rest
+        goes on in the background; ``stats.wire_bytes`` and ``encode_seconds`` are
         filled in once the patch is encoded (``await sender.flush()`` waits for that).
 
         Versions must increase: a version not above the current one (also when another
@@ -136,8 +138,13 @@ class Sender:
             # sees its version, and a stale one (sync(5) after sync(6)) is refused here.
             check_next_version(self.version, version)
             source.model = model
-            stats = await self._build(source, tensors, version)
+            try:
+                stats = await self._build(source, tensors, version)
+            except BaseException:
+                self._settle_moved(False)
+                raise
             self.server.moved(version)
+            self._settle_moved(True)
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
@@ -209,13 +216,19 @@ class Sender:
         if builder is None:  # no receiver yet: nothing to diff against, only the version moves
             source.hold(tensors)
             return SyncStats(version, self.strategy)
-        if isinstance(builder, PatchBuilder):  # encoded in the background, in version order
+        if isinstance(builder, PatchBuilder):  # encoded as it is compared, in version order
             if builder.diverged:  # a failed sync moved the snapshot: patches from it would be wrong
                 return await self._resync_all(builder, tensors, version)
-            changes, stats = await builder.collect(tensors, version)
+            # Encoded and published part by part while the compare goes on: the first parts
+            # travel before the last tensors are compared (``PatchBuilder.encode_stream``).
             base, previous = self.version, self._encoding
+            stream, stats = CapturedStream(), SyncStats(version, self.strategy)
+            self._moved = asyncio.get_running_loop().create_future()
             self.server.expect_patch(base)
-            self._encoding = self.server.spawn(self._encode(builder, previous, changes, version, base, stats), f"encode-v{version}")
+            self._encoding = self.server.spawn(
+                self._encode(builder, previous, stream, version, base, stats, self._moved), f"encode-v{version}"
+            )
+            await builder.collect(tensors, version, stream, stats)
             return stats
         started = time.perf_counter()
         await builder.hold(tensors)
@@ -225,6 +238,10 @@ class Sender:
         stats.messages, stats.wire_bytes = len(frames_list), sum(len(f) for fr in frames_list for f in fr)
         stats.build_seconds = time.perf_counter() - started
         return stats
+
+    def _settle_moved(self, moved: bool) -> None:
+        if self._moved is not None and not self._moved.done():
+            self._moved.set_result(moved)
 
     async def _resync_all(self, builder: PatchBuilder, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
         """``version`` as a new snapshot and no patch: every receiver, none of which is at
@@ -241,15 +258,23 @@ class Sender:
         return stats
 
     async def _encode(
-        self, builder: PatchBuilder, previous: asyncio.Task[None] | None, changes: list[Captured], version: int, base: int | None,
-        stats: SyncStats,
+        self, builder: PatchBuilder, previous: asyncio.Task[None] | None, stream: CapturedStream, version: int, base: int | None,
+        stats: SyncStats, moved: asyncio.Future[bool],
     ) -> None:
-        """Encode a collected version into the ring, after the versions before it, part by
-        part: receivers get each part as soon as it is encoded."""
+        """Encode a version into the ring as it is collected, after the versions before it,
+        part by part: receivers get each part as soon as it is encoded, the last once the
+        server is at ``version`` (``moved``: no receiver acknowledges a version ahead of
+        it). A compare that fails abandons the parts already out (its error reaches
+        ``sync()``'s caller)."""
         if previous is not None:
             await previous
-        async for msg in builder.encode_parts(changes, version, base, stats):
-            frames = self.server.stamp(msg)
-            stats.messages += 1
-            stats.wire_bytes += sum(len(f) for f in frames)
-            self.server.publish_patch(base, version, frames, last=msg.part + 1 == msg.parts)
+        try:
+            async for msg in builder.encode_stream(stream, version, base, stats):
+                frames = self.server.stamp(msg)
+                stats.messages += 1
+                stats.wire_bytes += sum(len(f) for f in frames)
+                if msg.last and not await moved:  # the sync failed or was cancelled after its compare
+                    raise CompareFailed(f"v{version} was not synced")
+                self.server.publish_patch(base, version, frames, last=msg.last)
+        except CompareFailed:
+            self.server.abandon_patch(base, version)

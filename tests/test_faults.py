@@ -349,7 +349,7 @@ def _refused_forever(data: int) -> Any:
         if w.type == data and w.version == 2:
             after.add(w.connection)
             return True
-        return w.type == BOOTSTRAP and w.connection in after and w.header.get("part") == w.header.get("parts", 0) - 1
+        return w.type == BOOTSTRAP and w.connection in after and w.header.get("last") is True
 
     return select
 

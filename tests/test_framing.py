@@ -110,10 +110,10 @@ def test_message_without_tensors_is_one_frame():
 @pytest.mark.parametrize("mtype", list(MessageType), ids=lambda t: t.name)
 def test_header_roundtrip_every_type(mtype):
     body = {"reason": "because", "n": [1, 2, 3], "nested": {"a": b"\x00\xff", "f": 1.5, "none": None}, "ok": True}
-    msg = Message(mtype, session="sess-\u00e9", seq=42, version=9, base_version=8, part=1, parts=3, body=body)
+    msg = Message(mtype, session="sess-\u00e9", seq=42, version=9, base_version=8, part=1, last=False, body=body)
     out = decode_message(to_bytes(encode_message(msg)))
     assert out.type is mtype
-    assert (out.session, out.seq, out.version, out.base_version, out.part, out.parts) == ("sess-\u00e9", 42, 9, 8, 1, 3)
+    assert (out.session, out.seq, out.version, out.base_version, out.part, out.last) == ("sess-\u00e9", 42, 9, 8, 1, False)
     assert out.body == body
     assert out.tensors == [] and out.frames == []
 
@@ -121,7 +121,7 @@ def test_header_roundtrip_every_type(mtype):
 def test_header_optional_versions_roundtrip():
     out = decode_message(to_bytes(encode_message(Message(MessageType.HELLO, version=None, base_version=None))))
     assert out.version is None and out.base_version is None
-    assert (out.seq, out.part, out.parts, out.session, out.body) == (0, 0, 1, "", {})
+    assert (out.seq, out.part, out.last, out.session, out.body) == (0, 0, True, "", {})
 
 
 def test_header_carries_protocol_version_and_checksum():
@@ -161,10 +161,10 @@ def test_modified_header_without_new_checksum_is_an_integrity_error():
         decode_message([msgpack.packb(header, use_bin_type=True)])
 
 
-@pytest.mark.parametrize(("part", "parts"), [(0, 0), (3, 3), (5, 2), (0, -1)])
-def test_part_out_of_range(part, parts):
+@pytest.mark.parametrize(("part", "last"), [(-1, True), (0, 1), (0, 0), (0, None), (0.0, True)])
+def test_part_fields_of_the_wrong_kind(part, last):
     header = header_of(encode_message(Message(MessageType.BUCKET, version=1)))
-    header["part"], header["parts"] = part, parts
+    header["part"], header["last"] = part, last
     with pytest.raises(ProtocolError):
         decode_message([reseal(header)])
 

@@ -302,7 +302,7 @@ def test_header_with_non_string_keys():
         decode_message([msgpack.packb({1: 2, "hsum": 0})])
 
 
-@pytest.mark.parametrize("field", ["type", "proto", "session", "seq", "part", "parts", "tensors", "body"])
+@pytest.mark.parametrize("field", ["type", "proto", "session", "seq", "part", "last", "tensors", "body"])
 def test_header_missing_field(field):
     frames = mutate(message([]), lambda h: h.pop(field))
     with pytest.raises(ProtocolError, match=repr(field)):
@@ -336,7 +336,7 @@ HOSTILE_EDITS = {
     # negative numbers
     "seq<0": field_edit("seq", -1),
     "part<0": field_edit("part", -1),
-    "parts<0": field_edit("parts", -1),
+    "last=1": field_edit("last", 1),
     "key<0": entry_edit(0, 0, -1),
     "nnz<0": entry_edit(0, 3, -3),
     "frame<0": spec_edit(0, 0, FRAME, -1),
@@ -393,7 +393,7 @@ HOSTILE_EDITS = {
     "shape-overflow": lambda h: spec_edit(0, 0, SHAPE, [2**63, 2**63])(h),
     "duplicate-role": lambda h: h["tensors"][0][4].append(list(h["tensors"][0][4][0])),
     "duplicate-frame": spec_edit(0, 1, FRAME, 1),
-    "part>=parts": field_edit("part", 1),
+    "last-not-bool": field_edit("last", "yes"),
     # grouped entries (a sixth item: the ordinals, the key first)
     "group-nil": lambda h: h["tensors"][0].append(None),
     "group-of-one": lambda h: h["tensors"][0].append([0]),

@@ -5,6 +5,7 @@ never before. Real AdamW steps, real sockets, bf16 receivers checked bit for bit
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -139,6 +140,94 @@ async def test_a_damaged_part_publishes_nothing_and_is_resynced(fleet: Fleet, mo
         await assert_matches(r, trainer, version)
     assert seen == [1, 2, 3]  # v2 came by resync, whole; its damaged parts were never published
     assert r.stats[2].kind == "bootstrap" and s.receivers["r0"]["resyncs"] == 1
+
+
+def compare_hooked(monkeypatch: pytest.MonkeyPatch, hook: Any) -> None:
+    """Every compare on its thread (as a large model's is), ``hook(n)`` before its n-th kernel call."""
+    from sender import fastdiff
+
+    real, calls = fastdiff.diff_and_update, [0]
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        hook(calls[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(PatchBuilder, "_inline", lambda self, tensors: False)
+    monkeypatch.setattr(fastdiff, "diff_and_update", hooked)
+
+
+def delivered_parts(monkeypatch: pytest.MonkeyPatch, s: Sender) -> list[tuple[MessageType, int | None, int]]:
+    delivered: list[tuple[MessageType, int | None, int]] = []
+    deliver = s.server._deliver
+
+    async def recorded(peer: Any, frames: list[Any]) -> None:
+        msg = decode_message(frames)
+        delivered.append((msg.type, msg.version, msg.part))
+        await deliver(peer, frames)
+
+    monkeypatch.setattr(s.server, "_deliver", recorded)
+    return delivered
+
+
+async def test_parts_travel_while_the_compare_goes_on(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first parts leave while later tensors are still being compared: sync() has not
+    returned, and the version is not published until its last part is in."""
+    trainer = Trainer()
+    s = await fleet.sender(trainer)
+    r = await fleet.receiver(s.endpoint, "r0")
+    seen = published_versions_are_whole(r, trainer)
+    release = threading.Event()
+    compare_hooked(monkeypatch, lambda n: n == 8 and release.wait(T))
+    delivered = delivered_parts(monkeypatch, s)
+    version = trainer.step()
+    sync = asyncio.ensure_future(s.sync(trainer.model, version))
+    await wait_until(lambda: (MessageType.PATCH, version, 0) in delivered)
+    await asyncio.sleep(0.1)
+    assert not sync.done() and r.version == version - 1 and seen == []
+    release.set()
+    await asyncio.wait_for(sync, T)
+    await r.wait_for_version(version, timeout=T)
+    await assert_matches(r, trainer, version)
+    assert seen == [version] and s.stats[version].messages > 2
+
+
+async def test_a_compare_failing_after_parts_went_out_resyncs(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts of a version whose compare then fails are abandoned: the receiver holding them
+    publishes nothing of it, and takes the next version's resync in their place."""
+    trainer = Trainer()
+    s = await fleet.sender(trainer)
+    rs = [await fleet.receiver(s.endpoint, f"r{i}") for i in range(2)]
+    seen = [published_versions_are_whole(r, trainer) for r in rs]
+    delivered = delivered_parts(monkeypatch, s)
+    loop = asyncio.get_running_loop()
+
+    def fail_the_eighth(n: int) -> None:
+        if n == 8:
+            # once the first part reached both receivers
+            asyncio.run_coroutine_threadsafe(wait_until(lambda: delivered.count((MessageType.PATCH, 1, 0)) == 2), loop).result(T)
+            raise RuntimeError("compare failed")
+
+    compare_hooked(monkeypatch, fail_the_eighth)
+    with pytest.raises(RuntimeError, match="compare failed"):
+        await s.sync(trainer.model, trainer.step())
+    await asyncio.sleep(0.2)
+    assert all(r.version == 0 for r in rs) and seen == [[], []]
+    monkeypatch.undo()
+    delivered = delivered_parts(monkeypatch, s)
+    version = await trainer.step_and_sync(s)
+    for r in rs:
+        await r.wait_for_version(version, timeout=T)
+        await assert_matches(r, trainer, version)
+        assert r.stats[version].kind == "bootstrap"
+    assert {d[0] for d in delivered} == {MessageType.BOOTSTRAP}
+    version = await trainer.step_and_sync(s)
+    for r in rs:
+        await r.wait_for_version(version, timeout=T)
+        await assert_matches(r, trainer, version)
+        assert r.stats[version].kind == "patch"
+    assert seen == [[2, 3], [2, 3]] and s.failure is None
+    assert all(info["resyncs"] == 1 for info in s.receivers.values()), s.receivers
 
 
 def test_part_bytes_is_checked() -> None:

@@ -60,4 +60,4 @@ def bucket_messages(
                 host = host.clone()
             entries.append(encode_dense(ordinal(key), host, Codec.NONE))
         specs, frames = assemble(entries)
-        yield Message(mtype, version=version, part=part, parts=len(buckets), tensors=specs, frames=frames)
+        yield Message(mtype, version=version, part=part, last=part == len(buckets) - 1, tensors=specs, frames=frames)

@@ -56,6 +56,7 @@ class RingEntry:
     version: int
     messages: list[list[Buffer]]
     complete: bool = True
+    abandoned: bool = False  # it will never be complete (``VersionServer.abandon_patch``)
     grown: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each new part
 
     @property
@@ -65,6 +66,13 @@ class RingEntry:
     def add(self, frames: list[Buffer], last: bool) -> None:
         self.messages.append(frames)
         self.complete = last
+        self._grow()
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        self._grow()
+
+    def _grow(self) -> None:
         grown, self.grown = self.grown, asyncio.Event()
         grown.set()
 
@@ -286,6 +294,16 @@ class VersionServer:
         self._pending_bases.discard(base)
         self._trim_ring()
         self._wake_all()
+
+    def abandon_patch(self, base: int | None, version: int) -> None:
+        """The patch from ``base`` to ``version`` will not be finished (its compare failed):
+        out of the ring, and the pumps sending it stop. A receiver left with its first parts
+        holds them, unwritten, until the next version resyncs it by bootstrap."""
+        self._pending_bases.discard(base)
+        newest = self._ring[-1] if self._ring else None
+        if newest is not None and not newest.complete and (newest.base, newest.version) == (base, version):
+            self._ring.pop()
+            newest.abandon()
 
     def _trim_ring(self) -> None:
         """Drop the oldest patches past ``ring_bytes`` (the newest always stays: receivers
@@ -526,7 +544,8 @@ class VersionServer:
                     version, what = batch
                     del batch
                     if isinstance(what, RingEntry):
-                        await self._deliver_entry(peer, what)
+                        if not await self._deliver_entry(peer, what):
+                            continue  # abandoned: the peer is still at its base
                     else:
                         await self._deliver_all(peer, what)
                     del what
@@ -548,11 +567,11 @@ class VersionServer:
 
     async def _next_for(self, peer: Peer) -> tuple[int | None, RingEntry | list[list[Buffer]]] | None:
         if not peer.needs_resync:
-            if peer.sent == self.version:
-                return None
-            for entry in self._ring:
+            for entry in self._ring:  # from the current version too: a patch whose first parts are out
                 if entry.base == peer.sent:
                     return entry.version, entry
+            if peer.sent == self.version:
+                return None
             if peer.sent in self._pending_bases:
                 return None  # its next patch is being prepared; publish_patch wakes it
             if self._bucket_frames is not None and (peer.sent is None or peer.sent < self._bucket_frames[0]):
@@ -572,15 +591,17 @@ class VersionServer:
         log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version)
         return self.version, [self.stamp(m) for m in await self._resync_messages()]
 
-    async def _deliver_entry(self, peer: Peer, entry: RingEntry) -> None:
-        """Every part of a patch, each as soon as it is published."""
+    async def _deliver_entry(self, peer: Peer, entry: RingEntry) -> bool:
+        """Every part of a patch, each as soon as it is published; False if it was abandoned first."""
         sent = 0
         while True:
             while sent < len(entry.messages):
                 await self._deliver(peer, entry.messages[sent])
                 sent += 1
             if entry.complete:
-                return
+                return True
+            if entry.abandoned:
+                return False
             await entry.grown.wait()
 
     async def _deliver_all(self, peer: Peer, messages: list[list[Buffer]]) -> None:

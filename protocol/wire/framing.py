@@ -4,13 +4,14 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack map (the header);
 frames 1..n are raw buffers, each described by one ``BufferSpec`` in the header's
 manifest. Tensor bytes never travel inside msgpack.
 
-Header keys (protocol version 3)::
+Header keys (protocol version 4)::
 
     type     MessageType            proto    PROTOCOL_VERSION
     session  sender session id      seq      per-session message counter
     version  weight version or nil  base     base_version of a patch, or nil
-    part     index of this message within its version (0..parts-1)
-    parts    number of messages that make up the version
+    part     index of this message within its version (0, 1, ...)
+    last     whether it is the version's last message (a patch's parts go out while
+             later ones are still being compared, so their count is not known up front)
     tensors  [[key, encoding, values, nnz, [buffer, ...]], ...]
              buffer = [frame, role, dtype, shape, nbytes, codec, shuffle, wire_nbytes, checksum]
              a grouped entry adds a sixth item, [key, ordinal, ...]: small tensors of one
@@ -44,7 +45,7 @@ from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits
 
 # 2: an ANS_GAPS + ULP tensor travels packed, one buffer (protocol/codec/packed.py);
 # 3: grouped entries (TensorEntry.group)
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_DIMS = 8
 
 
@@ -149,7 +150,7 @@ class Message:
     version: int | None = None
     base_version: int | None = None
     part: int = 0
-    parts: int = 1
+    last: bool = True
     tensors: list[TensorEntry] = field(default_factory=list)
     body: dict[str, Any] = field(default_factory=dict)
     frames: list[Buffer] = field(default_factory=list)  # payload frames 1..n
@@ -159,7 +160,7 @@ class Message:
         return sum(len(f) for f in self.frames)
 
     def describe(self) -> str:
-        return f"{self.type.name} v{self.version} part {self.part + 1}/{self.parts} seq {self.seq}"
+        return f"{self.type.name} v{self.version} part {self.part + 1}{' (last)' if self.last else ''} seq {self.seq}"
 
 
 def encode_message(msg: Message) -> list[Buffer]:
@@ -172,7 +173,7 @@ def encode_message(msg: Message) -> list[Buffer]:
         "version": msg.version,
         "base": msg.base_version,
         "part": msg.part,
-        "parts": msg.parts,
+        "last": msg.last,
         "tensors": [t.to_wire() for t in msg.tensors],
         "body": msg.body,
     }
@@ -223,12 +224,10 @@ def decode_message(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) ->
         version=_get(header, "version", int, optional=True),
         base_version=_get(header, "base", int, optional=True),
         part=_nonneg(_get(header, "part", int), "part"),
-        parts=_get(header, "parts", int),
+        last=_get(header, "last", bool),
         body=_get(header, "body", dict),
     )
     where = msg.describe()
-    if msg.parts < 1 or msg.part >= msg.parts:
-        raise ProtocolError(f"{where}: part index out of range")
     raw_tensors = _get(header, "tensors", list)
     if len(raw_tensors) > limits.tensors:
         raise LimitError("tensor entries", len(raw_tensors), limits.tensors, where)
