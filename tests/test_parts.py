@@ -96,15 +96,7 @@ async def test_a_part_is_served_before_the_next_is_encoded(fleet: Fleet, monkeyp
         return await encode_part(self, changes, version, base, stats, part, parts)
 
     monkeypatch.setattr(PatchBuilder, "_encode_part", held_after_the_first)
-    delivered: list[tuple[MessageType, int | None, int]] = []
-    deliver = s.server._deliver
-
-    async def recorded(peer: Any, frames: list[Any]) -> None:
-        msg = decode_message(frames)
-        delivered.append((msg.type, msg.version, msg.part))
-        await deliver(peer, frames)
-
-    monkeypatch.setattr(s.server, "_deliver", recorded)
+    delivered = delivered_parts(monkeypatch, s)
     version = await trainer.step_and_sync(s)
     # Part 1 waits: part 0 is on its way to the receiver all the same, and the version is not published.
     await wait_until(lambda: (MessageType.PATCH, version, 0) in delivered)
