@@ -64,6 +64,31 @@ def test_init_and_update_info_are_checked_at_the_boundary() -> None:
             WeightsyncUpdateInfo(**bad_update)
 
 
+AMX_PROBE = """
+import ctypes, json, torch
+def tile_permitted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is the AMX tile data
+    mask = ctypes.c_uint64()
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0 and bool(mask.value >> 18 & 1)
+before = tile_permitted()
+from receiver.vllm import register
+register()
+print(json.dumps({"amx": torch.cpu._is_amx_tile_supported(), "before": before, "after": tile_permitted()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="AMX is x86-64 Linux's")
+def test_the_plugin_asks_linux_for_amx_where_the_cpu_has_it() -> None:
+    """vLLM's CPU attention takes its AMX kernel on AMX hosts without asking Linux for the
+    tile state, and its worker dies of SIGILL; the plugin, which runs in every vLLM
+    process, asks. A fresh process has not (the check would prove nothing if it had)."""
+    out = subprocess.run([sys.executable, "-c", AMX_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    if not probe["amx"]:
+        pytest.skip("this CPU has no AMX tiles: nothing to ask for")
+    assert probe == {"amx": True, "before": False, "after": True}
+
+
 def test_engine_follows_the_trainer_and_equals_a_fresh_engine() -> None:
     """Tied embeddings (lm_head is embed_tokens), grouped-query attention with qkv bias,
     gate_up, a padded vocabulary; TP=1. Versions stage while the engine generates."""

@@ -18,5 +18,21 @@ def register() -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return
+    _enable_amx()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "receiver.vllm.engine", "WeightsyncEngine")
+
+
+def _enable_amx() -> None:
+    """Ask Linux for the AMX tile state in this process, where the CPU has it.
+
+    vLLM's CPU attention takes its AMX kernel wherever torch reports AMX tiles (bf16, block
+    sizes of 32), but nothing in vLLM asks the kernel for the tile state first, which Linux
+    requires of every process (``arch_prctl(ARCH_REQ_XCOMP_PERM)``): the worker then dies of
+    SIGILL (exit -4) at its first forward pass. torch's own call does the asking; on hosts
+    without AMX it does nothing."""
+    import torch
+
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    if init is not None and torch.cpu._is_amx_tile_supported():
+        init()
