@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                    "core it has: as if they ran on separate hosts, so their stages can overlap")
     p.add_argument("--part-bytes", type=int, metavar="N", help="patch.part_bytes for the patch runs (0: one message a "
                    "version; default: the library's)")
+    p.add_argument("--encode-backlog", type=int, metavar="N", help="patch.encode_backlog_bytes for the patch runs (0: "
+                   "unbounded; default: the library's)")
     p.add_argument("--mbit", type=float, help="lowbw: the link's rate towards the receivers, Mbit/s (default 100)")
     p.add_argument("--rtt-ms", type=float, help="lowbw: the round trip the proxy adds, ms (default 40)")
     p.add_argument("--tiny", action="store_true", help="lowbw: one small synthetic workload (the smoke test)")
@@ -166,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         e2e.PATCH_OPTIONS["dense_above"] = value
     if args.part_bytes is not None:
         e2e.PATCH_OPTIONS["part_bytes"] = args.part_bytes
+    if args.encode_backlog is not None:
+        e2e.PATCH_OPTIONS["encode_backlog_bytes"] = args.encode_backlog
     if args.receivers is not None:
         e2e.RECEIVERS = args.receivers
     if args.split_cores:

@@ -6,6 +6,7 @@
       type: patch             # or bucket
       patch: {snapshot_device, transport_device, delta_encoding, compression,
               position_encoding, value_encoding, dense_above, part_bytes,
+              encode_backlog_bytes, group_numel,
               init_sync: {enabled, prefixes, bucket_size}}
       bucket: {bucket_size, bucket_dtype, bucket_device, is_agent, load_instant, init_sync}
 
@@ -66,6 +67,10 @@ class PatchConfig:
     # A patch travels in parts of at least this many bytes of changes each, each sent as
     # soon as it is encoded, so receivers decode one while the next is encoded; 0: one message.
     part_bytes: int = 16 * MiB  # large: a part's fixed cost stays small beside its work (docs/performance.md)
+    # How many bytes of collected changes may wait for the encoder before the compare waits
+    # for it (what the sender's memory grows by when the compare outruns the encoder).
+    # None: a 32nd of the snapshot, at least 4 MiB; 0: unbounded.
+    encode_backlog_bytes: int | None = None
     # Tensors of at most this many elements are compared and coded in groups of up to 4x
     # that (biases, norms: an entry costs tens of us a side whatever its size); 0: never.
     group_numel: int = 64 * 1024
@@ -138,6 +143,10 @@ class SyncConfig:
         dense_rule(p.dense_above)
         if type(p.part_bytes) is not int or p.part_bytes < 0:
             raise ConfigError(f"patch.part_bytes must be an int >= 0 (0: one message a version), got {p.part_bytes!r}")
+        if p.encode_backlog_bytes is not None and (type(p.encode_backlog_bytes) is not int or p.encode_backlog_bytes < 0):
+            raise ConfigError(
+                f"patch.encode_backlog_bytes must be an int >= 0 (0: unbounded) or null (automatic), got {p.encode_backlog_bytes!r}"
+            )
         if type(p.group_numel) is not int or p.group_numel < 0:
             raise ConfigError(f"patch.group_numel must be an int >= 0 (0: every tensor on its own), got {p.group_numel!r}")
         if self.type == "patch":

@@ -23,6 +23,7 @@ from protocol.state import ModelState, StateLike, is_dtensor, materialize, resol
 from protocol.wire.dtypes import bits_dtype
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
 
+from .backlog import Backlog
 from .base import Send, SenderBase, send_all
 from .copies import WholeCopies
 from .plan import SyncPlan
@@ -38,6 +39,9 @@ else:  # numba loads on first use (protocol/lazy.py)
 
 
 T = TypeVar("T")
+
+BACKLOG_SHARE = 32  # patch.encode_backlog_bytes by default: this fraction of the snapshot...
+BACKLOG_MIN = 4 << 20  # ...and at least this
 
 # States whose compare reads at most this run it on the event loop's thread (~3 ms of
 # reading at 20 GB/s): below it a thread hand-off is a large share of the build.
@@ -223,6 +227,9 @@ class PatchBuilder:
         # (no shutdown needed: the executor's thread ends once the builder, and so it, is collected)
         # what a compare reads: the state and the snapshot
         self._read_bytes = sum(plan.state.tensors[k].numel() * (plan.state.tensors[k].element_size() + i.itemsize) for k, i in self._keys.items())
+        snapshot_bytes = sum(plan.state.tensors[k].numel() * i.itemsize for k, i in self._keys.items())
+        limit = config.encode_backlog_bytes
+        self.backlog_limit = max(BACKLOG_MIN, snapshot_bytes // BACKLOG_SHARE) if limit is None else limit
 
     def capture(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the snapshot: what the receivers hold after the bootstrap."""
@@ -317,7 +324,18 @@ class PatchBuilder:
         else:
             # Shielded: a cancelled collect cannot stop its thread, which goes on moving the
             # snapshot; the next collect waits for it (``_settle``) and finds it diverged.
-            self._comparing = asyncio.ensure_future(asyncio.to_thread(self._streamed, tensors, stats, self._submit, stream))
+            # Each tensor's changes go to the encoder thread; once they are on the stream, the
+            # compare waits while too many bytes wait to be encoded ahead of them (``Backlog``).
+            backlog = Backlog(self.backlog_limit)
+
+            def submit(changes: Changes) -> Captured:
+                nbytes = changes.captured_nbytes()
+                return Captured(nbytes, backlog.add(nbytes, self._encoder.submit(self._encode, changes)))
+
+            def pace() -> None:
+                stats.backlog_wait_seconds += backlog.wait()
+
+            self._comparing = asyncio.ensure_future(asyncio.to_thread(self._streamed, tensors, stats, submit, stream, pace))
             try:
                 captured = await asyncio.shield(self._comparing)
             except BaseException as e:  # cancelled: what the thread still streams comes after this end
@@ -330,21 +348,33 @@ class PatchBuilder:
         return captured, stats
 
     def _streamed(
-        self, tensors: dict[str, torch.Tensor], stats: SyncStats, emit: Callable[[Changes], Captured], stream: CapturedStream | None
+        self,
+        tensors: dict[str, torch.Tensor],
+        stats: SyncStats,
+        emit: Callable[[Changes], Captured],
+        stream: CapturedStream | None,
+        pace: Callable[[], None] | None = None,
     ) -> list[Captured]:
-        """``_collect``, each item also put on ``stream``, which is closed however it ends."""
-        if stream is None:
-            return self._collect(tensors, stats, emit)
-        try:
-            captured = self._collect(tensors, stats, lambda c: stream.put(emit(c)))
-        except BaseException as e:
-            stream.close(e)
-            raise
-        stream.close()
-        return captured
+        """``_collect``, each item also put on ``stream``, which is closed however it ends,
+        and ``pace`` called after each."""
 
-    def _submit(self, changes: Changes) -> Captured:
-        return Captured(changes.captured_nbytes(), self._encoder.submit(self._encode, changes))
+        def handed(changes: Changes) -> Captured:
+            item = emit(changes)
+            if stream is not None:
+                stream.put(item)
+            if pace is not None:
+                pace()
+            return item
+
+        try:
+            captured = self._collect(tensors, stats, handed)
+        except BaseException as e:
+            if stream is not None:
+                stream.close(e)
+            raise
+        if stream is not None:
+            stream.close()
+        return captured
 
     def _inline(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether to compare on the caller's thread: a small state of plain CPU tensors,
@@ -494,7 +524,7 @@ class PatchBuilder:
             expect = self._expect.get(key)
             if callable(dense_above) and expect is not None and expect > info.candidate * numel:
                 # It may go whole again: counted first, not collected in the same pass (which
-                # writes 10-16 bytes a change, fresh memory a whole send then throws away).
+                # writes 6-12 bytes a change, fresh memory a whole send then throws away).
                 expect = None
             nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, dense_above, expect)
             self._expect[key] = nnz

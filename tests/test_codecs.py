@@ -17,7 +17,17 @@ from hypothesis import strategies as st
 from protocol.codec.compress import Codec, compress, decompress, parse_compression, shuffle, unshuffle
 from protocol.codec.coo import coo_shape, delta_decode, delta_encode, split_rows_cols
 from protocol.codec.positions import decode_positions, downscale, encode_positions
-from protocol.codec.tensorcodec import ZSTD_MIN_BYTES, DecodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_buffer
+from protocol.codec.tensorcodec import (
+    ZSTD_MIN_BYTES,
+    DecodedTensor,
+    PatchOptions,
+    assemble,
+    decode_entry,
+    encode_dense,
+    encode_sparse,
+    pack_buffer,
+    sparse_buffers,
+)
 from protocol.errors import ConfigError, ProtocolError
 from protocol.wire.dtypes import bits_dtype, dtype_code, itemsize, smallest_unsigned
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
@@ -197,6 +207,28 @@ def test_every_encoding_combination(positions, values, codec, dtype):
     apply(got_dense, decode_entry(msg.tensors[1], msg.frames, (3, 4, 20), dtype, CPU))
     assert_bit_equal(got_sparse, new)
     assert_bit_equal(got_dense, new)
+
+
+@pytest.mark.parametrize("nnz", [5, 300, 5000])
+@pytest.mark.parametrize("values", VALUES, ids=lambda v: v.name)
+@pytest.mark.parametrize("positions", POSITIONS, ids=lambda p: "AUTO" if p is None else p.name)
+def test_int32_positions_code_exactly_as_int64(positions, values, nnz):
+    """The sender's compare collects positions as int32 where they fit (``fastdiff.position_dtype``):
+    every encoding must give the same buffers from them as from int64, past the packed
+    format's threshold too."""
+    g = torch.Generator().manual_seed(nnz)
+    shape = (3000, 700)
+    # clustered, then one far off: a gap the entropy coder's high part escapes (a raw gap of its own)
+    near = torch.randperm(3 * nnz, generator=g)[: nnz - 1].sort().values
+    flat = torch.cat([near, torch.tensor([shape[0] * shape[1] - 1])])
+    old = torch.randn(nnz, generator=g).to(torch.bfloat16)
+    new = (old.float() * 1.01).to(torch.bfloat16)
+    options = PatchOptions(positions, values, Codec.NONE)
+    wide = sparse_buffers(flat, new, old, shape, options)
+    narrow = sparse_buffers(flat.to(torch.int32), new, old, shape, options)
+    assert narrow[:2] == wide[:2] and narrow[2].keys() == wide[2].keys()
+    for role, buf in wide[2].items():
+        assert narrow[2][role].dtype == buf.dtype and torch.equal(narrow[2][role], buf), role
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

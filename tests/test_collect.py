@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 import torch
+from daemon_helpers import wait_until
 
 from protocol.config import load_config
 from protocol.state import resolve_state
 from protocol.wire.metadata import ModelMetadata
 from sender import fastdiff
+from sender.backlog import Backlog
 from sender.patch import PatchBuilder
 from sender.plan import SyncPlan
 from sender.stats import SyncStats
 
 
-def builder_for(state: dict[str, torch.Tensor], receiver: torch.dtype, group_numel: int = 0) -> PatchBuilder:
+def builder_for(state: dict[str, torch.Tensor], receiver: torch.dtype, group_numel: int = 0, **patch: object) -> PatchBuilder:
     """A builder of ``state``; ``group_numel`` 0 (every tensor on its own) unless a test is about groups."""
-    config = load_config({"type": "patch", "patch": {"group_numel": group_numel}})
+    config = load_config({"type": "patch", "patch": {"group_numel": group_numel, **patch}})
     metadata = ModelMetadata.of({k: t.to(receiver) for k, t in state.items()})
     builder = PatchBuilder(SyncPlan(resolve_state(state), metadata, config.init_sync), config.patch)
     builder.capture(state)
@@ -159,6 +164,88 @@ async def test_a_compare_on_a_worker_thread_hands_each_tensor_to_the_encoder_as_
     captured, stats = await builder.collect({k: t + 1 for k, t in state.items()}, 1)
     with pytest.raises(RuntimeError, match="encoder down"):
         await builder.encode(captured, 1, 0, stats)
+
+
+@pytest.mark.parametrize("limit", [30_000, 0])
+async def test_the_compare_waits_while_too_much_waits_for_the_encoder(limit: int) -> None:
+    """``patch.encode_backlog_bytes``: with the encoder held on the first tensor, the compare
+    goes on only while the changes waiting ahead of its last tensor fit the limit (each
+    tensor here captures ~25 kB), and finishes once the encoder catches up; 0: it never
+    waits. The message is the same either way."""
+    import threading
+
+    from protocol.wire.framing import decode_message, encode_message
+
+    g = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn(300, 70, generator=g) for i in range(8)}
+    moved = {k: t + 0.01 * (torch.rand(t.shape, generator=g) < 0.1) for k, t in state.items()}
+    builder = builder_for(state, torch.bfloat16, encode_backlog_bytes=limit)
+    builder._inline = lambda tensors: False  # type: ignore[method-assign]
+    gate, compared = threading.Event(), []
+    encode, compare = builder._encode, builder._compare
+
+    def held(changes: Any) -> Any:
+        gate.wait(30)
+        return encode(changes)
+
+    def counted(*args: Any) -> Any:
+        compared.append(args[0])
+        return compare(*args)
+
+    builder._encode, builder._compare = held, counted  # type: ignore[assignment, method-assign]
+    collect = asyncio.ensure_future(builder.collect(moved, 1))
+    if limit:
+        # w0 and w1 are handed over at once (0 and ~25 kB ahead); w2 has ~50 kB ahead: it waits
+        await wait_until(lambda: len(compared) == 3)
+        await asyncio.sleep(0.2)
+        assert len(compared) == 3 and not collect.done()
+        gate.set()
+    captured, stats = await asyncio.wait_for(collect, 30)
+    assert len(compared) == 8 and (stats.backlog_wait_seconds > 0) == bool(limit)
+    gate.set()
+    msg = decode_message(encode_message(await builder.encode(captured, 1, 0, stats)))
+
+    plain = builder_for(state, torch.bfloat16)
+    plain_captured, plain_stats = await plain.collect(moved, 1)
+    expected = decode_message(encode_message(await plain.encode(plain_captured, 1, 0, plain_stats)))
+    assert [bytes(f) for f in msg.frames] == [bytes(f) for f in expected.frames]
+
+
+def test_encode_backlog_bytes_is_checked() -> None:
+    from protocol.errors import ConfigError
+
+    for bad in (-1, 1.5, "4MiB", True):
+        with pytest.raises(ConfigError, match="encode_backlog_bytes"):
+            load_config({"type": "patch", "patch": {"encode_backlog_bytes": bad}})
+    state = {"w": torch.randn(4, 4)}
+    assert builder_for(state, torch.float32).backlog_limit == 4 << 20  # the floor, for a small model
+    assert builder_for(state, torch.float32, encode_backlog_bytes=0).backlog_limit == 0
+    assert builder_for(state, torch.float32, encode_backlog_bytes=12345).backlog_limit == 12345
+
+
+def test_a_backlog_releases_what_the_encoder_is_done_with_however_it_ended() -> None:
+    """The bytes ahead of the last item count until their encodings are done: a failed or
+    cancelled one releases its bytes too, so a broken encoder never stalls the compare."""
+    import threading
+    from concurrent.futures import Future
+
+    backlog = Backlog(10)
+    first, second, third = Future[Any](), Future[Any](), Future[Any]()
+    backlog.add(8, first)
+    backlog.add(8, second)
+    assert backlog.wait() == 0.0  # 8 bytes ahead of the second
+    backlog.add(8, third)  # 16 ahead of it: over the limit
+    waiter = threading.Thread(target=backlog.wait)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    first.set_exception(RuntimeError("encoder down"))
+    waiter.join(10)
+    assert not waiter.is_alive()
+    unbounded = Backlog(0)
+    unbounded.add(1 << 40, Future())
+    unbounded.add(1, Future())
+    assert unbounded.wait() == 0.0
 
 
 def test_a_builders_encoder_thread_ends_with_it() -> None:

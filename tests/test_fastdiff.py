@@ -65,9 +65,14 @@ def test_fused_diff_matches_torch(
     changed, flat, new, old = fastdiff.diff_and_update(cur, snapshot, expect=expect)
     assert changed == expect_flat.numel()
     assert flat is not None and new is not None and old is not None
-    assert torch.equal(flat, expect_flat)
+    assert flat.dtype == torch.int32 and torch.equal(flat.long(), expect_flat)  # 8 bytes a bf16 change held, not 12
     assert same_bits(new, expect_new) and same_bits(old, expect_old)
     assert same_bits(snapshot, expected_snapshot)  # moved to the new version in place
+
+
+def test_positions_are_int32_where_they_fit() -> None:
+    assert fastdiff.position_dtype(2**31 - 1) is np.int32
+    assert fastdiff.position_dtype(2**31) is np.int64
 
 
 def test_unsupported_pairs_take_the_torch_path() -> None:

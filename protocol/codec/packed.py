@@ -83,7 +83,7 @@ def max_nbytes(nnz: int) -> int:
 
 
 def encode(flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """The packed buffer (uint8, host) of changes at sorted int64 ``flat`` from ``old`` to ``new``."""
+    """The packed buffer (uint8, host) of changes at sorted ``flat`` (int32 or int64) from ``old`` to ``new``."""
     bits = _bits_of(new.dtype)
     shift = 64 - 8 * new.element_size()
     return torch.from_numpy(_encode(_host(flat), _host(new.view(bits)), _host(old.view(bits)), shift))

@@ -1,7 +1,7 @@
 """Encodings of a tensor's changed positions: the seed's COO (plain or delta), flat-index
 gaps (raw or entropy coded) and a bitmap.
 
-Encoders take sorted int64 flat indices and return index tensors downscaled to the
+Encoders take sorted int32 or int64 flat indices and return index tensors downscaled to the
 smallest unsigned dtype. Decoders take untrusted buffers and return sorted, unique,
 in-bounds int64 flat indices, or raise ``ProtocolError``.
 """

@@ -240,13 +240,14 @@ def sparse_buffers(
     shape: tuple[int, ...],
     options: PatchOptions,
 ) -> tuple[Encoding, ValueEncoding, dict[Role, torch.Tensor]]:
-    """Position and value buffers of changes at sorted int64 ``flat``, and the encodings
+    """Position and value buffers of changes at sorted ``flat`` (int32 or int64: the same bytes), and the encodings
     chosen. Raw and XOR buffers stay on ``flat``'s device; entropy-coded ones are on the host."""
     encoding = options.positions
     nnz = flat.numel()
     values = options.values
     if values is ValueEncoding.ULP and encoding in (None, Encoding.ANS_GAPS) and nnz >= PACKED_MIN_CHANGES:
         return Encoding.ANS_GAPS, values, {Role.VALUES: packed.encode(flat, new, old)}
+    flat = flat.long()  # the other encodings' buffers take their dtypes from it
     if encoding is None and nnz >= ANS_MIN_CHANGES:
         encoding = Encoding.ANS_GAPS
     if encoding is None:
@@ -300,7 +301,7 @@ def encode_sparse(
     shape: tuple[int, ...],
     options: PatchOptions,
 ) -> EncodedTensor:
-    """Changed positions ``flat`` (sorted int64) with their ``new`` and ``old`` values."""
+    """Changed positions ``flat`` (sorted, int32 or int64) with their ``new`` and ``old`` values."""
     encoding, values, buffers = sparse_buffers(flat, new, old, shape, options)
     return pack_entry(key, encoding, values, flat.numel(), buffers, options.codec)
 
