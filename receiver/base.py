@@ -82,6 +82,7 @@ class ReceiverBase:
         self.aliases: dict[int, list[int]] = {}
         self._own_ties: dict[str, str] = {}  # this model's tied names (alias -> canonical), checked against WELCOME's
         self.last_stats: ApplyStats | None = None
+        self._turn = asyncio.Lock()  # one apply() at a time, in the order they were called
         self.device = torch.device("cpu")  # where buffers are decoded
         # Held while a version is written; the daemon makes it its model lock's write side.
         self.write_guard: Callable[[], AbstractAsyncContextManager[Any]] = contextlib.nullcontext
@@ -166,9 +167,13 @@ class ReceiverBase:
 
     # -- applying versions ------------------------------------------------------------
     async def apply(self, model: StateLike, recv: Recv) -> int:
-        """Receive exactly one version, write it into ``model`` and return that version."""
-        pending = await self.receive(model, recv)
-        await self.commit(model, pending)
+        """Receive exactly one version, write it into ``model`` and return that version.
+
+        Calls that overlap run one after another, in the order they were made, each taking
+        the next whole version from ``recv``."""
+        async with self._turn:
+            pending = await self.receive(model, recv)
+            await self.commit(model, pending)
         assert pending.version is not None
         return pending.version
 

@@ -16,6 +16,7 @@ from protocol.wire.framing import Message, Stamper, decode_message
 from protocol.wire.messages import ErrorReport, Hello
 
 from .plan import SyncPlan
+from .stats import SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ async def send_all(send: Send, stamp: Stamper, messages: Iterator[Message]) -> i
 
 
 class SenderBase:
-    """The actor side of one sync channel. Subclasses implement ``sync``."""
+    """The actor side of one sync channel. Subclasses implement ``_sync``."""
 
     strategy: ClassVar[str]
 
@@ -57,6 +58,7 @@ class SenderBase:
         self.stamp = Stamper()
         self.version: int | None = None
         self.plan: SyncPlan | None = None
+        self._turn = asyncio.Lock()  # one sync at a time, in the order they were called
 
     @property
     def session(self) -> str:
@@ -93,6 +95,19 @@ class SenderBase:
 
     async def on_init(self, state: ModelState) -> None:
         """Hook for strategies that keep state from the initial weights (the patch snapshot)."""
+
+    async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
+        """Send ``model`` as ``version``, which must exceed the last one synced.
+
+        Calls that overlap run one after another, in the order they were made (asyncio's
+        lock is fair), so each version's messages go out whole and in order; a call whose
+        version no longer exceeds the last one by its turn raises ``StaleVersionError`` and
+        sends nothing."""
+        async with self._turn:
+            return await self._sync(model, send, version)
+
+    async def _sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
+        raise NotImplementedError
 
     def require_plan(self, version: int) -> SyncPlan:
         if self.plan is None:

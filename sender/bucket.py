@@ -97,7 +97,7 @@ class BucketSender(SenderBase):
         super().__init__(config)
         self.config.bucket.dtype  # noqa: B018 - fail fast on a bad bucket_dtype
 
-    async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
+    async def _sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
         """Send every tracked tensor as version ``version``."""
         plan = self.require_plan(version)
         messages, stats = BucketBuilder(plan, self.config.bucket).build(resolve_state(model).tensors, version)

@@ -655,7 +655,7 @@ class PatchSender(SenderBase):
         self.builder = PatchBuilder(self.plan, self.config.patch)
         await asyncio.to_thread(self.builder.capture, state.tensors)
 
-    async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
+    async def _sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
         """Build the patch from the snapshot to ``model`` and send it, in parts of
         ``patch.part_bytes`` (each sent as soon as it is encoded).
 
@@ -665,7 +665,7 @@ class PatchSender(SenderBase):
         A model missing a tracked key or with one reshaped is refused before anything is
         read. If the compare itself fails (or is cancelled) midway, the snapshot is ahead
         of the receiver on what it compared: the next sync sends its version as a
-        bootstrap instead (``PatchBuilder.diverged``). One sync at a time.
+        bootstrap instead (``PatchBuilder.diverged``).
         """
         plan = self.require_plan(version)
         assert self.builder is not None

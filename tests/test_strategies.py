@@ -511,6 +511,36 @@ async def test_versions_strictly_increase(kind: str) -> None:
     assert_synced(model, rmodel)
 
 
+@pytest.mark.parametrize("kind", ["patch", "bucket"])
+async def test_syncs_called_at_once_run_one_after_another(kind: str) -> None:
+    """Two syncs started together run in the order they were called: each version's messages
+    go out whole, before the next one's; a version called after a higher one is refused as
+    stale and sends nothing. Two applies at once take a version each, in turn."""
+    config = patch_cfg() if kind == "patch" else bucket_cfg(bucket_size=16 << 10)
+    model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
+    s, r = make_pair(config)
+    ch = Channel()
+    await handshake(s, r, model, rmodel, ch)
+    trainer = Trainer(model, 1e-3)
+    trainer.step()
+    start = len(ch.to_receiver.sent)
+    first, second = await asyncio.gather(s.sync(model, ch.to_receiver.send, 1), s.sync(model, ch.to_receiver.send, 2))
+    assert (first.version, second.version) == (1, 2)
+    assert [m.version for m in messages(ch.to_receiver, start)] == [1] * first.messages + [2] * second.messages
+    # two applies at once, the same: each takes one whole version, in turn
+    assert await asyncio.gather(r.apply(rmodel, ch.to_receiver.recv), r.apply(rmodel, ch.to_receiver.recv)) == [1, 2]
+    assert_synced(model, rmodel)
+
+    trainer.step()
+    start = len(ch.to_receiver.sent)
+    ahead, behind = await asyncio.gather(s.sync(model, ch.to_receiver.send, 4), s.sync(model, ch.to_receiver.send, 3), return_exceptions=True)
+    assert isinstance(behind, StaleVersionError) and s.version == 4
+    assert not isinstance(ahead, BaseException)
+    assert [m.version for m in messages(ch.to_receiver, start)] == [4] * ahead.messages
+    assert await r.apply(rmodel, ch.to_receiver.recv) == 4
+    assert_synced(model, rmodel)
+
+
 # -- metadata mismatch -----------------------------------------------------------------------------
 def _missing_key(rsd: dict[str, torch.Tensor]) -> str:
     del rsd["blocks.1.fc2.bias"]
