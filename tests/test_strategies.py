@@ -484,8 +484,8 @@ async def test_dtensor_state_dict(kind: str) -> None:
 
 
 # -- versions -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["patch", "bucket"])
-async def test_versions_strictly_increase(kind: str) -> None:
+async def trained_pair(kind: str) -> tuple[Any, Any, Any, Any, Channel, Trainer]:
+    """A handshaken pair of ``kind`` and its trainer, one step past the bootstrap."""
     config = patch_cfg() if kind == "patch" else bucket_cfg(bucket_size=16 << 10)
     model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
     s, r = make_pair(config)
@@ -493,6 +493,12 @@ async def test_versions_strictly_increase(kind: str) -> None:
     await handshake(s, r, model, rmodel, ch)
     trainer = Trainer(model, 1e-3)
     trainer.step()
+    return s, r, model, rmodel, ch, trainer
+
+
+@pytest.mark.parametrize("kind", ["patch", "bucket"])
+async def test_versions_strictly_increase(kind: str) -> None:
+    s, r, model, rmodel, ch, trainer = await trained_pair(kind)
     await s.sync(model, ch.to_receiver.send, 3)
     assert await r.apply(rmodel, ch.to_receiver.recv) == 3
     trainer.step()
@@ -516,13 +522,7 @@ async def test_syncs_called_at_once_run_one_after_another(kind: str) -> None:
     """Two syncs started together run in the order they were called: each version's messages
     go out whole, before the next one's; a version called after a higher one is refused as
     stale and sends nothing. Two applies at once take a version each, in turn."""
-    config = patch_cfg() if kind == "patch" else bucket_cfg(bucket_size=16 << 10)
-    model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
-    s, r = make_pair(config)
-    ch = Channel()
-    await handshake(s, r, model, rmodel, ch)
-    trainer = Trainer(model, 1e-3)
-    trainer.step()
+    s, r, model, rmodel, ch, trainer = await trained_pair(kind)
     start = len(ch.to_receiver.sent)
     first, second = await asyncio.gather(s.sync(model, ch.to_receiver.send, 1), s.sync(model, ch.to_receiver.send, 2))
     assert (first.version, second.version) == (1, 2)
