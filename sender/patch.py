@@ -63,6 +63,7 @@ class Changes:
     dense: torch.Tensor | None  # the whole new tensor, kept when a dense send may be cheaper
     events: list[torch.cuda.Event]
     group: tuple[int, ...] = ()  # a group's ordinals: ``key`` is the first, ``shape`` their elements end to end
+    kept: bool = False  # ``dense`` is one of the whole copies the sender keeps from version to version
 
     def wait(self) -> None:
         for event in self.events:
@@ -72,6 +73,11 @@ class Changes:
         """What this capture holds: changed positions and values, or the whole tensor."""
         held = (self.flat, self.new, self.old) if self.flat is not None else (self.dense,)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def pending_nbytes(self) -> int:
+        """What holding this capture until it is encoded adds to the sender's memory: all of
+        it, unless it is only a whole copy the sender keeps anyway (``WholeCopies``)."""
+        return 0 if self.flat is None and self.kept else self.captured_nbytes()
 
 
 @dataclass(frozen=True)
@@ -329,8 +335,8 @@ class PatchBuilder:
             backlog = Backlog(self.backlog_limit)
 
             def submit(changes: Changes) -> Captured:
-                nbytes = changes.captured_nbytes()
-                return Captured(nbytes, backlog.add(nbytes, self._encoder.submit(self._encode, changes)))
+                encoded = backlog.add(changes.pending_nbytes(), self._encoder.submit(self._encode, changes))
+                return Captured(changes.captured_nbytes(), encoded)
 
             def pace() -> None:
                 stats.backlog_wait_seconds += backlog.wait()
@@ -538,15 +544,17 @@ class PatchBuilder:
     def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
         info = self._keys[key]
         nnz, flat, new, old = self._compare(key, cur, snap, stats, self._dense_rule(info, cur.numel()))
+        kept = False
         if nnz > info.candidate * cur.numel():
             # The snapshot now holds exactly the new tensor: keep a copy, as dense may win.
-            dense = self._copies.copy(key, snap) if snap.device.type == "cpu" else snap.clone()
+            kept = snap.device.type == "cpu"
+            dense = self._copies.copy(key, snap) if kept else snap.clone()
         else:
             dense = None
             self._copies.drop(key)
         if nnz == 0:
             return None
-        return self._capture(Changes(info.ordinal, tuple(cur.shape), nnz, flat, new, old, dense, []))
+        return self._capture(Changes(info.ordinal, tuple(cur.shape), nnz, flat, new, old, dense, [], kept=kept))
 
     def _grouped(self, group: _Group, members: list[_Member]) -> Changes | None:
         """A group's members' changes (each compared on its own) as one run's."""

@@ -11,6 +11,7 @@ from daemon_helpers import wait_until
 
 from protocol.config import load_config
 from protocol.state import resolve_state
+from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
 from sender import fastdiff
 from sender.backlog import Backlog
@@ -209,6 +210,35 @@ async def test_the_compare_waits_while_too_much_waits_for_the_encoder(limit: int
     plain_captured, plain_stats = await plain.collect(moved, 1)
     expected = decode_message(encode_message(await plain.encode(plain_captured, 1, 0, plain_stats)))
     assert [bytes(f) for f in msg.frames] == [bytes(f) for f in expected.frames]
+
+
+async def test_whole_copies_the_sender_keeps_anyway_do_not_hold_the_compare_back() -> None:
+    """fp32 receivers: every tensor goes whole, as a copy the sender reuses from version to
+    version, so waiting for the encoder would save no memory; with the encoder held and a
+    1-byte limit the compare still runs to the end without waiting."""
+    import threading
+
+    g = torch.Generator().manual_seed(6)
+    state = {f"w{i}": torch.randn(300, 70, generator=g) for i in range(8)}
+    moved = {k: t + 0.01 for k, t in state.items()}
+    builder = builder_for(state, torch.float32, encode_backlog_bytes=1)
+    builder._inline = lambda tensors: False  # type: ignore[method-assign]
+    gate, encode = threading.Event(), builder._encode
+
+    def held(changes: Any) -> Any:
+        gate.wait(30)
+        return encode(changes)
+
+    builder._encode = held  # type: ignore[method-assign]
+    collect = asyncio.ensure_future(builder.collect(moved, 1))
+    try:
+        captured, stats = await asyncio.wait_for(asyncio.shield(collect), 10)
+    finally:
+        gate.set()
+    await collect
+    assert len(captured) == 8 and stats.backlog_wait_seconds == 0
+    msg = await builder.encode(captured, 1, 0, stats)
+    assert [t.encoding for t in msg.tensors] == [Encoding.DENSE] * 8
 
 
 def test_encode_backlog_bytes_is_checked() -> None:
