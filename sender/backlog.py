@@ -3,11 +3,11 @@
 The compare is the faster stage: unbounded, it holds most of a version's raw changes
 (positions and old and new values: 8 bytes a bf16 change) while the one encoder thread
 catches up, which is what the sender's memory grows by. ``Backlog`` counts the captured
-bytes handed to the encoder and not yet coded (not the whole copies the sender keeps from
-version to version anyway: holding those back would save nothing), and the compare waits, before it goes on to
-the next tensor, until the bytes waiting ahead of the one it just handed over fit the
-limit: the encoder is never left idle, and at most the limit plus about two tensors'
-changes are held. With patch parts sent while the compare runs (``encode_stream``), the
+bytes handed to the encoder and not yet coded (``Changes.pending_nbytes``: not the whole
+copies the sender keeps from version to version anyway, which holding back would not save),
+and the compare waits, before it goes on to the next tensor, until the bytes waiting ahead
+of the one it just handed over fit the limit: the encoder is never left idle, and at most
+the limit plus about two tensors' changes are held. With patch parts sent while the compare runs (``encode_stream``), the
 wait does not hold back the first parts, only ``sync()``'s return.
 """
 

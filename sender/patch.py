@@ -75,9 +75,10 @@ class Changes:
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def pending_nbytes(self) -> int:
-        """What holding this capture until it is encoded adds to the sender's memory: all of
-        it, unless it is only a whole copy the sender keeps anyway (``WholeCopies``)."""
-        return 0 if self.flat is None and self.kept else self.captured_nbytes()
+        """What holding this capture until it is encoded adds to the sender's memory: its
+        changes, and its whole copy unless that is one the sender keeps anyway (``WholeCopies``)."""
+        held = (self.flat, self.new, self.old, None if self.kept else self.dense)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
 @dataclass(frozen=True)

@@ -241,6 +241,20 @@ async def test_whole_copies_the_sender_keeps_anyway_do_not_hold_the_compare_back
     assert [t.encoding for t in msg.tensors] == [Encoding.DENSE] * 8
 
 
+def test_what_a_capture_adds_to_memory_while_it_waits_for_the_encoder() -> None:
+    """The backlog counts a capture's changes and any fresh whole copy (a group's run, a CUDA
+    clone), but not a whole copy the sender keeps from version to version."""
+    from sender.patch import Changes
+
+    flat, values, whole = torch.arange(10, dtype=torch.int32), torch.zeros(10, dtype=torch.bfloat16), torch.zeros(100)
+    changes = 10 * 4 + 2 * 10 * 2
+    assert Changes(0, (100,), 10, flat, values, values, None, []).pending_nbytes() == changes
+    assert Changes(0, (100,), 10, flat, values, values, whole, []).pending_nbytes() == changes + 400
+    assert Changes(0, (100,), 10, flat, values, values, whole, [], kept=True).pending_nbytes() == changes
+    assert Changes(0, (100,), 100, None, None, None, whole, []).pending_nbytes() == 400
+    assert Changes(0, (100,), 100, None, None, None, whole, [], kept=True).pending_nbytes() == 0
+
+
 def test_encode_backlog_bytes_is_checked() -> None:
     from protocol.errors import ConfigError
 
