@@ -15,10 +15,14 @@ applied again and again to the receiver's state of the version before it, timing
   holds the model (readers wait for it); decoding and staging run before, beside them;
 * ``index_put``: what a sender of raw indices and values (RLinf's ``sparse_nccl`` format)
   leaves its receiver to do: ``target.view(-1).index_put_((flat,), values)`` per tensor, with
-  the int64 indices and bf16 values already in memory (nothing decoded, nothing checked).
+  the int64 indices and bf16 values already in memory (nothing decoded, nothing checked);
+* ``seed``: the seed's patch apply from its own format (``benchmarks.floor``'s
+  ``seed_format_bytes``: the 2-D COO view, rows and cols delta-encoded, each in the smallest
+  unsigned dtype that holds it, raw bf16 values): widen to int64, undo the deltas in a few
+  torch passes (``seed_positions``: cumsums, no checks), then ``index_put_`` per tensor.
 
-Both end bit-identical to the trainer (checked). ``ratio`` is weightsync / index_put
-(``ratio_serial``, ``ratio_commit`` likewise).
+Every path ends bit-identical to the trainer (checked). ``ratio`` is weightsync / index_put
+(``ratio_serial``, ``ratio_commit`` likewise), ``ratio_seed`` weightsync / seed.
 Times are medians of ``--repeat``, each from a restored copy of the state.
 """
 
@@ -37,7 +41,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.floor import unsigned_width
 from examples.tiny_model import TinyLM, train_step
+from protocol.codec.coo import coo_shape, delta_encode, split_rows_cols
 
 MODEL = {"vocab": 16384, "dim": 512, "heads": 8, "layers": 5, "context": 64}
 
@@ -66,6 +72,30 @@ def _timed(fn: Callable[[], Any], restore: Callable[[], Any], repeat: int) -> di
         fn()
         times.append((time.perf_counter_ns() - t0) * 1e-9)
     return {"median_s": statistics.median(times), "best_s": min(times)}
+
+
+def seed_buffers(flat: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seed's rows and cols of sorted ``flat``: delta-encoded, each in the smallest unsigned
+    dtype that holds its largest entry (what its sender puts on the wire, ``floor.seed_format_bytes``)."""
+    drows, dcols = delta_encode(*split_rows_cols(flat, tuple(shape)))
+    return _narrowest(drows), _narrowest(dcols)
+
+
+def seed_positions(drows: torch.Tensor, dcols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Flat int64 positions from the seed's delta-encoded rows and cols, in as few torch passes
+    as it takes (``coo.delta_decode`` less its checks): a row's cols are deltas after its first,
+    so each col is the cumsum less that sum at its row's start; the starts' sums never
+    decrease (the deltas are unsigned), so a running max carries each row's forward."""
+    rows, dc = torch.cumsum(drows.long(), 0), dcols.long()
+    csum = torch.cumsum(dc, 0)
+    starts = drows != 0
+    starts[0] = True
+    base = torch.cummax(torch.where(starts, csum - dc, 0), 0).values
+    return rows * coo_shape(tuple(shape))[1] + csum - base
+
+
+def _narrowest(t: torch.Tensor) -> torch.Tensor:
+    return t.to({1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.int64}[unsigned_width(int(t.max()))])
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -131,6 +161,13 @@ async def case(lr: float, repeat: int, config: dict[str, Any], shape: dict[str, 
             for t, flat, values in raw:
                 t.view(-1).index_put_((flat,), values)
 
+    seeded = [(t, *seed_buffers(flat, t.shape), values) for t, flat, values in raw]
+
+    def seed() -> None:
+        with torch.no_grad():
+            for t, drows, dcols, values in seeded:
+                t.view(-1).index_put_((seed_positions(drows, dcols, t.shape),), values)
+
     def exact() -> bool:
         return all(torch.equal(bits(t), bits(wanted[k])) for k, t in by_name.items())
 
@@ -153,7 +190,11 @@ async def case(lr: float, repeat: int, config: dict[str, Any], shape: dict[str, 
     assert exact()
     out["index_put"] = _timed(index_put, restore, repeat)
     assert exact(), "index_put's apply is not bit-exact"
+    out["seed"] = _timed(seed, restore, repeat)
+    assert exact(), "the seed's apply is not bit-exact"
+    out["seed_bytes"] = sum(sum(b.numel() * b.element_size() for b in bufs) for _, *bufs in seeded)
     out["ratio"] = out["weightsync"]["median_s"] / out["index_put"]["median_s"]
+    out["ratio_seed"] = out["weightsync"]["median_s"] / out["seed"]["median_s"]
     out["ratio_serial"] = out["weightsync_serial"]["median_s"] / out["index_put"]["median_s"]
     out["ratio_commit"] = out["weightsync_commit"]["median_s"] / out["index_put"]["median_s"]
     out["ns_per_change"] = out["weightsync_serial"]["median_s"] * 1e9 / max(1, out["changed"])
@@ -175,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
               f"wire {r['wire_bytes']:,} B; weightsync {r['weightsync']['median_s'] * 1e3:.1f} ms "
               f"(serial {r['weightsync_serial']['median_s'] * 1e3:.1f} ms, {r['ns_per_change']:.1f} ns/change), "
               f"index_put {r['index_put']['median_s'] * 1e3:.1f} ms: ratio {r['ratio']:.2f} (serial {r['ratio_serial']:.2f}); "
+              f"the seed's apply ({r['seed_bytes']:,} B) {r['seed']['median_s'] * 1e3:.1f} ms: {r['ratio_seed']:.2f}x; "
               f"the commit alone (what holds the model) {r['weightsync_commit']['median_s'] * 1e3:.1f} ms: {r['ratio_commit']:.2f}x")
     if args.json:
         doc = {"command": "python -m benchmarks.apply " + " ".join(sys.argv[1:] if argv is None else argv), "model": MODEL,

@@ -298,6 +298,24 @@ async def test_apply_benchmark_times_every_path_bit_exact_over_parts() -> None:
     shape = {"vocab": 512, "dim": 64, "heads": 4, "layers": 2, "context": 16}
     out = await case(1e-5, 1, {"type": "patch", "patch": {"part_bytes": 8192}}, shape)
     assert out["parts"] > 1 and out["changed"] > 0
-    for path in ("weightsync", "weightsync_serial", "weightsync_commit", "index_put"):
+    for path in ("weightsync", "weightsync_serial", "weightsync_commit", "index_put", "seed"):
         assert out[path]["median_s"] > 0, path
     assert out["ratio_commit"] == out["weightsync_commit"]["median_s"] / out["index_put"]["median_s"]
+    assert out["seed_bytes"] > out["wire_bytes"]  # the seed's uncompressed COO is larger than the coded patch
+
+
+@pytest.mark.parametrize("shape", [(7,), (1, 9), (5, 6), (4, 3, 5), (300, 2)])
+def test_the_seed_format_positions_round_trip(shape: tuple[int, ...]) -> None:
+    """``benchmarks.apply``'s seed path: the delta-encoded, narrowed rows and cols decode back to
+    the flat positions, rows with one change, none or all included."""
+    from benchmarks.apply import seed_buffers, seed_positions
+
+    g = torch.Generator().manual_seed(len(shape))
+    numel = math.prod(shape)
+    for density in (0.05, 0.5, 1.0):
+        flat = torch.nonzero(torch.rand(numel, generator=g) < density).squeeze(1)
+        if flat.numel() == 0:
+            continue
+        drows, dcols = seed_buffers(flat, torch.Size(shape))
+        assert drows.element_size() <= 2 and dcols.element_size() <= 2
+        assert torch.equal(seed_positions(drows, dcols, torch.Size(shape)), flat)
