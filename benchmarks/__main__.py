@@ -109,14 +109,21 @@ async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool 
 
 
 def library_info() -> dict[str, Any]:
-    """What was measured: the checkout's commit, uncommitted changes, the default patch config."""
+    """What was measured: the checkout's commit, uncommitted changes, the default patch config
+    and what the run's flags set over it."""
     import dataclasses
     import subprocess
 
     from protocol.config import load_config
 
     root = Path(__file__).resolve().parent.parent
-    info: dict[str, Any] = {"patch_defaults": dataclasses.asdict(load_config({"type": "patch"}).patch)}
+    from sender.patch import encode_threads
+
+    info: dict[str, Any] = {
+        "patch_defaults": dataclasses.asdict(load_config({"type": "patch"}).patch),
+        "patch_options": dict(e2e.PATCH_OPTIONS),  # what this run's flags set over the defaults
+        "encode_threads": encode_threads(e2e.PATCH_OPTIONS.get("encode_threads")),  # as resolved on this host
+    }
     try:
         git = ["git", "-C", str(root)]
         info["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -156,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                    "version; default: the library's)")
     p.add_argument("--encode-backlog", type=int, metavar="N", help="patch.encode_backlog_bytes for the patch runs (0: "
                    "unbounded; default: the library's)")
+    p.add_argument("--encode-threads", type=int, metavar="N", help="patch.encode_threads for the patch runs (default: "
+                   "the library's, half the cores up to 4)")
     p.add_argument("--mbit", type=float, help="lowbw: the link's rate towards the receivers, Mbit/s (default 100)")
     p.add_argument("--rtt-ms", type=float, help="lowbw: the round trip the proxy adds, ms (default 40)")
     p.add_argument("--tiny", action="store_true", help="lowbw: one small synthetic workload (the smoke test)")
@@ -170,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         e2e.PATCH_OPTIONS["part_bytes"] = args.part_bytes
     if args.encode_backlog is not None:
         e2e.PATCH_OPTIONS["encode_backlog_bytes"] = args.encode_backlog
+    if args.encode_threads is not None:
+        e2e.PATCH_OPTIONS["encode_threads"] = args.encode_threads
     if args.receivers is not None:
         e2e.RECEIVERS = args.receivers
     if args.split_cores:

@@ -6,7 +6,7 @@
       type: patch             # or bucket
       patch: {snapshot_device, transport_device, delta_encoding, compression,
               position_encoding, value_encoding, dense_above, part_bytes,
-              encode_backlog_bytes, group_numel,
+              encode_backlog_bytes, encode_threads, group_numel,
               init_sync: {enabled, prefixes, bucket_size}}
       bucket: {bucket_size, bucket_dtype, bucket_device, is_agent, load_instant, init_sync}
 
@@ -71,6 +71,9 @@ class PatchConfig:
     # for it (what the sender's memory grows by when the compare outruns the encoder).
     # None: a 32nd of the snapshot, at least 4 MiB; 0: unbounded.
     encode_backlog_bytes: int | None = None
+    # Threads that encode what a compare on a worker thread (a state over 64 MiB read, or on
+    # CUDA) collects, beside it; None: half the host's cores, 1 to 4 (1 on 2 cores).
+    encode_threads: int | None = None
     # Tensors of at most this many elements are compared and coded in groups of up to 4x
     # that (biases, norms: an entry costs tens of us a side whatever its size); 0: never.
     group_numel: int = 64 * 1024
@@ -147,6 +150,8 @@ class SyncConfig:
             raise ConfigError(
                 f"patch.encode_backlog_bytes must be an int >= 0 (0: unbounded) or null (automatic), got {p.encode_backlog_bytes!r}"
             )
+        if p.encode_threads is not None and (type(p.encode_threads) is not int or p.encode_threads < 1):
+            raise ConfigError(f"patch.encode_threads must be an int >= 1 or null (automatic), got {p.encode_threads!r}")
         if type(p.group_numel) is not int or p.group_numel < 0:
             raise ConfigError(f"patch.group_numel must be an int >= 0 (0: every tensor on its own), got {p.group_numel!r}")
         if self.type == "patch":

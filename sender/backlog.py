@@ -1,8 +1,8 @@
 """How far a patch's compare may run ahead of its encoder.
 
 The compare is the faster stage: unbounded, it holds most of a version's raw changes
-(positions and old and new values: 8 bytes a bf16 change) while the one encoder thread
-catches up, which is what the sender's memory grows by. ``Backlog`` counts the captured
+(positions and old and new values: 8 bytes a bf16 change) while the encoder threads
+catch up, which is what the sender's memory grows by. ``Backlog`` counts the captured
 bytes handed to the encoder and not yet coded (``Changes.pending_nbytes``: not the whole
 copies the sender keeps from version to version anyway, which holding back would not save),
 and the compare waits, before it goes on to the next tensor, until the bytes waiting ahead
@@ -23,8 +23,10 @@ class Backlog:
     """Captured bytes the encoder has yet to code, and a wait until few enough are.
 
     Thread-safe: the compare adds and waits on its thread, the encoder's futures release on
-    theirs. The encoder codes in order (one thread), so the bytes ahead of an item are
-    those added before it, less those released. ``limit`` 0: never wait."""
+    theirs. What waits ahead of the last item is what was added before it, less what was
+    released (with several encoder threads, the last item itself may be among it): whatever
+    order they finish in, the bytes held stay within ``limit`` plus the last item's.
+    ``limit`` 0: never wait."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,15 @@ T = TypeVar("T")
 
 BACKLOG_SHARE = 32  # patch.encode_backlog_bytes by default: this fraction of the snapshot...
 BACKLOG_MIN = 4 << 20  # ...and at least this
+ENCODE_THREADS_MAX = 4  # patch.encode_threads by default: half the cores, at most this many
+
+
+def encode_threads(configured: int | None) -> int:
+    """``patch.encode_threads``, or by default half this host's cores (the compare and the
+    receivers' side of the host keep the rest), 1 to ``ENCODE_THREADS_MAX``."""
+    if configured is not None:
+        return configured
+    return max(1, min(ENCODE_THREADS_MAX, (os.cpu_count() or 1) // 2))
 
 # States whose compare reads at most this run it on the event loop's thread (~3 ms of
 # reading at 20 GB/s): below it a thread hand-off is a large share of the build.
@@ -228,10 +238,13 @@ class PatchBuilder:
         self._copies = WholeCopies()  # of the tensors that may go whole, on the host
         self._diverged = False  # ``diverged``
         self._comparing: asyncio.Future[Any] | None = None  # a compare on its thread
-        # One thread encodes what a compare on a worker thread collects, in order, while the
-        # compare goes on: the two run on two cores (docs/performance.md, *Encoding beside the compare*).
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="weightsync-encode")
-        # (no shutdown needed: the executor's thread ends once the builder, and so it, is collected)
+        # Threads encode what a compare on a worker thread collects, each tensor as it comes,
+        # while the compare goes on (docs/performance.md, *Encoding beside the compare*); the
+        # kernels release the GIL, so several code tensors side by side. Each tensor's future
+        # keeps its place: a part waits for its own tensors, in order, however they finish.
+        self.encode_threads = encode_threads(config.encode_threads)
+        self._encoder = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="weightsync-encode")
+        # (no shutdown needed: the executor's threads end once the builder, and so it, is collected)
         # what a compare reads: the state and the snapshot
         self._read_bytes = sum(plan.state.tensors[k].numel() * (plan.state.tensors[k].element_size() + i.itemsize) for k, i in self._keys.items())
         snapshot_bytes = sum(plan.state.tensors[k].numel() * i.itemsize for k, i in self._keys.items())
@@ -307,7 +320,7 @@ class PatchBuilder:
     ) -> tuple[list[Captured], SyncStats]:
         """Compare the model with the snapshot, collect the changes and advance the
         snapshot to ``version``: the only part that reads the model. Off the event loop's
-        thread, each tensor's changes go to the encoder thread as soon as they are collected,
+        thread, each tensor's changes go to the encoder threads as soon as they are collected,
         so encoding runs beside the compare and a tensor's raw changes live only until they
         are coded; a state compared on the loop's thread is encoded with its parts.
         ``stream`` gets each ``Captured`` as it is collected, and is closed at the end
@@ -331,7 +344,7 @@ class PatchBuilder:
         else:
             # Shielded: a cancelled collect cannot stop its thread, which goes on moving the
             # snapshot; the next collect waits for it (``_settle``) and finds it diverged.
-            # Each tensor's changes go to the encoder thread; once they are on the stream, the
+            # Each tensor's changes go to the encoder threads; once they are on the stream, the
             # compare waits while too many bytes wait to be encoded ahead of them (``Backlog``).
             backlog = Backlog(self.backlog_limit)
 

@@ -267,6 +267,81 @@ def test_encode_backlog_bytes_is_checked() -> None:
     assert builder_for(state, torch.float32, encode_backlog_bytes=12345).backlog_limit == 12345
 
 
+async def test_several_encoder_threads_keep_each_tensor_in_its_place() -> None:
+    """``patch.encode_threads`` 3: the first tensor's encoding is held until the others are
+    done, so they finish out of order; the message is byte for byte the one-thread one."""
+    import threading
+
+    from protocol.wire.framing import decode_message, encode_message
+
+    g = torch.Generator().manual_seed(8)
+    state = {f"w{i}": torch.randn(300, 70, generator=g) for i in range(6)}
+    moved = {k: t + 0.01 * (torch.rand(t.shape, generator=g) < 0.1) for k, t in state.items()}
+    builder = builder_for(state, torch.bfloat16, encode_threads=3, encode_backlog_bytes=0)
+    assert builder.encode_threads == 3
+    builder._inline = lambda tensors: False  # type: ignore[method-assign]
+    gate, done = threading.Event(), []
+    encode = builder._encode
+
+    def first_last(changes: Any) -> Any:
+        if changes.key == 0:
+            assert gate.wait(30)
+        out = encode(changes)
+        done.append(changes.key)
+        if len(done) == 2:  # two others are done while the first is held
+            gate.set()
+        return out
+
+    builder._encode = first_last  # type: ignore[method-assign]
+    captured, stats = await builder.collect(moved, 1)
+    msg = decode_message(encode_message(await builder.encode(captured, 1, 0, stats)))
+    assert done[0] != 0 and 0 in done  # the first finished after others
+
+    plain = builder_for(state, torch.bfloat16, encode_threads=1)
+    plain_captured, plain_stats = await plain.collect(moved, 1)
+    expected = decode_message(encode_message(await plain.encode(plain_captured, 1, 0, plain_stats)))
+    assert [t.key for t in msg.tensors] == [t.key for t in expected.tensors] == list(range(6))
+    assert [bytes(f) for f in msg.frames] == [bytes(f) for f in expected.frames]
+
+
+def test_encode_threads_is_checked_and_defaults_to_half_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from protocol.errors import ConfigError
+    from sender import patch
+
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ConfigError, match="encode_threads"):
+            load_config({"type": "patch", "patch": {"encode_threads": bad}})
+    for cores, threads in ((None, 1), (1, 1), (2, 1), (3, 1), (4, 2), (6, 3), (16, 4), (128, 4)):
+        monkeypatch.setattr(patch.os, "cpu_count", lambda c=cores: c)
+        assert patch.encode_threads(None) == threads, cores
+    assert patch.encode_threads(7) == 7
+
+
+def test_a_backlog_bounds_what_it_holds_whatever_order_encodings_finish_in() -> None:
+    """Several encoder threads: a later item may finish first. The wait still ends only once
+    what was added before the last item, less what was released, fits the limit, so at most
+    the limit plus the last item is held."""
+    import threading
+    from concurrent.futures import Future
+
+    backlog = Backlog(10)
+    a, b, c = Future[Any](), Future[Any](), Future[Any]()
+    backlog.add(8, a)
+    backlog.add(8, b)
+    backlog.add(8, c)  # 16 ahead of c
+    b.set_result(None)  # the middle one first: 8 ahead of c now
+    assert backlog.wait() == 0.0
+    d = Future[Any]()
+    backlog.add(8, d)  # a and c, 16, ahead of d
+    waiter = threading.Thread(target=backlog.wait)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    d.set_result(None)  # the last one itself: a and c, still 16 held, counted as 8 ahead
+    waiter.join(10)
+    assert not waiter.is_alive()
+
+
 def test_a_backlog_releases_what_the_encoder_is_done_with_however_it_ended() -> None:
     """The bytes ahead of the last item count until their encodings are done: a failed or
     cancelled one releases its bytes too, so a broken encoder never stalls the compare."""
@@ -292,18 +367,22 @@ def test_a_backlog_releases_what_the_encoder_is_done_with_however_it_ended() -> 
     assert unbounded.wait() == 0.0
 
 
-def test_a_builders_encoder_thread_ends_with_it() -> None:
-    """The encoder thread belongs to its builder: nothing else keeps it (or the builder)
-    alive, so a dropped builder's thread ends."""
+def test_a_builders_encoder_threads_end_with_it() -> None:
+    """The encoder threads belong to their builder: nothing else keeps them (or the builder)
+    alive, so a dropped builder's threads end."""
     import gc
     import threading
 
     state = {"w": torch.randn(300, 70)}
-    builder = builder_for(state, torch.bfloat16)
+    builder = builder_for(state, torch.bfloat16, encode_threads=2)
     before_threads = set(threading.enumerate())
-    builder._encoder.submit(lambda: None).result()  # its thread is started
-    (thread,) = [t for t in threading.enumerate() if t.name.startswith("weightsync-encode") and t not in before_threads]
+    both = threading.Barrier(2, timeout=10)
+    for f in [builder._encoder.submit(both.wait) for _ in range(2)]:  # two threads, started
+        f.result()
+    threads = [t for t in threading.enumerate() if t.name.startswith("weightsync-encode") and t not in before_threads]
+    assert len(threads) == 2
     del builder
     gc.collect()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
