@@ -20,7 +20,7 @@ from protocol.codec.parallel import map_ordered
 from protocol.codec.tensorcodec import decode_entry, split_group
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
-from protocol.state import StateLike, find_aliases, resolve_state
+from protocol.state import StateLike, find_aliases, state_tensors
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
 from protocol.wire.messages import ErrorReport, Hello, Welcome
@@ -111,7 +111,7 @@ class ReceiverBase:
 
         Returns the version the receiver is at afterwards (None when the sender has none).
         """
-        tensors = resolve_state(model).tensors
+        tensors = state_tensors(model)
         self.metadata = ModelMetadata.of(tensors)
         self._own_ties = find_aliases(tensors)
         # session: the sender session it last followed, to resume from its ring
@@ -346,7 +346,7 @@ class ReceiverBase:
     def targets(self, model: StateLike) -> list[Target]:
         """The model's tensors in metadata order; a model that changed shape is an error."""
         assert self.metadata is not None
-        tensors = resolve_state(model).tensors
+        tensors = state_tensors(model)
         out: list[Target] = []
         for key, shape in zip(self.metadata.keys, self.metadata.shapes):
             t = tensors.get(key)

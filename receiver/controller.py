@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from protocol.errors import ConfigError, IntegrityError, StateError, WeightSyncError
-from protocol.state import Placed, StateLike, resolve_state
+from protocol.state import Placed, StateLike, state_tensors
 
 from . import memory
 from .engine import KV_CACHE, WEIGHT, EngineHooks, call_hook, parse_tags, parse_version
@@ -105,7 +105,7 @@ class Controller:
 
     async def sleep(self, tags: str | Sequence[str] | None = None) -> dict[str, Any]:
         wanted = parse_tags(tags)
-        if WEIGHT in wanted and any(isinstance(t, Placed) for t in resolve_state(self.daemon.state()).tensors.values()):
+        if WEIGHT in wanted and any(isinstance(t, Placed) for t in state_tensors(self.daemon.state()).values()):
             raise ConfigError("sleep cannot release weights an engine holds in its own layout; use the engine's own sleep mode")
         if WEIGHT in wanted and self._writes_wrapped:  # wrap_write: shared with an engine
             raise ConfigError("sleep cannot release weights whose writes are wrapped (shared memory an engine maps); use tags=kv_cache")

@@ -30,7 +30,7 @@ from typing import Any
 from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.errors import StateError, WeightSyncError
 from protocol.net.server import VersionServer
-from protocol.state import StateLike, resolve_state
+from protocol.state import StateLike, state_tensors
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.limits import Limits
@@ -73,7 +73,7 @@ class Relay:
         server.moved(self._strategy.version)
         if self._strategy.session is not None:
             server.stamp.session = self._strategy.session
-        server.start(self, Limits.for_control(resolve_state(self._state()).tensors))
+        server.start(self, Limits.for_control(state_tensors(self._state())))
 
     async def close(self) -> None:
         await self.server.close()
@@ -123,7 +123,7 @@ class Relay:
             raise StateError("this relay's weights are released (asleep): it cannot build a bootstrap until it wakes")
         aliases = {a for group in self._strategy.aliases.values() for a in group}
         keys = [k for i, k in enumerate(metadata.keys) if i not in aliases]
-        tensors = resolve_state(self._state()).tensors
+        tensors = state_tensors(self._state())
         buckets = plan_buckets(keys, lambda k: tensors[k].numel() * tensors[k].element_size(), self._bucket_size)
         messages = bucket_messages(
             MessageType.BOOTSTRAP, buckets, tensors.__getitem__, metadata.ordinal, lambda _, t: t, None,
@@ -135,7 +135,7 @@ class Relay:
     async def digest(self, version: int | None) -> str:
         if self._strategy.version != version:  # under the lock, as the release is
             raise StateError("this relay's weights are released (asleep): it has no digest until it wakes")
-        tensors = resolve_state(self._state()).tensors
+        tensors = state_tensors(self._state())
         async with self._model_lock.reading():
             return await asyncio.to_thread(state_digest, tensors, list(tensors))
 

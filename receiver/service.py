@@ -44,7 +44,7 @@ from protocol.errors import (
 )
 from protocol.net.context import shared_context
 from protocol.net.security import CurveClient, CurveServer, check_transport
-from protocol.state import Placed, StateLike, resolve_state
+from protocol.state import Placed, StateLike, state_tensors
 from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType, peek_type
@@ -177,7 +177,7 @@ class Receiver:
         self._failure: BaseException | None = None
         self._link: Session | None = None  # the connection to the upstream, while there is one
         self._closed = False
-        self._names = None if name_mapping is None else NameMapping(name_mapping, resolve_state(model).tensors)
+        self._names = None if name_mapping is None else NameMapping(name_mapping, state_tensors(model))
         # -- control state (see pause / sleep / update_weights)
         self.hold = hold
         self._lifecycle = ControlState(hold=hold)  # paused, asleep, ...: what the session loop asks
@@ -189,7 +189,7 @@ class Receiver:
         self.metrics = ReceiverMetrics(self._metric_state)
         self._control_address = control_address
         self._control_server: ControlServer | None = None
-        self.limits = limits or Limits.for_model(resolve_state(self._state()).tensors)
+        self.limits = limits or Limits.for_model(state_tensors(self._state()))
 
     # -- public API -----------------------------------------------------------------
     async def start(self, timeout: float | None = 30.0) -> Receiver:
@@ -411,7 +411,7 @@ class Receiver:
         """What is synced: the model, or its tensors under the trainer's names."""
         if self._names is None:
             return self.model
-        return self._names.rename(resolve_state(self.model).tensors)
+        return self._names.rename(state_tensors(self.model))
 
     def _metric_state(self) -> ReceiverState:
         state = self._lifecycle
@@ -536,7 +536,7 @@ class Receiver:
     async def _digest(self) -> str | None:
         """The state digest, or None when this receiver holds only part of the model
         (an engine's tensor-parallel rank: ``protocol.state.Placed``)."""
-        tensors = resolve_state(self._state()).tensors
+        tensors = state_tensors(self._state())
         async with self.lock.reading():
             if not any(isinstance(t, Placed) for t in tensors.values()):
                 return await asyncio.to_thread(state_digest, tensors, list(tensors))
@@ -727,7 +727,7 @@ class _Daemon:
         r = self._r
         await r._leave_session()
         async with r.strategy.exclusive():  # a relay's too: it serves children nothing from released storage
-            released = memory.release(r.model, resolve_state(r._state()).tensors)
+            released = memory.release(r.model, state_tensors(r._state()))
             # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
             r.version = r.strategy.version = r.strategy.session = None
         r.pending_version = None

@@ -12,7 +12,7 @@ import torch
 from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.config import BucketConfig
 from protocol.errors import ConfigError
-from protocol.state import StateLike, materialize, resolve_state
+from protocol.state import StateLike, materialize, state_tensors
 from protocol.wire.framing import Message, MessageType
 
 from .base import Send, SenderBase
@@ -100,7 +100,7 @@ class BucketSender(SenderBase):
     async def _sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
         """Send every tracked tensor as version ``version``."""
         plan = self.require_plan(version)
-        messages, stats = BucketBuilder(plan, self.config.bucket).build(resolve_state(model).tensors, version)
+        messages, stats = BucketBuilder(plan, self.config.bucket).build(state_tensors(model), version)
         self.version = version
         started = time.perf_counter()
         while (msg := await asyncio.to_thread(next, messages, None)) is not None:

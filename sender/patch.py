@@ -20,7 +20,7 @@ from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, pa
 from protocol.config import PatchConfig
 from protocol.errors import MetadataMismatchError, WeightSyncError
 from protocol.lazy import lazy_module
-from protocol.state import ModelState, StateLike, is_dtensor, materialize, resolve_state
+from protocol.state import ModelState, StateLike, is_dtensor, materialize, state_tensors
 from protocol.wire.dtypes import bits_dtype
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
 
@@ -691,7 +691,7 @@ class PatchSender(SenderBase):
         """
         plan = self.require_plan(version)
         assert self.builder is not None
-        tensors = resolve_state(model).tensors
+        tensors = state_tensors(model)
         if self.builder.diverged:  # a failed sync moved the snapshot on: resync the receiver instead
             return await self._resync(plan, tensors, send, version)
         changes, stats = await self.builder.collect(tensors, version)

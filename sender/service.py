@@ -25,7 +25,7 @@ from protocol.config import SyncConfig, load_config
 from protocol.errors import WeightSyncError
 from protocol.net.security import CurveServer
 from protocol.net.server import VersionServer
-from protocol.state import StateLike, resolve_state
+from protocol.state import StateLike, resolve_state, state_tensors
 from protocol.wire.limits import Limits
 
 from .base import check_next_version
@@ -132,7 +132,7 @@ class Sender:
         self.server.check_running()
         source = self._source
         assert source is not None
-        tensors = resolve_state(model).tensors
+        tensors = state_tensors(model)
         async with self.server.lock:
             # Checked under the lock: of two syncs racing, the one that waited for the other
             # sees its version, and a stale one (sync(5) after sync(6)) is refused here.

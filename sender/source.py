@@ -14,7 +14,7 @@ import torch
 
 from protocol.config import SyncConfig
 from protocol.errors import ConfigError
-from protocol.state import ModelState, StateLike, materialize, resolve_state, sync_keys
+from protocol.state import ModelState, StateLike, materialize, state_tensors, sync_keys
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message
 from protocol.wire.messages import Hello, Welcome
@@ -56,7 +56,7 @@ class TrainerSource:
         """Tensors of the current version at rest: the snapshot or retained copy for
         tracked keys, the model for frozen ones (which training does not change)."""
         assert self.builder is not None
-        model = resolve_state(self.model).tensors
+        model = state_tensors(self.model)
         held = self.builder.held()
         return lambda key: held[key] if key in held else model[key]
 
