@@ -26,7 +26,7 @@ from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEnc
 
 from .backlog import Backlog
 from .base import Send, SenderBase, send_all
-from .copies import WholeCopies
+from .copies import LentSnapshots
 from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
@@ -73,7 +73,7 @@ class Changes:
     dense: torch.Tensor | None  # the whole new tensor, kept when a dense send may be cheaper
     events: list[torch.cuda.Event]
     group: tuple[int, ...] = ()  # a group's ordinals: ``key`` is the first, ``shape`` their elements end to end
-    kept: bool = False  # ``dense`` is one of the whole copies the sender keeps from version to version
+    kept: bool = False  # ``dense`` is the snapshot, lent (``LentSnapshots``): no memory of its own
 
     def wait(self) -> None:
         for event in self.events:
@@ -86,7 +86,7 @@ class Changes:
 
     def pending_nbytes(self) -> int:
         """What holding this capture until it is encoded adds to the sender's memory: its
-        changes, and its whole copy unless that is one the sender keeps anyway (``WholeCopies``)."""
+        changes, and its whole copy unless that is the snapshot, lent (``LentSnapshots``)."""
         held = (self.flat, self.new, self.old, None if self.kept else self.dense)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
@@ -235,7 +235,7 @@ class PatchBuilder:
         self._runs: dict[_Group, torch.Tensor] = {}  # each group's snapshot, its keys' end to end (capture)
         # changes in each key's (or run's, by its first key) last compare: the next one collects as it compares
         self._expect: dict[str, int] = {}
-        self._copies = WholeCopies()  # of the tensors that may go whole, on the host
+        self._lent = LentSnapshots()  # host snapshots lent as whole new values, and their spares
         self._diverged = False  # ``diverged``
         self._comparing: asyncio.Future[Any] | None = None  # a compare on its thread
         # Threads encode what a compare on a worker thread collects, each tensor as it comes,
@@ -281,12 +281,13 @@ class PatchBuilder:
         receiver_copy = self._receiver_copy(tensors)
 
         def take() -> None:
+            tensors = self.snapshot.tensors
             for key in self.plan.tracked:
-                self.snapshot.tensors[key].copy_(receiver_copy(key))
+                target = tensors[key] = self._lent.writable(key, tensors[key])
+                target.copy_(receiver_copy(key))
 
         await asyncio.to_thread(take)
         self._expect.clear()
-        self._copies = WholeCopies()
         self._diverged = False
 
     async def _settle(self) -> None:
@@ -557,15 +558,18 @@ class PatchBuilder:
 
     def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
         info = self._keys[key]
+        stored = snap is self.snapshot.tensors[key]  # compared (and written) in place on the host
+        if stored:
+            snap = self.snapshot.tensors[key] = self._lent.writable(key, snap)
         nnz, flat, new, old = self._compare(key, cur, snap, stats, self._dense_rule(info, cur.numel()))
         kept = False
         if nnz > info.candidate * cur.numel():
-            # The snapshot now holds exactly the new tensor: keep a copy, as dense may win.
-            kept = snap.device.type == "cpu"
-            dense = self._copies.copy(key, snap) if kept else snap.clone()
+            # The snapshot now holds exactly the new tensor: lend it, as dense may win.
+            dense = self._lent.lend(key, snap) if stored and snap.device.type == "cpu" else snap.clone()
+            kept = dense.data_ptr() == snap.data_ptr()
         else:
             dense = None
-            self._copies.drop(key)
+            self._lent.drop(key)
         if nnz == 0:
             return None
         return self._capture(Changes(info.ordinal, tuple(cur.shape), nnz, flat, new, old, dense, [], kept=kept))
