@@ -559,3 +559,20 @@ async def test_on_update_fires_once_per_committed_version(daemons: Daemons) -> N
     assert dict(r.stats) == committed  # nothing was applied on reconnecting
     await step_all(trainer, second, [r])
     assert calls == [1, 2, 3], calls
+
+
+async def test_an_applied_version_leaves_nothing_staged(daemons: Daemons) -> None:
+    """Between versions a receiver holds its model, not the last version's staged changes
+    (an index and a value each: as much again as the update) until the next one arrives."""
+    import gc
+
+    from receiver.base import StagedUpdate
+
+    trainer = Trainer()
+    s = await daemons.sender(trainer, "patch")
+    r = await daemons.start_receiver(s.endpoint, "patch", "r0")
+    for _ in range(2):
+        version = await step_all(trainer, s, [r])
+        assert r.stats[version].kind == "patch"
+        gc.collect()
+        assert not [o for o in gc.get_objects() if type(o) is StagedUpdate]
