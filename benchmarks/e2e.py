@@ -279,16 +279,20 @@ def memory_excess(mem: dict[str, Any] | None, last: dict[str, Any], model_bytes:
     its model and one update (the message, plus each change staged as an int64 index and
     a value). ``base_rss`` already holds the model, so the growth during the sync
     (``sync_peak_rss - base_rss``) is compared with the snapshot (sender) or the update
-    (receiver): excess = (growth - needed) / (model + needed)."""
-    if not mem or mem["sender"].get("sync_peak_rss") is None:
-        return {"sender_memory_excess": None, "receiver_memory_excess": None}
+    (receiver): excess = (growth - needed) / (model + needed). The ``steady`` figures are
+    the same for the pass's second sync (``steady_peak_rss``: the first still in the ring)."""
+    out: dict[str, float | None] = {}
     snapshot = last["dense_bytes"]  # every tracked element at the receivers' dtype
     itemsize = snapshot / max(1, last["dense_elements"])
     update = last["wire_bytes"] + last["changed_elements"] * (8 + itemsize)
-    s = mem["sender"]
-    sender = (s["sync_peak_rss"] - s["base_rss"] - snapshot) / (model_bytes + snapshot)
-    receiver = max((r["sync_peak_rss"] - r["base_rss"] - update) / (snapshot + update) for r in mem["receivers"])
-    return {"sender_memory_excess": sender, "receiver_memory_excess": receiver}
+    for peak, name in (("sync_peak_rss", "memory"), ("steady_peak_rss", "steady_memory")):
+        s, rs = (mem["sender"], mem["receivers"]) if mem else ({}, [])
+        if s.get(peak) is None or any(r.get(peak) is None for r in rs):
+            out[f"sender_{name}_excess"] = out[f"receiver_{name}_excess"] = None
+            continue
+        out[f"sender_{name}_excess"] = (s[peak] - s["base_rss"] - snapshot) / (model_bytes + snapshot)
+        out[f"receiver_{name}_excess"] = max((r[peak] - r["base_rss"] - update) / (snapshot + update) for r in rs)
+    return out
 
 
 def phase_medians(steps: list[dict[str, Any]], key: str) -> dict[str, float | None]:
@@ -366,9 +370,11 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
             "(peer_cast_s in steps) is not in their times",
             "sender_peak_rss / receiver_peak_rss: peak RSS (VmHWM) of separate processes replaying the last measured "
             "step (1 sender process, 2 receiver processes, patch config); base_rss is before the daemon was created; "
-            "sync_peak_rss is the peak of the sync alone (VmHWM restarted after the bootstrap)",
+            "sync_peak_rss is the peak of the sync alone (VmHWM restarted after the bootstrap); steady_peak_rss the peak "
+            "of the next sync (the step undone, synced while the ring still holds the first)",
             "sender_memory_excess / receiver_memory_excess: (sync growth - what must be held) / (model + what must be held); "
-            "the sender must hold one snapshot at the receivers' dtype, a receiver one update",
+            "the sender must hold one snapshot at the receivers' dtype, a receiver one update; "
+            "sender_steady_memory_excess / receiver_steady_memory_excess: the same for the next sync",
             "patch_phases_ms / bucket_phases_ms: each phase's median over the measured steps, in ms (so they need not add up "
             "to the median e2e); the phases and how each is timed: benchmarks/phases.py; per step under steps",
             "bucket_Bps: bytes delivered (2 receivers x the dense bytes at the receivers' dtype) / e2e_bucket_s, "

@@ -4,12 +4,16 @@ The e2e timings run the Sender and both Receivers in one process, where their me
 cannot be told apart; so for each workload the last measured step is replayed here:
 ``python -m benchmarks.memory sender`` loads the trainer's state before that step,
 serves it as version 0 (bootstrap), reads the state after the step into the same
-tensors in place and syncs it as version 1 until every receiver acknowledged it;
+tensors in place and syncs it as version 1 until every receiver acknowledged it, then
+the state before the step again as version 2 (the same changes undone: a version synced
+while the ring still holds the one before, as every version after the first is);
 ``python -m benchmarks.memory receiver`` (two of them) starts from zeros at the
 receivers' dtype. Each reports its RSS before the daemon was created, with the runtime
 every daemon loads already in (compiled kernels, threads: ``base``), its
-lifetime peak (VmHWM, i.e. ``ru_maxrss`` of this process alone) and the peak of the sync
-alone (``sync_peak``: VmHWM restarted once the bootstrap is applied), in bytes. States travel as raw files (read with
+lifetime peak (VmHWM, i.e. ``ru_maxrss`` of this process alone), the peak of the first
+sync alone (``sync_peak``: VmHWM restarted once the bootstrap is applied) and of the
+second (``steady_peak``: restarted once the first is applied), and its RSS where each
+restarted (``sync_start``, ``steady_start``), in bytes. States travel as raw files (read with
 ``readinto`` straight into the tensors, so loading adds no second copy).
 """
 
@@ -121,17 +125,27 @@ async def run_sender(args: argparse.Namespace) -> dict[str, Any]:
         boot_peak = maxrss_bytes()
         await asyncio.sleep(SETTLE)  # every side lets go of the bootstrap (receivers restart their peaks)
         release_freed()
-        reset = reset_peak_rss()  # from here: the steady state, one sync
+        reset = reset_peak_rss()  # from here: one sync
+        sync_start = rss()
         read_into(Path(args.post), state)
         started = time.perf_counter()
         stats = await sender.sync(state, 1)
         await sender.wait_acked(1, timeout=300)
         e2e = time.perf_counter() - started
+        sync_peak = maxrss_bytes() if reset else None
+        await asyncio.sleep(SETTLE)  # the receivers restart their peaks
+        release_freed()
+        reset = reset_peak_rss()  # from here: the next sync, version 1 still in the ring
+        steady_start = rss()
+        read_into(Path(args.pre), state)
+        await sender.sync(state, 2)
+        await sender.wait_acked(2, timeout=300)
+        steady_peak = maxrss_bytes() if reset else None
         resyncs = sum(int(p["resyncs"]) for p in sender.receivers.values())  # type: ignore[call-overload]
     finally:
         await sender.close()
-    sync_peak = maxrss_bytes() if reset else None
-    return {"base_rss": base, "peak_rss": max(boot_peak, maxrss_bytes()), "sync_peak_rss": sync_peak,
+    return {"base_rss": base, "peak_rss": max(boot_peak, sync_peak or 0, maxrss_bytes()), "sync_peak_rss": sync_peak,
+            "steady_peak_rss": steady_peak, "sync_start_rss": sync_start, "steady_start_rss": steady_start,
             "wire_bytes": stats.wire_bytes, "e2e_s": e2e, "resyncs": resyncs}
 
 
@@ -148,13 +162,23 @@ async def run_receiver(args: argparse.Namespace) -> dict[str, Any]:
         marks["boot_peak"] = maxrss_bytes()
         release_freed()
         marks["reset"] = reset_peak_rss()
+        marks["sync_start"] = rss()
         await receiver.wait_for_version(1, timeout=300)
+        marks["sync_peak"] = maxrss_bytes() if marks["reset"] else None
+        marks["peak"] = max(marks["boot_peak"], maxrss_bytes())
+        await asyncio.sleep(SETTLE / 2)  # what it lets go of after publishing (the sender waits SETTLE)
+        release_freed()
+        marks["steady_reset"] = reset_peak_rss()
+        marks["steady_start"] = rss()
+        await receiver.wait_for_version(2, timeout=300)
         applied = receiver.stats.get(1)
     finally:
         await receiver.close()
     peak = maxrss_bytes()
-    return {"base_rss": base, "peak_rss": max(peak, marks.get("boot_peak", 0)), "sync_peak_rss": peak if marks.get("reset") else None,
-            "reconnects": receiver.reconnects, "applied_as": applied.kind if applied else None}
+    return {"base_rss": base, "peak_rss": max(peak, marks.get("peak", 0)), "sync_peak_rss": marks.get("sync_peak"),
+            "steady_peak_rss": peak if marks.get("steady_reset") else None,
+            "sync_start_rss": marks.get("sync_start"), "steady_start_rss": marks.get("steady_start"),
+            "reconnects": receiver.reconnects, "applied_as": applied.kind if applied else None, "version": receiver.version}
 
 
 def measure(pre: Path, post: Path, receiver_dtype: torch.dtype, config: dict[str, Any], receivers: int = 2, timeout: float = 600) -> dict[str, Any]:

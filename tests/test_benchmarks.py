@@ -319,3 +319,31 @@ def test_the_seed_format_positions_round_trip(shape: tuple[int, ...]) -> None:
         drows, dcols = seed_buffers(flat, torch.Size(shape))
         assert drows.element_size() <= 2 and dcols.element_size() <= 2
         assert torch.equal(seed_positions(drows, dcols, torch.Size(shape)), flat)
+
+
+@pytest.mark.timeout(240)
+def test_the_memory_pass_measures_the_first_sync_and_the_next(tmp_path: Path) -> None:
+    """Real processes (a sender, two receivers over TCP loopback): both syncs' peaks are
+    reported, the receivers end at the second version, and the excess figures come out."""
+    from benchmarks.e2e import memory_excess
+    from benchmarks.memory import dump_state, measure
+
+    g = torch.Generator().manual_seed(0)
+    before = {"a.weight": torch.randn(256, 256, generator=g), "b.bias": torch.randn(256, generator=g)}
+    after = {k: v.clone() for k, v in before.items()}
+    after["a.weight"].view(-1)[::7] += 0.05  # a seventh of one tensor moves
+    dump_state(before, tmp_path / "pre")
+    dump_state(after, tmp_path / "post")
+    mem = measure(tmp_path / "pre", tmp_path / "post", torch.bfloat16, {"type": "patch"}, receivers=2, timeout=200)
+    s = mem["sender"]
+    assert s["resyncs"] == 0 and s["wire_bytes"] > 0
+    for report in (s, *mem["receivers"]):
+        assert 0 < report["sync_peak_rss"] <= report["peak_rss"] and 0 < report["steady_peak_rss"] <= report["peak_rss"]
+    assert [r["version"] for r in mem["receivers"]] == [2, 2]
+    assert [r["applied_as"] for r in mem["receivers"]] == ["patch", "patch"]
+    numel = 256 * 256 + 256
+    last = {"dense_bytes": numel * 2, "dense_elements": numel, "wire_bytes": s["wire_bytes"], "changed_elements": numel // 7}
+    excess = memory_excess(mem, last, numel * 4)
+    assert set(excess) == {"sender_memory_excess", "receiver_memory_excess", "sender_steady_memory_excess", "receiver_steady_memory_excess"}
+    assert all(isinstance(v, float) and math.isfinite(v) for v in excess.values())
+    assert memory_excess(None, last, numel * 4) == dict.fromkeys(excess)
