@@ -340,9 +340,6 @@ class ReceiverBase:
             self.version = pending.version
             if self.on_commit is not None:
                 self.on_commit(pending)
-        # Written: its staged changes (an index and a value each) go now, not once the caller
-        # lets go of ``pending``, which may be when the next version replaces it.
-        pending.updates = []
         self.last_stats = pending.stats
         log.debug("applied %s", pending.stats)
 

@@ -651,6 +651,12 @@ class Receiver:
             awaiting_resync = False
             self._record(pending.stats)
             await self._publish(pending.version, link)
+            # Published: its staged changes (an index and a value each, decoded here) go now,
+            # after the ACK, not when the next version replaces ``pending``. Whole tensors stay
+            # until then: most are views of the received frames, whose memory the next
+            # receive reuses; freed now, it goes back to the OS and that receive faults it in
+            # afresh (docs/performance.md, *The memory pass's next sync*).
+            pending.updates = [u for u in pending.updates if u.flat is None]
 
     def _below(self) -> Ack:
         """A relay tells its parent about the receivers below it (see ``Sender.wait_acked(tree=True)``)."""

@@ -561,18 +561,20 @@ async def test_on_update_fires_once_per_committed_version(daemons: Daemons) -> N
     assert calls == [1, 2, 3], calls
 
 
-async def test_an_applied_version_leaves_nothing_staged(daemons: Daemons) -> None:
+async def test_an_applied_version_leaves_no_staged_changes(daemons: Daemons) -> None:
     """Between versions a receiver holds its model, not the last version's staged changes
-    (an index and a value each: as much again as the update) until the next one arrives."""
+    (an index and a value each: as much again as the update) until the next one arrives.
+    Whole tensors staged as views of the received frames may stay (receiver/service.py says why)."""
     import gc
 
     from receiver.base import StagedUpdate
 
-    trainer = Trainer()
+    trainer = Trainer(lr=1e-4)
     s = await daemons.sender(trainer, "patch")
     r = await daemons.start_receiver(s.endpoint, "patch", "r0")
     for _ in range(2):
         version = await step_all(trainer, s, [r])
         assert r.stats[version].kind == "patch"
         gc.collect()
-        assert not [o for o in gc.get_objects() if type(o) is StagedUpdate]
+        staged = [o for o in gc.get_objects() if type(o) is StagedUpdate]
+        assert not [u for u in staged if u.flat is not None], len(staged)
