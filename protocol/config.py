@@ -59,10 +59,11 @@ class PatchConfig:
     compression: str = "zstd"  # none | lz4 | zstd | nvcomp_lz4
     position_encoding: str = "auto"  # auto | ans (entropy-coded gaps) | gaps | bitmap | coo (the seed's)
     value_encoding: str = "ulp"  # ulp (entropy-coded bit differences) | xor | raw (the seed's new values)
-    # Which tensors travel whole: "auto" where that is estimated faster than coding (at 1 Gb/s
-    # a receiver and 25 ns of CPU a change; {link_gbps: G, ns_per_change: N} sets those), or a
-    # share: a tensor with more than it of its elements changed is sent whole (1.0: never,
-    # except where coding would not be smaller). See tensorcodec.DenseCost.
+    # How each changed tensor travels: "auto" whole, coded or plain (raw gaps and values),
+    # whichever is estimated fastest (at 1 Gb/s a receiver, 25 ns of CPU a coded change, 12 a
+    # plain one; {link_gbps: G | measured, ns_per_change: N, plain_ns_per_change: P} sets
+    # those), or a share: a tensor with more than it of its elements changed is sent whole
+    # (1.0: never, except where coding would not be smaller). See tensorcodec.DenseCost.
     dense_above: float | str | dict[str, float] = "auto"
     # A patch travels in parts of at least this many bytes of changes each, each sent as
     # soon as it is encoded, so receivers decode one while the next is encoded; 0: one message.
@@ -184,6 +185,7 @@ NO_EFFECT: dict[str, tuple[Any, str]] = {
     "nccl_min_ctas": (None, "a positive integer or null"),
 }
 _warned: set[str] = set()  # keys already warned about in this process
+DENSE_COST_KEYS = {"link_gbps": True, "ns_per_change": False, "plain_ns_per_change": False}  # name: must be positive
 
 
 def dense_rule(value: Any) -> float | DenseCost:
@@ -191,16 +193,19 @@ def dense_rule(value: Any) -> float | DenseCost:
     if value == "auto" and type(value) is str:
         return DenseCost()
     if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"link_gbps", "ns_per_change"})
+        unknown = sorted(set(value) - set(DENSE_COST_KEYS))
         if unknown:
-            raise ConfigError(f"patch.dense_above: unknown key {unknown[0]!r}; known keys: ['link_gbps', 'ns_per_change']")
-        for name, positive in (("link_gbps", True), ("ns_per_change", False)):
-            v = value.get(name, getattr(DenseCost, name))
+            raise ConfigError(f"patch.dense_above: unknown key {unknown[0]!r}; known keys: {list(DENSE_COST_KEYS)}")
+        measured = value.get("link_gbps") == "measured" and type(value.get("link_gbps")) is str
+        given = {k: v for k, v in value.items() if not (measured and k == "link_gbps")}
+        for name, positive in DENSE_COST_KEYS.items():
+            v = given.get(name, getattr(DenseCost, name))
             if type(v) not in (int, float) or not (v > 0 if positive else v >= 0) or v != v or v == float("inf"):
-                raise ConfigError(f"patch.dense_above.{name} must be a {'positive' if positive else 'non-negative'} number, got {v!r}")
-        return DenseCost(float(value.get("link_gbps", DenseCost.link_gbps)), float(value.get("ns_per_change", DenseCost.ns_per_change)))
+                kind = "a positive number or 'measured'" if name == "link_gbps" else "a non-negative number"
+                raise ConfigError(f"patch.dense_above.{name} must be {kind}, got {v!r}")
+        return DenseCost(**{name: float(given.get(name, getattr(DenseCost, name))) for name in DENSE_COST_KEYS}, measure_link=measured)
     if type(value) not in (int, float) or not 0 <= value <= 1:
-        raise ConfigError(f"patch.dense_above must be 'auto', {{link_gbps, ns_per_change}} or a number in [0, 1], got {value!r}")
+        raise ConfigError(f"patch.dense_above must be 'auto', {{{', '.join(DENSE_COST_KEYS)}}} or a number in [0, 1], got {value!r}")
     return float(value)
 
 

@@ -135,8 +135,9 @@ def roundtrip_sparse(old: torch.Tensor, new: torch.Tensor, options: PatchOptions
     assert entry.nnz == flat.numel()
     msg = wire([entry])
     (te,) = msg.tensors
-    # ULP falls back to XOR for fewer changes than a counts table is worth.
-    allowed = {options.values, ValueEncoding.XOR} if options.values is ValueEncoding.ULP else {options.values}
+    # ULP falls back to XOR for fewer changes than a counts table is worth, and goes plain
+    # (raw gaps and values) where that is estimated faster (PatchOptions.goes_plain).
+    allowed = {options.values, ValueEncoding.XOR, ValueEncoding.RAW} if options.values is ValueEncoding.ULP else {options.values}
     assert te.key == 3 and te.encoding is entry.encoding and te.values is entry.values and te.values in allowed
     assert te.nnz == flat.numel()
     decoded = decode_entry(te, msg.frames, shape, old.dtype, CPU)

@@ -96,6 +96,7 @@ def test_small_tensors_are_captured_as_one_run_of_their_elements(whole: bool) ->
     before = {k: t.clone() for k, t in builder.snapshot.tensors.items()}
     state["big"].view(-1)[::50] += 0.1
     state["n1"].view(-1)[::3] += 0.1
+    state["n1"].view(-1)[1::3] += 0.1
     state["n2"] += 0.5
     state["n4"] += 0.5
     stats = SyncStats(1, "patch")

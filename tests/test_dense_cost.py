@@ -1,8 +1,9 @@
-"""Which tensors a patch sends whole: ``patch.dense_above`` (protocol/codec/tensorcodec.py DenseCost).
+"""How a changed tensor travels: ``patch.dense_above`` (protocol/codec/tensorcodec.py DenseCost).
 
-By default ("auto") a tensor travels whole where that is estimated to be faster than coding
-its changes (CPU per change against wire time per byte at an assumed link speed); a number
-keeps the old meaning, a fixed share of changed elements. Every case applies bit for bit.
+By default ("auto") a tensor travels whole, or its changes plain (raw gaps and values), where
+that is estimated to be faster than coding its changes (CPU per change against wire time per
+byte at an assumed or measured link speed); a number keeps the old meaning, a fixed share of
+changed elements. Every case applies bit for bit.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from channel import Channel
 from models import bits
 from test_strategies import handshake, make_pair, messages, patch_cfg
 
-from protocol.codec.tensorcodec import DenseCost, PatchOptions, binary_entropy, value_bits
+from protocol.codec.compress import Codec
+from protocol.codec.tensorcodec import DenseCost, PatchOptions, binary_entropy, plain_gap_bytes, value_bits
 from protocol.config import PatchConfig, load_config
 from protocol.errors import ConfigError
-from protocol.wire.framing import Encoding
+from protocol.wire.framing import Encoding, ValueEncoding
 
 N = 1 << 16
 
@@ -128,6 +130,34 @@ def test_the_cost_model() -> None:
     assert not options.goes_dense(N // 5, N, 2, None) and options.goes_dense(N, N, 2, None)
 
 
+def test_plain_changes_win_on_a_fast_link_only() -> None:
+    n = 1 << 20
+    slow, fast = DenseCost(), DenseCost(link_gbps=10)
+    for share in (0.01, 0.03, 0.15):  # a real step's values move a few ulps (value_bits ~2-3)
+        nnz = int(share * n)
+        assert not slow.plain_wins(nnz, n, 2, 2.5) and fast.plain_wins(nnz, n, 2, 2.5)
+    # values that moved far cost the coder more bits than a plain value's own 16
+    assert slow.plain_wins(n // 10, n, 2, 17.0)
+    assert plain_gap_bytes(n // 5, n) == 1 and plain_gap_bytes(n // 100, n) == 2 and plain_gap_bytes(10, 1 << 40) == 8
+    # a whole tensor is weighed against the cheaper of the two
+    assert fast.dense_wins(n // 3, n, 2, 2.5) and not fast.dense_wins(n // 20, n, 2, 2.5)
+    assert fast.plain_ns(n // 20, n, 2) < fast.coded_ns(n // 20, n, 2.5)
+
+
+@pytest.mark.parametrize("link,plain", [(1, False), (4, True)])
+async def test_the_link_decides_between_plain_and_coded_changes(link: float, plain: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    state = {"t": (torch.randn(1 << 18, generator=g) * 0.02).to(torch.bfloat16)}
+    changed = moved(state["t"], 0.1, 1, 5)  # ~26k changes of one ulp
+    by_key = await sync_once(patch_cfg(dense_above={"link_gbps": link}), state, {"t": changed})
+    entry = by_key["t"]
+    if plain:  # uncompressed too: the CPU zstd costs is what plain changes save
+        assert (entry.encoding, entry.values) == (Encoding.GAPS, ValueEncoding.RAW)
+        assert all(b.codec == Codec.NONE for b in entry.buffers)
+    else:
+        assert (entry.encoding, entry.values) == (Encoding.ANS_GAPS, ValueEncoding.ULP)
+
+
 def test_value_bits_estimates_the_value_coder() -> None:
     assert value_bits(torch.ones(5000, dtype=torch.int64)) == pytest.approx(0.0)
     assert value_bits(torch.tensor([1, -1] * 2000)) == pytest.approx(1.0, abs=0.01)
@@ -136,12 +166,16 @@ def test_value_bits_estimates_the_value_coder() -> None:
     assert value_bits(torch.zeros(0, dtype=torch.int64)) == 0.0
 
 
-@pytest.mark.parametrize("value", ["auto", 0, 0.25, 1, {"link_gbps": 10}, {"ns_per_change": 0}, {"link_gbps": 1, "ns_per_change": 30.5}])
+@pytest.mark.parametrize("value", ["auto", 0, 0.25, 1, {"link_gbps": 10}, {"ns_per_change": 0}, {"link_gbps": 1, "ns_per_change": 30.5},
+                                   {"plain_ns_per_change": 4}, {"link_gbps": "measured", "ns_per_change": 20}])
 def test_config_accepts(value: Any) -> None:
     config = load_config({"type": "patch", "patch": {"dense_above": value}})
     rule = config.patch.options().dense_above
     if isinstance(value, dict):
-        assert rule == DenseCost(float(value.get("link_gbps", 1.0)), float(value.get("ns_per_change", 25.0)))
+        measured = value.get("link_gbps") == "measured"
+        link = 1.0 if measured else float(value.get("link_gbps", 1.0))
+        expected = DenseCost(link, float(value.get("ns_per_change", 25.0)), float(value.get("plain_ns_per_change", 12.0)), measured)
+        assert rule == expected
     elif value == "auto":
         assert rule == DenseCost()
     else:
@@ -149,7 +183,8 @@ def test_config_accepts(value: Any) -> None:
 
 
 @pytest.mark.parametrize("value", ["fast", 1.5, -0.1, True, None, [0.5], {"link_gbps": 0}, {"link_gbps": "1"},
-                                   {"ns_per_change": -1}, {"gbps": 1}, {"link_gbps": float("nan")}])
+                                   {"ns_per_change": -1}, {"gbps": 1}, {"link_gbps": float("nan")}, {"link_gbps": "fast"},
+                                   {"plain_ns_per_change": -1}, {"plain_ns_per_change": "4"}])
 def test_config_refuses(value: Any) -> None:
     with pytest.raises(ConfigError, match="dense_above"):
         load_config({"type": "patch", "patch": {"dense_above": value}})

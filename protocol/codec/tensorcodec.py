@@ -57,28 +57,41 @@ ANS_MIN_CHANGES = 512  # below this, counts tables and per-call overhead cost mo
 # 2-3 bytes a change more than coding them: from about 32 changes on it is the smaller, and it
 # codes in ~15 us (within issue 14's 20 us a tensor).
 PACKED_MIN_CHANGES = 32
+# Deciding between plain and coded changes takes a sample of the values (~30 us); below this
+# the coder's per-tensor cost is small beside that, so a small tensor is coded.
+PLAIN_MIN_CHANGES = 16384
 # wire.dtypes.bits_dtype builds a tensor to learn an itemsize (~1.3 us); a tensor's path asks it up to 3 times.
 _bits_of = functools.cache(bits_dtype)
 
 
 @dataclass(frozen=True)
 class DenseCost:
-    """``patch.dense_above: auto`` (the default): a tensor travels whole where that is
-    estimated to be faster than coding its changes. Coding costs CPU time per change
-    (``ns_per_change``: the sender's collect and encode plus a receiver's decode and apply;
-    ~20 ns measured on the development machine, ``python -m benchmarks.micro --only codec apply``)
-    and wire time for the coded bytes; a dense tensor costs wire time for all of its bytes,
-    at ``link_gbps``, the bandwidth each receiver gets. Coded bytes are estimated at the
-    entropy floor: positions at ``numel * H(nnz / numel)`` bits, values at the bits a sample
-    of their ulp differences needs (``value_bits``).
+    """``patch.dense_above: auto`` (the default): how each changed tensor travels, by which
+    is estimated fastest: whole, its changes entropy coded, or its changes plain (raw gaps
+    and new values, uncompressed). Coding costs CPU time per change (``ns_per_change``: the
+    sender's collect and encode plus a receiver's decode and apply; ~20 ns measured on the
+    development machine, ``python -m benchmarks.micro --only codec apply``) and wire time
+    for the coded bytes; plain changes cost less CPU (``plain_ns_per_change``) and more
+    bytes (a gap of 1-8 bytes and the value's own); a dense tensor costs wire time for all
+    of its bytes. Wire time is at ``link_gbps``, the bandwidth each receiver gets. Coded
+    bytes are estimated at the entropy floor: positions at ``numel * H(nnz / numel)`` bits,
+    values at the bits a sample of their ulp differences needs (``value_bits``).
 
-    At the defaults (1 Gb/s, 25 ns) a bf16 tensor is coded up to ~45-75% changed, depending on
-    how far its values moved, and sent whole past that; an fp32 tensor whose every element
-    moved by thousands of ulps (``value_bits`` ~14) is sent whole. On a faster link the
-    cut-off falls (10 Gb/s: ~7% for bf16), on a slower one it rises."""
+    At the defaults (1 Gb/s, 25 ns, 12 ns) a bf16 tensor is coded up to ~45-75% changed,
+    depending on how far its values moved, and sent whole past that; an fp32 tensor whose
+    every element moved by thousands of ulps (``value_bits`` ~14) is sent whole. On a faster
+    link the cut-off falls and plain changes win over coded ones (from ~1.5 Gb/s on a real
+    bf16 step: the wire's bytes are cheaper there than the coder's CPU); on a slower one
+    coding wins everywhere."""
 
     link_gbps: float = 1.0
     ns_per_change: float = 25.0
+    # The collect, the gaps and a receiver's scatter: 12.6 ns a change less than coding, as
+    # measured on a real bf16 step (docs/performance.md, *Plain changes on a fast link*).
+    plain_ns_per_change: float = 12.0
+    # ``link_gbps: measured``: the sender daemon replaces ``link_gbps`` with the rate its
+    # slowest receiver took its bootstrap at (``VersionServer.link_Bps``), once one has.
+    measure_link: bool = False
 
     @property
     def ns_per_byte(self) -> float:
@@ -89,11 +102,20 @@ class DenseCost:
         bits = numel * binary_entropy(nnz / numel) + nnz * value_bits if numel else 0.0
         return nnz * self.ns_per_change + bits / 8 * self.ns_per_byte
 
+    def plain_ns(self, nnz: int, numel: int, itemsize: int) -> float:
+        """Estimated time to send ``nnz`` changes of a ``numel``-element tensor plain."""
+        return nnz * (self.plain_ns_per_change + (plain_gap_bytes(nnz, numel) + itemsize) * self.ns_per_byte)
+
     def dense_ns(self, numel: int, itemsize: int) -> float:
         return numel * itemsize * self.ns_per_byte
 
     def dense_wins(self, nnz: int, numel: int, itemsize: int, value_bits: float) -> bool:
-        return nnz > 0 and self.dense_ns(numel, itemsize) <= self.coded_ns(nnz, numel, value_bits)
+        sparse = min(self.coded_ns(nnz, numel, value_bits), self.plain_ns(nnz, numel, itemsize))
+        return nnz > 0 and self.dense_ns(numel, itemsize) <= sparse
+
+    def plain_wins(self, nnz: int, numel: int, itemsize: int, value_bits: float) -> bool:
+        """Whether ``nnz`` changes travel faster plain than coded."""
+        return nnz > 0 and self.plain_ns(nnz, numel, itemsize) < self.coded_ns(nnz, numel, value_bits)
 
     def share_above(self, itemsize: int, value_bits: float) -> float:
         """The share of changed elements from which the tensor goes whole (> 1: never)."""
@@ -117,6 +139,16 @@ def _share_above(cost: DenseCost, itemsize: int, value_bits: float) -> float:
     return hi
 
 
+def plain_gap_bytes(nnz: int, numel: int) -> int:
+    """The bytes a plain gap is estimated to take: raw gaps travel in the smallest unsigned
+    dtype holding the largest, and the largest of ``nnz`` gaps spread at random over
+    ``numel`` elements is about ``numel / nnz * ln(nnz)``."""
+    if nnz <= 0:
+        return 1
+    top = numel / nnz * max(1.0, math.log(nnz))
+    return next((size for size, limit in ((1, 0xFF), (2, 0xFFFF), (4, 0xFFFF_FFFF)) if top <= limit), 8)
+
+
 def binary_entropy(p: float) -> float:
     """Bits per element of a set of positions with density ``p`` (what ideal coding costs)."""
     if p <= 0.0 or p >= 1.0:
@@ -135,10 +167,10 @@ def value_bits(diffs: torch.Tensor, sample: int = 2048) -> float:
     d = flat.to(torch.int64).cpu().numpy()
     if d.size == 0:
         return 0.0
-    z = np.where(d >= 0, 2 * d, -2 * d - 1)  # zigzag (an estimate: the extremes of int64 wrap)
+    z = ((d << 1) ^ (d >> 63)).view(np.uint64)  # zigzag, unsigned: 64-bit integers' differences wrap
     width = np.frexp(np.maximum(z, 1).astype(np.float64))[1]  # bit length
     small = z < entropy.DIRECT
-    symbols = np.where(small, z, entropy.DIRECT + width - entropy.DIRECT_BITS - 1)
+    symbols = np.where(small, z.astype(np.int64), entropy.DIRECT + width - entropy.DIRECT_BITS - 1)
     extra = float(np.where(small, 0, width - 1).mean())
     counts = np.bincount(symbols)
     prob = counts[counts > 0] / d.size
@@ -184,6 +216,27 @@ class PatchOptions:
             return nnz > self.surely_dense(itemsize) * numel
         bits = value_bits(diffs) if self.values is ValueEncoding.ULP else 8.0 * itemsize
         return self.dense_above.dense_wins(nnz, numel, itemsize, bits)
+
+    def codec_for(self, encoding: Encoding, values: ValueEncoding) -> Codec:
+        """The compression of an entry's buffers: none for plain changes (raw gaps and values
+        where ``ulp`` was asked for: ``goes_plain``), chosen to save the CPU it costs."""
+        plain = encoding is Encoding.GAPS and values is ValueEncoding.RAW and self.values is ValueEncoding.ULP
+        return Codec.NONE if plain else self.codec
+
+    def goes_plain(self, nnz: int, numel: int, new: torch.Tensor, old: torch.Tensor) -> bool:
+        """Whether ``nnz`` changes of a ``numel``-element tensor (``new`` and ``old`` values)
+        travel plain rather than entropy coded: only where the encodings are the defaults'
+        and ``dense_above`` is a ``DenseCost``, from ``PLAIN_MIN_CHANGES`` on."""
+        cost = self.dense_above
+        if not isinstance(cost, DenseCost) or self.positions is not None or self.values is not ValueEncoding.ULP:
+            return False
+        if nnz < PLAIN_MIN_CHANGES:
+            return False
+        size = new.element_size()
+        if not cost.plain_wins(nnz, numel, size, 8.0 * size + 1):  # coded wins however far the values moved
+            return False
+        step = max(1, nnz // 2048)
+        return cost.plain_wins(nnz, numel, size, value_bits(entropy.ulp_differences(new[::step], old[::step])))
 
 
 @dataclass
@@ -245,6 +298,9 @@ def sparse_buffers(
     encoding = options.positions
     nnz = flat.numel()
     values = options.values
+    if options.goes_plain(nnz, math.prod(shape), new, old):
+        gaps, top = gaps_and_top(flat)
+        return Encoding.GAPS, ValueEncoding.RAW, {Role.POSITIONS: downscale(gaps, top), Role.VALUES: new}
     if values is ValueEncoding.ULP and encoding in (None, Encoding.ANS_GAPS) and nnz >= PACKED_MIN_CHANGES:
         return Encoding.ANS_GAPS, values, {Role.VALUES: packed.encode(flat, new, old)}
     flat = flat.long()  # the other encodings' buffers take their dtypes from it
@@ -303,7 +359,7 @@ def encode_sparse(
 ) -> EncodedTensor:
     """Changed positions ``flat`` (sorted, int32 or int64) with their ``new`` and ``old`` values."""
     encoding, values, buffers = sparse_buffers(flat, new, old, shape, options)
-    return pack_entry(key, encoding, values, flat.numel(), buffers, options.codec)
+    return pack_entry(key, encoding, values, flat.numel(), buffers, options.codec_for(encoding, values))
 
 
 def raw_nbytes(buffers: dict[Role, torch.Tensor]) -> int:
