@@ -359,8 +359,9 @@ async def test_the_trainer_can_wait_for_the_whole_tree():
         relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
         assert relay.relay_endpoint is not None
         leaves = [await t.start_receiver(relay.relay_endpoint, f"leaf-{i}") for i in range(2)]
-        await asyncio.wait_for(sender.wait_acked(0, tree=True), T)
+        # both leaves counted first: with one counted, the tree is "all at 0" before the other joins
         await wait_until(lambda: sender.receivers["relay"]["below"] == 2, timeout=T)
+        await asyncio.wait_for(sender.wait_acked(0, tree=True), T)
         assert sender.subtree() == (3, 0)
 
         async with leaves[1].reading():  # leaf-1 cannot apply anything meanwhile
