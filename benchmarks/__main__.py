@@ -154,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads (by name)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-workload memory processes")
     p.add_argument("--dense-above", metavar="VALUE", help="patch.dense_above for the patch runs: auto (the default), "
-                   "a share in [0, 1], or JSON such as '{\"link_gbps\": 10}' or '{\"link_gbps\": \"measured\"}' (the receivers' "
-                   "bootstraps' rate: patch_link_Bps in the results)")
+                   "a share in [0, 1], or JSON such as '{\"link_gbps\": 10}'")
     p.add_argument("--receivers", type=int, metavar="N", help="receivers (and peer workers) per path (default 2)")
     p.add_argument("--split-cores", action="store_true", help="the trainer and sender on the first half of this "
                    "machine's cores, the receivers and peer workers on the other half, each side's codec threads one per "

@@ -119,7 +119,6 @@ class Rig:
             # anything but one clean patch/bucket per receiver means the time includes a recovery
             "applied_as": sorted({(a["kind"] or "missing") if a else "missing" for a in applied}),
             "incidents": self.incidents() - before,
-            "link_Bps": self.sender.server.link_Bps(),  # the receivers' bootstraps' slowest rate
         }
 
     async def verify(self, expected: dict[str, torch.Tensor]) -> bool:
@@ -228,7 +227,6 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
                 "bucket_phases_ms": b["phases_ms"],
                 "patch_applied_as": p["applied_as"],
                 "patch_incidents": p["incidents"],
-                "patch_link_Bps": p["link_Bps"],
                 "bucket_applied_as": b["applied_as"],
                 "bucket_incidents": b["incidents"],
                 "bucket_wire_bytes": bs.wire_bytes,
@@ -342,7 +340,6 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "safetensors_bytes": mean("safetensors_bytes"),
         "gloo_bytes": mean("gloo_bytes"),
         "patch_phases_ms": phase_medians(steps, "patch_phases_ms"),
-        "patch_link_Bps": steps[-1]["patch_link_Bps"],  # what dense_above {link_gbps: measured} priced the wire at
         "e2e_empty_patch_s": _median([e["e2e_s"] for e in empty]) if empty else None,
         "build_empty_patch_s": _median([e["build_s"] for e in empty]) if empty else None,
         "empty_patch_phases_ms": phase_medians(empty, "phases_ms") if empty else None,

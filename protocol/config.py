@@ -61,7 +61,7 @@ class PatchConfig:
     value_encoding: str = "ulp"  # ulp (entropy-coded bit differences) | xor | raw (the seed's new values)
     # How each changed tensor travels: "auto" whole, coded or plain (raw gaps and values),
     # whichever is estimated fastest (at 1 Gb/s a receiver, 25 ns of CPU a coded change, 12 a
-    # plain one; {link_gbps: G | measured, ns_per_change: N, plain_ns_per_change: P} sets
+    # plain one; {link_gbps: G, ns_per_change: N, plain_ns_per_change: P} sets
     # those), or a share: a tensor with more than it of its elements changed is sent whole
     # (1.0: never, except where coding would not be smaller). See tensorcodec.DenseCost.
     dense_above: float | str | dict[str, float] = "auto"
@@ -196,14 +196,11 @@ def dense_rule(value: Any) -> float | DenseCost:
         unknown = sorted(set(value) - set(DENSE_COST_KEYS))
         if unknown:
             raise ConfigError(f"patch.dense_above: unknown key {unknown[0]!r}; known keys: {list(DENSE_COST_KEYS)}")
-        measured = value.get("link_gbps") == "measured" and type(value.get("link_gbps")) is str
-        given = {k: v for k, v in value.items() if not (measured and k == "link_gbps")}
         for name, positive in DENSE_COST_KEYS.items():
-            v = given.get(name, getattr(DenseCost, name))
+            v = value.get(name, getattr(DenseCost, name))
             if type(v) not in (int, float) or not (v > 0 if positive else v >= 0) or v != v or v == float("inf"):
-                kind = "a positive number or 'measured'" if name == "link_gbps" else "a non-negative number"
-                raise ConfigError(f"patch.dense_above.{name} must be {kind}, got {v!r}")
-        return DenseCost(**{name: float(given.get(name, getattr(DenseCost, name))) for name in DENSE_COST_KEYS}, measure_link=measured)
+                raise ConfigError(f"patch.dense_above.{name} must be a {'positive' if positive else 'non-negative'} number, got {v!r}")
+        return DenseCost(**{name: float(value.get(name, getattr(DenseCost, name))) for name in DENSE_COST_KEYS})
     if type(value) not in (int, float) or not 0 <= value <= 1:
         raise ConfigError(f"patch.dense_above must be 'auto', {{{', '.join(DENSE_COST_KEYS)}}} or a number in [0, 1], got {value!r}")
     return float(value)

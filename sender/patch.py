@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +16,7 @@ import torch
 
 from protocol.codec.compress import Codec
 from protocol.codec.parallel import map_ordered
-from protocol.codec.tensorcodec import DenseCost, EncodedTensor, PatchOptions, assemble, pack_entry, raw_nbytes, sparse_buffers
+from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, pack_entry, raw_nbytes, sparse_buffers
 from protocol.config import PatchConfig
 from protocol.errors import MetadataMismatchError, WeightSyncError
 from protocol.lazy import lazy_module
@@ -38,8 +37,6 @@ if TYPE_CHECKING:
     from . import fastdiff
 else:  # numba loads on first use (protocol/lazy.py)
     entropy, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("sender.fastdiff")
-
-log = logging.getLogger(__name__)
 
 
 T = TypeVar("T")
@@ -399,17 +396,6 @@ class PatchBuilder:
         if stream is not None:
             stream.close()
         return captured
-
-    def use_link(self, gbps: float) -> None:
-        """Price the wire at ``gbps`` a receiver from now on, where ``dense_above`` asks for
-        the link's measured rate (``link_gbps: measured``); a change of under 10% is kept
-        out, so the choices do not flap with the measurement's noise. Between syncs only."""
-        cost = self.options.dense_above
-        if not isinstance(cost, DenseCost) or not cost.measure_link or abs(gbps - cost.link_gbps) <= 0.1 * cost.link_gbps:
-            return
-        self.options = replace(self.options, dense_above=replace(cost, link_gbps=gbps))
-        self._keys = {key: _KeyInfo.of(self.plan, self.options, key) for key in self.plan.tracked}
-        log.info("patch: pricing the wire at a measured %.2f Gb/s a receiver", gbps)
 
     def _inline(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether to compare on the caller's thread: a small state of plain CPU tensors,

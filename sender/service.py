@@ -217,8 +217,6 @@ class Sender:
             source.hold(tensors)
             return SyncStats(version, self.strategy)
         if isinstance(builder, PatchBuilder):  # encoded as it is compared, in version order
-            if (rate := self.server.link_Bps()) is not None:
-                builder.use_link(rate * 8 / 1e9)  # where dense_above asks for the measured rate
             if builder.diverged:  # a failed sync moved the snapshot: patches from it would be wrong
                 return await self._resync_all(builder, tensors, version)
             # Encoded and published part by part while the compare goes on: the first parts

@@ -578,30 +578,3 @@ async def test_an_applied_version_leaves_no_staged_changes(daemons: Daemons) -> 
         gc.collect()
         staged = [o for o in gc.get_objects() if type(o) is StagedUpdate]
         assert not [u for u in staged if u.flat is not None], len(staged)
-
-
-# -- the link's rate, measured from the bootstraps --------------------------------------------
-async def test_a_measured_link_prices_the_wire_at_the_slowest_bootstrap(daemons: Daemons) -> None:
-    """``dense_above: {link_gbps: measured}``: each receiver's bootstrap is timed from its
-    first frame to its ACK, and the next sync's cost model takes the slowest rate (to within
-    the 10% it lets pass, ``PatchBuilder.use_link``); ``auto`` keeps its assumed 1 Gb/s."""
-    trainer = Trainer(lr=1e-4)
-    measured = Sender("tcp://127.0.0.1:0", {"type": "patch", "patch": {"dense_above": {"link_gbps": "measured"}}}, **DAEMON_KW)
-    daemons.senders.append(measured)
-    await measured.start(trainer.model, version=trainer.version)
-    assumed = await daemons.sender(trainer, "patch")
-    for s in (measured, assumed):
-        assert s.server.link_Bps() is None  # nobody has bootstrapped yet
-        rs = [await daemons.start_receiver(s.endpoint, "patch", f"r{i}-{s.session[:4]}") for i in range(2)]
-        await s.wait_acked(trainer.version, timeout=T)
-        rates = [s.receivers[r.identity]["bootstrap_Bps"] for r in rs]
-        assert all(isinstance(x, float) and x > 0 for x in rates), rates
-        assert s.server.link_Bps() == min(rates)
-    version = trainer.step()
-    for s in (measured, assumed):
-        await s.sync(trainer.model, version)
-        await s.wait_acked(version, timeout=T)
-    priced = measured._source.builder.options.dense_above.link_gbps  # type: ignore[union-attr]
-    gbps = measured.server.link_Bps() * 8 / 1e9  # type: ignore[operator]
-    assert priced == gbps or (priced == 1.0 and abs(gbps - 1.0) <= 0.1), (priced, gbps)
-    assert assumed._source.builder.options.dense_above.link_gbps == 1.0  # type: ignore[union-attr]

@@ -2,7 +2,7 @@
 
 By default ("auto") a tensor travels whole, or its changes plain (raw gaps and values), where
 that is estimated to be faster than coding its changes (CPU per change against wire time per
-byte at an assumed or measured link speed); a number keeps the old meaning, a fixed share of
+byte at an assumed link speed); a number keeps the old meaning, a fixed share of
 changed elements. Every case applies bit for bit.
 """
 
@@ -167,15 +167,14 @@ def test_value_bits_estimates_the_value_coder() -> None:
 
 
 @pytest.mark.parametrize("value", ["auto", 0, 0.25, 1, {"link_gbps": 10}, {"ns_per_change": 0}, {"link_gbps": 1, "ns_per_change": 30.5},
-                                   {"plain_ns_per_change": 4}, {"link_gbps": "measured", "ns_per_change": 20}])
+                                   {"plain_ns_per_change": 4}, {"link_gbps": 2.5, "plain_ns_per_change": 0}])
 def test_config_accepts(value: Any) -> None:
     config = load_config({"type": "patch", "patch": {"dense_above": value}})
     rule = config.patch.options().dense_above
     if isinstance(value, dict):
-        measured = value.get("link_gbps") == "measured"
-        link = 1.0 if measured else float(value.get("link_gbps", 1.0))
-        expected = DenseCost(link, float(value.get("ns_per_change", 25.0)), float(value.get("plain_ns_per_change", 12.0)), measured)
-        assert rule == expected
+        defaults = {"link_gbps": 1.0, "ns_per_change": 25.0, "plain_ns_per_change": 12.0}
+        given = {name: float(value.get(name, default)) for name, default in defaults.items()}
+        assert rule == DenseCost(**given)
     elif value == "auto":
         assert rule == DenseCost()
     else:

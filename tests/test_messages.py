@@ -130,20 +130,6 @@ def test_a_peer_ignores_a_malformed_below() -> None:
         assert not peer.report_below(bad) and (peer.below, peer.below_acked) == (2, 5), bad
 
 
-def test_a_bootstrap_is_timed_to_the_ack_of_its_version() -> None:
-    """A heartbeat repeating the version, or an ACK of an older one, does not end the timing."""
-    peer = Peer(b"p")
-    peer.start_timing(3, 1 << 20)
-    peer.ack(3)  # a heartbeat
-    peer.ack(2, timed=True)
-    assert peer.bootstrap_Bps is None
-    peer.ack(3, timed=True)
-    rate = peer.bootstrap_Bps
-    assert rate is not None and rate > 0 and peer.describe()["bootstrap_Bps"] == rate
-    peer.ack(4, timed=True)  # nothing timed since: the rate stays the last bootstrap's
-    assert peer.bootstrap_Bps == rate
-
-
 class Tied(torch.nn.Module):
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

@@ -89,9 +89,6 @@ class DenseCost:
     # The collect, the gaps and a receiver's scatter: 12.6 ns a change less than coding, as
     # measured on a real bf16 step (docs/performance.md, *Plain changes on a fast link*).
     plain_ns_per_change: float = 12.0
-    # ``link_gbps: measured``: the sender daemon replaces ``link_gbps`` with the rate its
-    # slowest receiver took its bootstrap at (``VersionServer.link_Bps``), once one has.
-    measure_link: bool = False
 
     @property
     def ns_per_byte(self) -> float:

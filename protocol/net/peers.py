@@ -37,24 +37,12 @@ class Peer:
     refused: int = 0  # resyncs sent since it NACKed, with no ACK between (bounded by the server)
     below: int = 0
     below_acked: int | None = None
-    bootstrap_Bps: float | None = None  # the rate it took its last bootstrap at (``start_timing``)
-    _timing: tuple[int | None, int, float] | None = None  # (version, bytes, when) of a bootstrap on its way
 
     @property
     def name(self) -> str:
         return self.identity.decode(errors="replace")
 
-    def start_timing(self, version: int | None, nbytes: int) -> None:
-        """A bootstrap of ``nbytes`` to ``version`` is being sent: its rate is taken at the ACK."""
-        self._timing = (version, nbytes, time.monotonic())
-
-    def ack(self, version: int | None, *, timed: bool = False) -> None:
-        """It applied ``version``; ``timed``: an ACK (not a heartbeat), which ends a timed bootstrap."""
-        if timed and self._timing is not None and version is not None:
-            target, nbytes, started = self._timing
-            if target is not None and version >= target:
-                self.bootstrap_Bps = nbytes / max(time.monotonic() - started, 1e-6)
-                self._timing = None
+    def ack(self, version: int | None) -> None:
         self.acked = version
         self.inflight = [v for v in self.inflight if v is not None and (version is None or v > version)]
         self.wake.set()
@@ -86,6 +74,5 @@ class Peer:
             "sent": self.sent,
             "inflight": len(self.inflight),
             "resyncs": self.resyncs,
-            "bootstrap_Bps": self.bootstrap_Bps,
             "idle_seconds": round(time.monotonic() - self.last_seen, 3),
         }

@@ -194,14 +194,6 @@ class VersionServer:
         """What stopped this server (a background task's error, logged), or None."""
         return self._failure
 
-    def link_Bps(self) -> float | None:
-        """The slowest rate, in bytes a second, at which a connected receiver took its last
-        bootstrap (from its first frame queued to its ACK: the wire and the receiver's load
-        together); None until one has. What ``dense_above: {link_gbps: measured}`` prices
-        the wire at."""
-        rates = [p.bootstrap_Bps for p in self._peers.values() if p.bootstrap_Bps is not None]
-        return min(rates) if rates else None
-
     @property
     def receivers(self) -> dict[str, dict[str, object]]:
         """Connected receivers by identity, with their acknowledged version and queue."""
@@ -444,10 +436,10 @@ class VersionServer:
                 below_changed = peer.report_below(msg.body)
                 # Heartbeats repeat the applied version, so a lost ACK is never waited on forever.
                 if msg.version is not None and (peer.acked is None or msg.version > peer.acked):
-                    peer.ack(msg.version, timed=msg.type is MessageType.ACK)
+                    peer.ack(msg.version)
                     await self._notify()
                 elif msg.type is MessageType.ACK:
-                    peer.ack(msg.version, timed=True)
+                    peer.ack(msg.version)
                 if msg.type is MessageType.ACK:  # it applied something: its resyncs start afresh
                     peer.refused = 0
                 if below_changed:
@@ -540,10 +532,7 @@ class VersionServer:
         build now) is dropped and sent the error; anything else is a bug, which drops the
         peer and fails the server (``_spawn``)."""
         try:
-            if len(greeting) > 1:  # a WELCOME and a bootstrap: timed to its ACK (``link_Bps``)
-                await self._deliver_bootstrap(peer, peer.inflight[0], [self.stamp(m) for m in greeting])
-            else:
-                await self._deliver_all(peer, [self.stamp(m) for m in greeting])
+            await self._deliver_all(peer, [self.stamp(m) for m in greeting])
             # A bootstrap is a whole model copy: this coroutine lives as long as the peer,
             # so it keeps no reference to what it has queued (ZeroMQ holds what it still needs).
             del greeting
@@ -558,7 +547,7 @@ class VersionServer:
                         if not await self._deliver_entry(peer, what):
                             continue  # abandoned: the peer is still at its base
                     else:
-                        await self._deliver_bootstrap(peer, version, what)
+                        await self._deliver_all(peer, what)
                     del what
                     peer.sent = version
                     peer.inflight.append(version)
@@ -614,11 +603,6 @@ class VersionServer:
             if entry.abandoned:
                 return False
             await entry.grown.wait()
-
-    async def _deliver_bootstrap(self, peer: Peer, version: int | None, messages: list[list[Buffer]]) -> None:
-        """``_deliver_all`` of a bootstrap, timed from its first frame to the ACK of ``version``."""
-        peer.start_timing(version, sum(len(f) for frames in messages for f in frames))
-        await self._deliver_all(peer, messages)
 
     async def _deliver_all(self, peer: Peer, messages: list[list[Buffer]]) -> None:
         for frames in messages:
