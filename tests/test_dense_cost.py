@@ -164,6 +164,9 @@ def test_value_bits_estimates_the_value_coder() -> None:
     wide = value_bits(torch.randint(-(1 << 13), 1 << 13, (100_000,)))
     assert 12.5 < wide < 15.5
     assert value_bits(torch.zeros(0, dtype=torch.int64)) == 0.0
+    # 64-bit integers' differences wrap: the estimate stays finite and wide, never an error
+    wrapped = value_bits(torch.tensor([(1 << 63) - 1, -(1 << 63), 8625564197744295888, -1] * 100))
+    assert 32.0 < wrapped < 66.0
 
 
 @pytest.mark.parametrize("value", ["auto", 0, 0.25, 1, {"link_gbps": 10}, {"ns_per_change": 0}, {"link_gbps": 1, "ns_per_change": 30.5},
