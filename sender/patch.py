@@ -16,7 +16,7 @@ import torch
 
 from protocol.codec.compress import Codec
 from protocol.codec.parallel import map_ordered
-from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, pack_entry, raw_nbytes, sparse_buffers
+from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, pack_entry, raw_nbytes, sampled_differences, sparse_buffers
 from protocol.config import PatchConfig
 from protocol.errors import MetadataMismatchError, WeightSyncError
 from protocol.lazy import lazy_module
@@ -661,8 +661,7 @@ class PatchBuilder:
     def _goes_dense(self, changes: Changes, dense: torch.Tensor) -> bool:
         diffs = None
         if changes.new is not None and changes.old is not None:  # a sample of how far the values moved
-            step = max(1, changes.nnz // 2048)
-            diffs = entropy.ulp_differences(changes.new[::step], changes.old[::step])
+            diffs = sampled_differences(changes.new, changes.old)
         return self.options.goes_dense(changes.nnz, dense.numel(), dense.element_size(), diffs)
 
 

@@ -24,7 +24,7 @@ from protocol.errors import ProtocolError
 from protocol.lazy import lazy_module
 from protocol.wire.buffers import Buffer, buffer_tensor, tensor_view
 from protocol.wire.checksum import checksum
-from protocol.wire.dtypes import UNSIGNED_INDEX_DTYPES, bits_dtype, dtype_code, dtype_from_code, itemsize
+from protocol.wire.dtypes import UNSIGNED_INDEX_DTYPES, bits_dtype, dtype_code, dtype_from_code, itemsize, smallest_unsigned
 from protocol.wire.framing import BufferSpec, Encoding, Role, TensorEntry, ValueEncoding
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class DenseCost:
     At the defaults (1 Gb/s, 25 ns, 12 ns) a bf16 tensor is coded up to ~45-75% changed,
     depending on how far its values moved, and sent whole past that; an fp32 tensor whose
     every element moved by thousands of ulps (``value_bits`` ~14) is sent whole. On a faster
-    link the cut-off falls and plain changes win over coded ones (from ~1.5 Gb/s on a real
+    link the cut-off falls and plain changes win over coded ones (from ~1.5-2 Gb/s on a real
     bf16 step: the wire's bytes are cheaper there than the coder's CPU); on a slower one
     coding wins everywhere."""
 
@@ -142,8 +142,8 @@ def plain_gap_bytes(nnz: int, numel: int) -> int:
     ``numel`` elements is about ``numel / nnz * ln(nnz)``."""
     if nnz <= 0:
         return 1
-    top = numel / nnz * max(1.0, math.log(nnz))
-    return next((size for size, limit in ((1, 0xFF), (2, 0xFFFF), (4, 0xFFFF_FFFF)) if top <= limit), 8)
+    top = min(numel, math.ceil(numel / nnz * max(1.0, math.log(nnz))))  # no gap is longer than the tensor
+    return smallest_unsigned(top).itemsize
 
 
 def binary_entropy(p: float) -> float:
@@ -172,6 +172,12 @@ def value_bits(diffs: torch.Tensor, sample: int = 2048) -> float:
     counts = np.bincount(symbols)
     prob = counts[counts > 0] / d.size
     return float(-(prob * np.log2(prob)).sum()) + extra
+
+
+def sampled_differences(new: torch.Tensor, old: torch.Tensor, sample: int = 2048) -> torch.Tensor:
+    """The ulp differences of about ``sample`` evenly strided changes (what ``value_bits`` reads)."""
+    step = max(1, new.numel() // sample)
+    return entropy.ulp_differences(new[::step], old[::step])
 
 
 @dataclass(frozen=True)
@@ -232,8 +238,7 @@ class PatchOptions:
         size = new.element_size()
         if not cost.plain_wins(nnz, numel, size, 8.0 * size + 1):  # coded wins however far the values moved
             return False
-        step = max(1, nnz // 2048)
-        return cost.plain_wins(nnz, numel, size, value_bits(entropy.ulp_differences(new[::step], old[::step])))
+        return cost.plain_wins(nnz, numel, size, value_bits(sampled_differences(new, old)))
 
 
 @dataclass
@@ -296,8 +301,7 @@ def sparse_buffers(
     nnz = flat.numel()
     values = options.values
     if options.goes_plain(nnz, math.prod(shape), new, old):
-        gaps, top = gaps_and_top(flat)
-        return Encoding.GAPS, ValueEncoding.RAW, {Role.POSITIONS: downscale(gaps, top), Role.VALUES: new}
+        return Encoding.GAPS, ValueEncoding.RAW, {**encode_positions(flat, shape, Encoding.GAPS), Role.VALUES: new}
     if values is ValueEncoding.ULP and encoding in (None, Encoding.ANS_GAPS) and nnz >= PACKED_MIN_CHANGES:
         return Encoding.ANS_GAPS, values, {Role.VALUES: packed.encode(flat, new, old)}
     flat = flat.long()  # the other encodings' buffers take their dtypes from it
