@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,25 @@ import torch
 # The tests' models are tiny and two cores are shared by trainers, daemons and their
 # decode threads: OpenMP workers only oversubscribe them. Subprocesses inherit this.
 os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile numba's kernels (or load them from its cache) once, before the first test.
+
+    A fresh clone has no cache: without this the first tests that start processes (a
+    trainer and three rollouts in ``test_async_rl.py``) each JIT the same kernels at once,
+    ~50 s apiece on 2 cores, inside their set-up timeouts. Processes started later load
+    what this wrote."""
+    from protocol.codec import entropy
+    from receiver import kernels
+    from sender import fastdiff
+
+    started = time.perf_counter()
+    entropy.warm_up()
+    kernels.warm_up()
+    fastdiff.warm_up({(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)})
+    if (seconds := time.perf_counter() - started) > 5:
+        print(f"\nnumba kernels compiled in {seconds:.0f} s (cached for later runs)")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -230,6 +230,12 @@ async def test_receivers_in_another_namespace_survive_the_link_going_down(cluste
     assert all(v == 1 for v in held.values()), held
 
 
+def _packets_dropped(link: Link) -> int:
+    """Packets the namespace's random-DROP rules have matched so far, both chains."""
+    counters = link.in_ns("iptables", "-L", "-v", "-n", "-x").stdout
+    return sum(int(line.split()[0]) for line in counters.splitlines() if "DROP" in line and "statistic" in line)
+
+
 @pytest.mark.parametrize("impairment", ["loss-5%", "tbf-4mbit", "delay-40ms"])
 async def test_impaired_link_converges(impairment: str, cluster: Cluster, reliability: Any) -> None:
     """One receiver process across the veth link while the link is impaired; it follows
@@ -257,9 +263,15 @@ async def test_impaired_link_converges(impairment: str, cluster: Cluster, reliab
     for _ in range(5):
         await cluster.step()
     if impairment == "loss-5%":
-        counters = link.in_ns("iptables", "-L", "-v", "-n", "-x").stdout
-        extra["packets_dropped"] = sum(int(line.split()[0]) for line in counters.splitlines() if "DROP" in line and "statistic" in line)
-        assert extra["packets_dropped"] > 0, counters
+        # Five versions of this small model are only 150-220 packets (GSO-sized) both ways
+        # together, so now and then none is dropped (0.95**150: one run in ~2,000; it
+        # happened once in make test): step on, a bounded number of times, until one is.
+        steps = 5
+        while (dropped := _packets_dropped(link)) == 0 and steps < 40:
+            await cluster.step()
+            steps += 1
+        extra["packets_dropped"], extra["versions_under_loss"] = dropped, steps
+        assert dropped > 0, link.in_ns("iptables", "-L", "-v", "-n", "-x").stdout
     elif impairment == "tbf-4mbit":
         stats = _sh("tc", "-s", "qdisc", "show", "dev", link.host_if).stdout
         extra["tbf_bytes_sent"] = int(stats.split("Sent ", 1)[1].split()[0])
