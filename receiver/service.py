@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
 _FATAL = (MetadataMismatchError, ConfigError, ResyncLimitError)  # reconnecting would not help
+HANDSHAKE_GRACE = 60.0  # seconds past peer_timeout for each message of a handshake (``_handshake``)
 Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's address before each session
 
 
@@ -182,7 +183,6 @@ class Receiver:
         self.hold = hold
         self._lifecycle = ControlState(hold=hold)  # paused, asleep, ...: what the session loop asks
         self._controller = Controller(self._lifecycle, _Daemon(self), writes_wrapped=wrap_write is not None)
-        self._at_gate = False  # a held resync waits, staged, for update_weights
         self._in_session = False
         self._handshaking = False
         self._last_bootstrap: ApplyStats | None = None
@@ -194,7 +194,9 @@ class Receiver:
     # -- public API -----------------------------------------------------------------
     async def start(self, timeout: float | None = 30.0) -> Receiver:
         """Connect, say HELLO with this model's metadata, and apply the bootstrap if one
-        is needed. Returns once the first handshake is done; raises if it fails."""
+        is needed. Returns once the first handshake is done; raises if it fails, or
+        ``WeightSyncTimeout`` after ``timeout`` seconds of it (not counting compiling the
+        kernels first, on a fresh install: ``python -m receiver compile`` does that ahead)."""
         if self._task is not None:
             raise WeightSyncError("receiver already started")
         if self._control_address is not None:
@@ -202,6 +204,9 @@ class Receiver:
 
             self._control_server = ControlServer(self, self._control_address, token=self._control_token)
             await self._control_server.start()
+        # Before the clock starts: on a fresh install this compiles the kernels (numba,
+        # tens of seconds, cached on disk after), local work the timeout is not about.
+        await self.strategy.prepare()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"weightsync-receiver-{self.identity}")
         self._task.add_done_callback(self._run_done)
         await self._wait(lambda: self._ready.is_set(), timeout, what="the first handshake")
@@ -569,32 +574,35 @@ class Receiver:
         """A resync of a held receiver waits, staged, for ``update_weights``."""
         if self.version is None:
             return  # the first bootstrap: the model holds no version to keep serving
-        self.pending_version, self._at_gate = pending.version, True
+        self.pending_version = pending.version
         await self._notify()
         try:
             await self._wait(lambda: self._lifecycle.may_commit(pending.version, self.version), None, fail=False)
         finally:
-            self.pending_version, self._at_gate = None, False
+            self.pending_version = None
         if self._lifecycle.leaving:
             raise Leave("asked to leave")
 
     async def _handshake(self, link: Session, digest: str | None) -> None:
-        handshake = asyncio.create_task(self.strategy.init_receiver(self._state(), link.recv, link.send, receiver_id=self.identity, digest=digest))
+        # Each message of the handshake (WELCOME, then every bootstrap part) within the
+        # bound, not the whole: a large model's bootstrap takes as long as its bytes take.
+        # The sender heartbeats while it answers, so silence (peer_timeout) means it is
+        # gone; this bounds one that is alive but sends nothing. A held resync waiting,
+        # staged, for update_weights receives nothing meanwhile, and is not bounded.
+        bound = self.peer_timeout + HANDSHAKE_GRACE
+
+        async def recv() -> Sequence[Buffer]:
+            try:
+                return await asyncio.wait_for(link.recv(), bound)
+            except TimeoutError:
+                raise Reconnect(f"no handshake message from the sender within {bound:.3g}s") from None
+
         try:
-            done, _ = await asyncio.wait({handshake}, timeout=self.peer_timeout + 60.0)
-            if not done and self._at_gate:  # a held resync, staged: it waits for update_weights as long as it takes
-                done, _ = await asyncio.wait({handshake})
-            if not done:
-                raise WeightSyncTimeout(f"no complete handshake from the sender within {self.peer_timeout + 60.0:.3g}s")
-            version = handshake.result()
+            version = await self.strategy.init_receiver(self._state(), recv, link.send, receiver_id=self.identity, digest=digest)
         except MetadataMismatchError as e:
             if self._names is None:
                 raise
             raise MetadataMismatchError(self._names.explain(str(e))) from e
-        finally:
-            if not handshake.done():
-                handshake.cancel()
-                await asyncio.gather(handshake, return_exceptions=True)
         self.connected = True
         self._handshakes += 1
         boot = self.strategy.last_stats

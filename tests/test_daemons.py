@@ -578,3 +578,115 @@ async def test_an_applied_version_leaves_no_staged_changes(daemons: Daemons) -> 
         gc.collect()
         staged = [o for o in gc.get_objects() if type(o) is StagedUpdate]
         assert not [u for u in staged if u.flat is not None], len(staged)
+
+
+# -- handshakes that take a while ---------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_sender_slow_to_answer_hello_is_waited_for_not_left(mode: str, daemons: Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answering the first HELLO can take longer than ``peer_timeout`` (the snapshot of a
+    large model, a cold start compiling its kernels): the sender heartbeats the receiver
+    meanwhile, so it waits rather than reconnecting (and sending a HELLO that starts the
+    answer over, every time)."""
+    from sender.source import TrainerSource
+
+    admit = TrainerSource.admit
+
+    async def slow_admit(self: TrainerSource, hello: Any) -> Any:
+        await asyncio.sleep(3 * PEER_TIMEOUT)
+        return await admit(self, hello)
+
+    monkeypatch.setattr(TrainerSource, "admit", slow_admit)
+    trainer = Trainer()
+    s = await daemons.sender(trainer, mode)
+    r = await daemons.start_receiver(s.endpoint, mode, "r0")
+    assert r.reconnects == 0
+    await assert_matches(r, trainer, trainer.version)
+    await step_all(trainer, s, [r])
+
+
+async def test_a_bootstrap_longer_than_the_handshake_bound_completes_while_it_progresses(
+    daemons: Daemons, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handshake's bound (``peer_timeout + HANDSHAKE_GRACE``) is on each of its
+    messages, not on the whole bootstrap: a large model's bootstrap takes as long as its
+    bytes take, and must not be cut off (and asked for again) at a fixed total."""
+    import receiver.service
+    from protocol.wire.framing import MessageType, peek_type
+    from receiver.session import Session
+
+    monkeypatch.setattr(receiver.service, "HANDSHAKE_GRACE", 0.0)  # each message within PEER_TIMEOUT
+    recv = Session.recv
+    buckets = 0
+
+    async def slow_recv(self: Session) -> Any:
+        nonlocal buckets
+        frames = await recv(self)
+        if peek_type(frames) is MessageType.BOOTSTRAP:
+            buckets += 1
+            await asyncio.sleep(0.45 * PEER_TIMEOUT)  # each within the bound, three together past it
+        return frames
+
+    monkeypatch.setattr(Session, "recv", slow_recv)
+    trainer = Trainer()
+    trainer.step()  # a version past the initial weights: the bootstrap carries every tensor
+    s = await daemons.sender(trainer, "patch")
+    started = time.monotonic()
+    r = await daemons.start_receiver(s.endpoint, "patch", "r0")
+    assert time.monotonic() - started > PEER_TIMEOUT, "the bootstrap was not slower than the bound: this test tests nothing"
+    assert buckets >= 3 and r.reconnects == 0, (buckets, r.reconnects)
+    await assert_matches(r, trainer, trainer.version)
+
+
+async def test_kernels_compiled_in_the_background_and_a_failed_compile_only_logged(
+    daemons: Daemons, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sender compiles its kernels once it holds the first receiver's snapshot, beside
+    the WELCOME and bootstrap, which wait for none of it (a cold start compiles for tens of
+    seconds); the first sync waits. Compiling ahead is only that: a failure is logged, and
+    the syncs compile what they need themselves."""
+    import threading
+
+    from sender import fastdiff
+
+    release, entered = threading.Event(), threading.Event()
+
+    def broken(pairs: Any) -> None:
+        entered.set()
+        release.wait(T)
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(fastdiff, "warm_up", broken)
+    trainer = Trainer()
+    s = await daemons.sender(trainer, "patch")
+    r = await daemons.start_receiver(s.endpoint, "patch", "r0")  # bootstrapped while compiling
+    assert await asyncio.to_thread(entered.wait, T) and not release.is_set()
+    await assert_matches(r, trainer, trainer.version)
+    release.set()
+    for _ in range(2):
+        await step_all(trainer, s, [r])
+    failed = [rec for rec in caplog.records if "compiling the kernels" in rec.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None and "no compiler today" in str(failed[0].exc_info[1])
+
+
+async def test_start_does_not_count_compiling_the_kernels_in_its_timeout(daemons: Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fresh install the first start compiles the decoders (tens of seconds on a busy
+    host, three rollouts compiling at once): local work, done before the handshake's clock
+    starts, so ``start(timeout=...)`` bounds only what it says."""
+    from receiver.patch import PatchReceiver
+
+    prepare, compiled = PatchReceiver.prepare, False
+
+    async def cold_prepare(self: PatchReceiver) -> None:
+        nonlocal compiled
+        if not compiled:  # the first call compiles; later ones find the kernels compiled
+            await asyncio.sleep(3 * PEER_TIMEOUT)
+            compiled = True
+        await prepare(self)
+
+    monkeypatch.setattr(PatchReceiver, "prepare", cold_prepare)
+    trainer = Trainer()
+    s = await daemons.sender(trainer, "patch")
+    r = daemons.receiver(s.endpoint, "patch", "r0")
+    await r.start(timeout=PEER_TIMEOUT)
+    assert compiled and r.reconnects == 0
+    await step_all(trainer, s, [r])

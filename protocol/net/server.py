@@ -647,6 +647,11 @@ class VersionServer:
                     self._try_send(peer, self.stamp(Message(MessageType.HEARTBEAT, version=self.version)))
                 except PeerGone:
                     await self._drop(peer, "disconnected")
+            # A HELLO being answered (a large model's snapshot, kernels compiled on a cold
+            # start) can take longer than the receiver's peer_timeout: it must hear that we
+            # are alive, or it reconnects and its new HELLO starts the answer over.
+            for identity in [i for i in self._greeting if i not in self._peers]:
+                self._try_send(Peer(identity), self.stamp(Message(MessageType.HEARTBEAT, version=self.version)))
 
 
 def _reported(record: type[Nack] | type[ErrorReport], msg: Message) -> str:
