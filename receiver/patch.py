@@ -21,6 +21,13 @@ else:  # numba loads on first use (protocol/lazy.py)
     entropy, kernels = lazy_module("protocol.codec.entropy"), lazy_module("receiver.kernels")
 
 
+def compile_kernels() -> None:
+    """Compile the decoders and the scatter kernels (or load them from numba's cache,
+    which a first run on a fresh install fills: ``python -m receiver compile``)."""
+    entropy.warm_up()
+    kernels.warm_up()
+
+
 class PatchReceiver(ReceiverBase):
     """Applies PATCH messages, each only on top of exactly its ``base_version``."""
 
@@ -34,5 +41,4 @@ class PatchReceiver(ReceiverBase):
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     async def prepare(self) -> None:
-        await asyncio.to_thread(entropy.warm_up)  # JIT the decoders now, not in the first patch
-        await asyncio.to_thread(kernels.warm_up)
+        await asyncio.to_thread(compile_kernels)  # now, not in the first patch

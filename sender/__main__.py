@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from protocol.host.cli import load_object, report, run, setup_logging
 from protocol.host.snapfile import read_snapshot
 from protocol.net.context import IO_THREADS, shared_context
 from protocol.net.security import CurveServer, write_keypair
+from protocol.wire.dtypes import parse_float_dtype
 
 from .service import Sender
 from .sidecar import serve_shm
@@ -157,10 +159,36 @@ def keygen(argv: list[str]) -> int:
     return 0
 
 
+def compile_kernels_main(argv: list[str]) -> int:
+    """``python -m sender compile``: fill numba's cache now (an image build, an install)
+    rather than beside the first receiver's bootstrap, which on a fresh install compiles
+    for tens of seconds before the first sync can start."""
+    from .patch import COMMON_PAIRS, compile_kernels
+
+    common = ",".join(f"{str(a).removeprefix('torch.')}:{str(b).removeprefix('torch.')}" for a, b in COMMON_PAIRS)
+    p = argparse.ArgumentParser(prog="python -m sender compile", description=compile_kernels_main.__doc__)
+    p.add_argument("--pairs", default=common, help=f"MODEL:RECEIVER dtypes, comma-separated (default: {common})")
+    args = p.parse_args(argv)
+    pairs: list[tuple[torch.dtype, torch.dtype]] = []
+    try:
+        for pair in args.pairs.split(","):
+            model, receiver = (parse_float_dtype(name) for name in pair.split(":"))
+            assert model is not None and receiver is not None  # given names, never None
+            pairs.append((model, receiver))
+    except (ValueError, ConfigError) as e:
+        p.error(f"--pairs {args.pairs!r}: {e}")
+    started = time.perf_counter()
+    compile_kernels(pairs)
+    report("compiled", side="sender", pairs=args.pairs, seconds=round(time.perf_counter() - started, 2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
         sys.exit(keygen(argv[1:]))
+    if argv[:1] == ["compile"]:
+        sys.exit(compile_kernels_main(argv[1:]))
     args = parse_args(argv)
     setup_logging(args.log_level)
     run(lambda stop: serve_shm(args, stop) if args.load_strategy == "ipc" else serve(args, stop))

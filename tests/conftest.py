@@ -25,14 +25,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     trainer and three rollouts in ``test_async_rl.py``) each JIT the same kernels at once,
     ~50 s apiece on 2 cores, inside their set-up timeouts. Processes started later load
     what this wrote."""
-    from protocol.codec import entropy
-    from receiver import kernels
-    from sender import fastdiff
+    import receiver.patch
+    import sender.patch
 
     started = time.perf_counter()
-    entropy.warm_up()
-    kernels.warm_up()
-    fastdiff.warm_up({(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)})
+    sender.patch.compile_kernels()
+    receiver.patch.compile_kernels()
     if (seconds := time.perf_counter() - started) > 5:
         print(f"\nnumba kernels compiled in {seconds:.0f} s (cached for later runs)")
 
