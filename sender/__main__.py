@@ -159,6 +159,16 @@ def keygen(argv: list[str]) -> int:
     return 0
 
 
+def _dtype(name: str) -> torch.dtype:
+    """A float dtype as configs name it (``bf16``, ``float32``), or any torch dtype by name (``int64``)."""
+    found = getattr(torch, name.removeprefix("torch."), None)
+    if isinstance(found, torch.dtype):
+        return found
+    dtype = parse_float_dtype(name)  # the aliases, or a ConfigError that lists them
+    assert dtype is not None
+    return dtype
+
+
 def compile_kernels_main(argv: list[str]) -> int:
     """``python -m sender compile``: fill numba's cache now (an image build, an install)
     rather than beside the first receiver's bootstrap, which on a fresh install compiles
@@ -172,9 +182,8 @@ def compile_kernels_main(argv: list[str]) -> int:
     pairs: list[tuple[torch.dtype, torch.dtype]] = []
     try:
         for pair in args.pairs.split(","):
-            model, receiver = (parse_float_dtype(name) for name in pair.split(":"))
-            assert model is not None and receiver is not None  # given names, never None
-            pairs.append((model, receiver))
+            model, receiver = pair.split(":")
+            pairs.append((_dtype(model), _dtype(receiver)))
     except (ValueError, ConfigError) as e:
         p.error(f"--pairs {args.pairs!r}: {e}")
     started = time.perf_counter()

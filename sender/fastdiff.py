@@ -418,12 +418,14 @@ def warm_up(pairs: set[tuple[torch.dtype, torch.dtype]]) -> None:
     """Compile (or load from numba's cache) the kernels for these (state, snapshot) dtype
     pairs now, rather than in the first sync: each new pair costs seconds of JIT."""
     for state_dtype, snapshot_dtype in pairs:
-        for n in (9, PARALLEL_MIN):
-            cur, snapshot = torch.ones(n, dtype=state_dtype), torch.zeros(n, dtype=snapshot_dtype)
-            if supported(cur, snapshot):
-                sampled_differences(cur, snapshot, 2)
-                diff_and_update(cur, snapshot)
-                diff_and_update(cur, snapshot, expect=1)
+        # n changes each (the compare moves the snapshot: a fresh one for each); against 1
+        # expected, 9 fit the one pass's room and 200 overflow it (collected after)
+        for n in (9, 200, PARALLEL_MIN):
+            cur = torch.ones(n, dtype=state_dtype)
+            if supported(cur, torch.zeros(1, dtype=snapshot_dtype)):
+                sampled_differences(cur, torch.zeros(n, dtype=snapshot_dtype), 2)
+                diff_and_update(cur, torch.zeros(n, dtype=snapshot_dtype))
+                diff_and_update(cur, torch.zeros(n, dtype=snapshot_dtype), expect=1)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

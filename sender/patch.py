@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -40,14 +39,16 @@ else:  # numba loads on first use (protocol/lazy.py)
     entropy, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("sender.fastdiff")
 
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BACKLOG_SHARE = 32  # patch.encode_backlog_bytes by default: this fraction of the snapshot...
 BACKLOG_MIN = 4 << 20  # ...and at least this
 ENCODE_THREADS_MAX = 4  # patch.encode_threads by default: half the cores, at most this many
-# (model, receiver) dtypes compiled ahead by default: fp32 or bf16 training, bf16 or fp32 rollouts
-COMMON_PAIRS = ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32))
+# (model, receiver) dtypes ``python -m sender compile`` compiles by default: fp32 or bf16
+# training, bf16 or fp32 rollouts, and int64 buffers (step counters, position ids)
+COMMON_PAIRS = (
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.int64, torch.int64),
+)
 
 
 def compile_kernels(pairs: Iterable[tuple[torch.dtype, torch.dtype]] = COMMON_PAIRS) -> None:
@@ -250,7 +251,6 @@ class PatchBuilder:
         self._lent = LentSnapshots()  # host snapshots lent as whole new values, and their spares
         self._diverged = False  # ``diverged``
         self._comparing: asyncio.Future[Any] | None = None  # a compare on its thread
-        self._compiled: asyncio.Future[None] | None = None  # the kernels' JIT, from ``hold`` on
         # Threads encode what a compare on a worker thread collects, each tensor as it comes,
         # while the compare goes on (docs/performance.md, *Encoding beside the compare*); the
         # kernels release the GIL, so several code tensors side by side. Each tensor's future
@@ -272,6 +272,9 @@ class PatchBuilder:
                 self.snapshot.capture(key, receiver_copy(key))
         for group in self._distinct_groups:
             self._runs[group] = self.snapshot.capture_run(group.keys, [receiver_copy(k) for k in group.keys])
+        # JIT now, while the first receiver's HELLO is answered (the server heartbeats it
+        # meanwhile), rather than in the first sync.
+        compile_kernels({(tensors[k].dtype, self.plan.receiver_dtype(k)) for k in self.plan.tracked})
 
     def _receiver_copy(self, tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
         return lambda key: materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key))
@@ -310,24 +313,8 @@ class PatchBuilder:
         await self.snapshot.wait_writeback()
 
     async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Start holding the version in ``tensors`` (the first receiver's dtypes are known),
-        and compile the kernels for them in the background: on a cold start that is tens
-        of seconds the WELCOME and the bootstrap need none of; the first collect waits."""
+        """Start holding the version in ``tensors`` (the first receiver's dtypes are known)."""
         await asyncio.to_thread(self.capture, tensors)
-        pairs = {(tensors[k].dtype, self.plan.receiver_dtype(k)) for k in self.plan.tracked}
-        if self._compiled is None:
-            self._compiled = asyncio.ensure_future(asyncio.to_thread(compile_kernels, pairs))
-
-    async def compiled(self) -> None:
-        """Until the kernels ``hold`` compiles are ready. A compile that failed is logged,
-        not raised: the first compare compiles what it needs itself (and fails if it must)."""
-        if self._compiled is None:
-            return
-        try:
-            await asyncio.shield(self._compiled)  # a cancelled wait leaves it to the next
-        except Exception:
-            log.exception("compiling the kernels ahead of the first sync failed")
-        self._compiled = None
 
     def held(self) -> dict[str, torch.Tensor]:
         """The tracked tensors of the current version at rest (after ``settled``)."""
@@ -356,7 +343,6 @@ class PatchBuilder:
         started = time.perf_counter()
         try:
             self.plan.check_tensors(tensors)
-            await self.compiled()
             await self._settle()
             if self._diverged:
                 raise WeightSyncError("the snapshot diverged from the receivers in a failed collect: recapture() first")
@@ -705,8 +691,7 @@ class PatchSender(SenderBase):
     async def on_init(self, state: ModelState) -> None:
         assert self.plan is not None
         self.builder = PatchBuilder(self.plan, self.config.patch)
-        await self.builder.hold(state.tensors)
-        await self.builder.compiled()  # no heartbeats to keep up here: compiled within the handshake
+        await asyncio.to_thread(self.builder.capture, state.tensors)
 
     async def _sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
         """Build the patch from the snapshot to ``model`` and send it, in parts of

@@ -21,7 +21,10 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=T)
 
 
-@pytest.mark.parametrize("argv", [("sender", "compile"), ("sender", "compile", "--pairs", "bf16:bf16,float16:float32"), ("receiver", "compile")])
+PAIRS = "bf16:bf16,float16:float32,int32:int32"
+
+
+@pytest.mark.parametrize("argv", [("sender", "compile"), ("sender", "compile", "--pairs", PAIRS), ("receiver", "compile")])
 def test_compile_reports_what_it_compiled(argv: tuple[str, ...]) -> None:
     done = _run(*argv)
     assert done.returncode == 0, done.stderr

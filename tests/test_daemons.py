@@ -637,37 +637,6 @@ async def test_a_bootstrap_longer_than_the_handshake_bound_completes_while_it_pr
     await assert_matches(r, trainer, trainer.version)
 
 
-async def test_kernels_compiled_in_the_background_and_a_failed_compile_only_logged(
-    daemons: Daemons, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The sender compiles its kernels once it holds the first receiver's snapshot, beside
-    the WELCOME and bootstrap, which wait for none of it (a cold start compiles for tens of
-    seconds); the first sync waits. Compiling ahead is only that: a failure is logged, and
-    the syncs compile what they need themselves."""
-    import threading
-
-    from sender import fastdiff
-
-    release, entered = threading.Event(), threading.Event()
-
-    def broken(pairs: Any) -> None:
-        entered.set()
-        release.wait(T)
-        raise RuntimeError("no compiler today")
-
-    monkeypatch.setattr(fastdiff, "warm_up", broken)
-    trainer = Trainer()
-    s = await daemons.sender(trainer, "patch")
-    r = await daemons.start_receiver(s.endpoint, "patch", "r0")  # bootstrapped while compiling
-    assert await asyncio.to_thread(entered.wait, T) and not release.is_set()
-    await assert_matches(r, trainer, trainer.version)
-    release.set()
-    for _ in range(2):
-        await step_all(trainer, s, [r])
-    failed = [rec for rec in caplog.records if "compiling the kernels" in rec.getMessage()]
-    assert len(failed) == 1 and failed[0].exc_info is not None and "no compiler today" in str(failed[0].exc_info[1])
-
-
 async def test_start_does_not_count_compiling_the_kernels_in_its_timeout(daemons: Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a fresh install the first start compiles the decoders (tens of seconds on a busy
     host, three rollouts compiling at once): local work, done before the handshake's clock

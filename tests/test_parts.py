@@ -134,13 +134,6 @@ async def test_a_damaged_part_publishes_nothing_and_is_resynced(fleet: Fleet, mo
     assert r.stats[2].kind == "bootstrap" and s.receivers["r0"]["resyncs"] == 1
 
 
-async def compiled(s: Sender) -> None:
-    """Until the sender's kernels are compiled (beside the first bootstrap: that compile
-    calls ``fastdiff`` too, and a hook set before it would count those calls)."""
-    assert s._source is not None and isinstance(s._source.builder, PatchBuilder)
-    await s._source.builder.compiled()
-
-
 def compare_hooked(monkeypatch: pytest.MonkeyPatch, hook: Any) -> None:
     """Every compare on its thread (as a large model's is), ``hook(n)`` before its n-th kernel call."""
     from sender import fastdiff
@@ -177,7 +170,6 @@ async def test_parts_travel_while_the_compare_goes_on(fleet: Fleet, monkeypatch:
     r = await fleet.receiver(s.endpoint, "r0")
     seen = published_versions_are_whole(r, trainer)
     release = threading.Event()
-    await compiled(s)
     compare_hooked(monkeypatch, lambda n: n == 8 and release.wait(T))
     delivered = delivered_parts(monkeypatch, s)
     version = trainer.step()
@@ -208,7 +200,6 @@ async def test_a_compare_failing_after_parts_went_out_resyncs(fleet: Fleet, monk
             asyncio.run_coroutine_threadsafe(wait_until(lambda: delivered.count((MessageType.PATCH, 1, 0)) == 2), loop).result(T)
             raise RuntimeError("compare failed")
 
-    await compiled(s)
     compare_hooked(monkeypatch, fail_the_eighth)
     with pytest.raises(RuntimeError, match="compare failed"):
         await s.sync(trainer.model, trainer.step())

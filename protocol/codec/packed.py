@@ -147,12 +147,14 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernels for the common dtypes."""
-    flat = torch.arange(0, 4000, 3)
-    for dtype in (torch.bfloat16, torch.float32):
-        old = torch.zeros(flat.numel(), dtype=dtype)
-        buf = encode(flat, old + 1, old).numpy()
-        decode(buf, flat.numel(), 4000)
-        decode_onto(buf, flat.numel(), torch.zeros(4000, dtype=dtype))
+    for positions in (torch.int64, torch.int32):  # the compare collects int32 (sender.fastdiff.position_dtype)
+        flat = torch.arange(0, 4000, 3, dtype=positions)
+        gaps_and_top(flat.numpy())  # raw GAPS entries (positions.gaps_and_top)
+        for dtype in (torch.bfloat16, torch.float32):
+            old = torch.zeros(flat.numel(), dtype=dtype)
+            buf = encode(flat, old + 1, old).numpy()
+            decode(buf, flat.numel(), 4000)
+            decode_onto(buf, flat.numel(), torch.zeros(4000, dtype=dtype))
     for gaps in (np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.uint16), np.zeros(1, dtype=np.uint32)):
         positions_into(gaps, 4, np.empty(1, dtype=np.int64))  # raw GAPS entries (positions.decode_positions)
 
