@@ -173,6 +173,7 @@ class Receiver:
         self._hooks: list[Callable[[int | None], Any]] = []
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self._started = False  # start() was called: a second call (also while the first compiles) is an error
         self._notifying: set[asyncio.Task[None]] = set()  # wake-ups after the task ended, kept until done
         self._ready = asyncio.Event()
         self._failure: BaseException | None = None
@@ -196,9 +197,11 @@ class Receiver:
         """Connect, say HELLO with this model's metadata, and apply the bootstrap if one
         is needed. Returns once the first handshake is done; raises if it fails, or
         ``WeightSyncTimeout`` after ``timeout`` seconds of it (not counting compiling the
-        kernels first, on a fresh install: ``python -m receiver compile`` does that ahead)."""
-        if self._task is not None:
+        kernels first, on a fresh install: ``python -m receiver compile`` does that ahead).
+        A second call, also while the first is still under way, is a ``WeightSyncError``."""
+        if self._started:
             raise WeightSyncError("receiver already started")
+        self._started = True
         if self._control_address is not None:
             from .http_api import ControlServer  # aiohttp only when the control API is wanted
 

@@ -640,7 +640,8 @@ async def test_a_bootstrap_longer_than_the_handshake_bound_completes_while_it_pr
 async def test_start_does_not_count_compiling_the_kernels_in_its_timeout(daemons: Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a fresh install the first start compiles the decoders (tens of seconds on a busy
     host, three rollouts compiling at once): local work, done before the handshake's clock
-    starts, so ``start(timeout=...)`` bounds only what it says."""
+    starts, so ``start(timeout=...)`` bounds only what it says. A second start while the
+    first compiles, or after it, is refused and changes nothing."""
     from receiver.patch import PatchReceiver
 
     prepare, compiled = PatchReceiver.prepare, False
@@ -656,6 +657,12 @@ async def test_start_does_not_count_compiling_the_kernels_in_its_timeout(daemons
     trainer = Trainer()
     s = await daemons.sender(trainer, "patch")
     r = daemons.receiver(s.endpoint, "patch", "r0")
-    await r.start(timeout=PEER_TIMEOUT)
+    first = asyncio.ensure_future(r.start(timeout=PEER_TIMEOUT))
+    await asyncio.sleep(0.1)  # the first start is compiling
+    with pytest.raises(WeightSyncError, match="already started"):
+        await r.start(timeout=PEER_TIMEOUT)
+    await first
     assert compiled and r.reconnects == 0
+    with pytest.raises(WeightSyncError, match="already started"):
+        await r.start(timeout=PEER_TIMEOUT)
     await step_all(trainer, s, [r])
