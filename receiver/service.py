@@ -3,8 +3,8 @@
 Receiving, decoding and validating run off the event loop; a version is committed
 under the write side of ``lock`` and only then published as ``version``. Each connection
 to the upstream is a ``Session`` (``receiver/session.py``: its socket, inbox, heartbeats
-and queries); lost ones (no message within ``peer_timeout``) are re-established with
-backoff, resuming from the applied version.
+and queries); lost ones (nothing heard within ``peer_timeout``: no message, and over TCP no
+byte) are re-established with backoff, resuming from the applied version.
 
 The control calls (``pause``, ``resume``, ``sleep``, ``wakeup``, ``update_weights``) are
 methods of this class, carried out by the ``Controller`` it composes
@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
 _FATAL = (MetadataMismatchError, ConfigError, ResyncLimitError)  # reconnecting would not help
 HANDSHAKE_GRACE = 60.0  # seconds past peer_timeout for each message of a handshake (``_handshake``)
+TRICKLE_BPS = 4096  # bytes a second that heartbeats alone never reach: more is a message in progress
 Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's address before each session
 
 
@@ -592,13 +593,20 @@ class Receiver:
         # The sender heartbeats while it answers, so silence (peer_timeout) means it is
         # gone; this bounds one that is alive but sends nothing. A held resync waiting,
         # staged, for update_weights receives nothing meanwhile, and is not bounded.
+        # A message still arriving at more than heartbeats' rate extends the bound: on a
+        # slow link one bucket can take longer than it (counted over TCP on Linux only).
         bound = self.peer_timeout + HANDSHAKE_GRACE
 
         async def recv() -> Sequence[Buffer]:
-            try:
-                return await asyncio.wait_for(link.recv(), bound)
-            except TimeoutError:
-                raise Reconnect(f"no handshake message from the sender within {bound:.3g}s") from None
+            before = link.bytes_received()
+            while True:
+                try:
+                    return await asyncio.wait_for(link.recv(), bound)
+                except TimeoutError:
+                    after = link.bytes_received()
+                    if before is None or after is None or after - before < TRICKLE_BPS * bound:
+                        raise Reconnect(f"no handshake message from the sender within {bound:.3g}s") from None
+                    before = after
 
         try:
             version = await self.strategy.init_receiver(self._state(), recv, link.send, receiver_id=self.identity, digest=digest)

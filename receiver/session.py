@@ -2,8 +2,8 @@
 
 A ``Session`` owns what lives exactly as long as one connection: the DEALER socket, the
 inbox the receiver reads messages from, the three tasks that feed and watch it (reading
-and routing, heartbeats and the silence check, CURVE handshake failures) and the DIGEST
-queries in flight. ``close`` stops all of them and fails the queries left, so nothing of
+and routing, heartbeats and the silence check, the socket's TCP connections and CURVE
+handshake failures) and the DIGEST queries in flight. ``close`` stops all of them and fails the queries left, so nothing of
 a session outlives it. ``Receiver`` opens one per connection (``receiver/service.py``)
 and drives the handshake and the versions through ``recv`` and ``send``.
 
@@ -48,10 +48,12 @@ class Leave(Exception):
 class Session:
     """``identity``'s connection to one upstream, from ``open`` to ``close``.
 
-    ``heartbeat()`` is asked, every ``heartbeat_interval``, what the heartbeat says; no
-    message from the upstream for ``peer_timeout`` (judged only on ticks the event loop
-    was not stalled for) ends the session with ``Reconnect``. Created before ``open`` so
-    that ``leave`` works while the receiver still prepares its HELLO.
+    ``heartbeat()`` is asked, every ``heartbeat_interval``, what the heartbeat says;
+    silence from the upstream for ``peer_timeout`` (judged only on ticks the event loop
+    was not stalled for) ends the session with ``Reconnect``. Silence is no message and,
+    over TCP on Linux, no byte either: a message larger than the link carries in
+    ``peer_timeout`` is still arriving, and the heartbeats queue behind it. Created before
+    ``open`` so that ``leave`` works while the receiver still prepares its HELLO.
 
     Concurrency: one reader (``recv``) at a time, the receiver's session loop; ``send``,
     ``try_send``, ``ask`` and ``leave`` may be called from any task of the loop.
@@ -88,7 +90,7 @@ class Session:
         self._tasks = [
             asyncio.create_task(self._read(self._socket), name=f"weightsync-session-read-{self.identity}"),
             asyncio.create_task(self._beat(self._socket), name=f"weightsync-session-beat-{self.identity}"),
-            asyncio.create_task(self._socket.watch_handshakes(self.identity), name=f"weightsync-session-curve-{self.identity}"),
+            asyncio.create_task(self._socket.watch(self.identity), name=f"weightsync-session-watch-{self.identity}"),
         ]
         for task in self._tasks:
             task.add_done_callback(self._task_ended)
@@ -103,6 +105,10 @@ class Session:
 
     async def send(self, frames: Sequence[Buffer]) -> None:
         await self._open_socket().send(frames)
+
+    def bytes_received(self) -> int | None:
+        """The connection's received-byte count (``DealerSocket.bytes_received``)."""
+        return None if self._socket is None else self._socket.bytes_received()
 
     def try_send(self, msg: Message) -> None:
         """Queue ``msg`` if there is room; ACKs, NACKs and heartbeats repeat, so one lost is
@@ -185,9 +191,12 @@ class Session:
             inbox.put_nowait(frames if ends is None else ends)
 
     async def _beat(self, sock: DealerSocket) -> None:
+        received = sock.bytes_received()
         async for now, stalled in ticks(self.heartbeat_interval):  # a stalled loop is not a dead sender
             version, below = self._heartbeat()
             sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=version, body=below.to_body())))
+            if (count := sock.bytes_received()) is not None and count != received:  # bytes arrived since the last tick
+                received, self._last_seen = count, max(self._last_seen, now - self.heartbeat_interval)
             silent = now - self._last_seen
             if silent > self.peer_timeout and not stalled:
                 self._inbox.put_nowait(Reconnect(f"no message from the sender for {silent:.1f}s"))

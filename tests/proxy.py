@@ -7,7 +7,8 @@ byte -- 0x01 more, 0x02 long size, 0x04 command -- and a 1- or 8-byte size), so 
 raw tensor buffers) and can corrupt bytes *inside the payload buffers*, duplicate,
 replay, reorder or stall them. The receiver-to-sender direction passes through as bytes.
 Both directions can be delayed (a latency line: every chunk leaves ``delay`` seconds
-after it arrived, order kept), and ``sever()`` resets every connection at once.
+after it arrived, order kept), the sender-to-receiver one paced to ``rate`` bytes a
+second (a slow link, without root), and ``sever()`` resets every connection at once.
 
 Plaintext (NULL mechanism) only: a CURVE stream is opaque, which is the point of CURVE.
 
@@ -240,6 +241,7 @@ class ProxyStats:
     connections: int = 0
     messages: int = 0  # sender -> receiver messages forwarded
     bytes_down: int = 0
+    largest: int = 0  # bytes of the largest message forwarded down
     bytes_up: int = 0
     severed: int = 0
 
@@ -249,9 +251,9 @@ class Proxy:
 
     def __init__(
         self, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0), *,
-        delay: float = 0.0, tamper: Tamper | None = None,
+        delay: float = 0.0, tamper: Tamper | None = None, rate: float | None = None,
     ) -> None:
-        self.upstream, self.listen, self.delay, self.tamper = upstream, listen, delay, tamper
+        self.upstream, self.listen, self.delay, self.tamper, self.rate = upstream, listen, delay, tamper, rate
         self.stats = ProxyStats()
         self._server: asyncio.base_events.Server | None = None
         self._links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
@@ -354,6 +356,17 @@ class Proxy:
             self.stats.bytes_up += len(data)
             await writer.drain()
 
+    async def _write(self, writer: asyncio.StreamWriter, raw: bytes) -> None:
+        """Forward ``raw`` towards the receiver, at most ``rate`` bytes a second."""
+        if self.rate is None:
+            writer.write(raw)
+            return
+        chunk = max(1, int(self.rate / 20))  # 20 writes a second
+        for start in range(0, len(raw), chunk):
+            writer.write(raw[start : start + chunk])
+            await writer.drain()
+            await asyncio.sleep(chunk / self.rate)
+
     async def _drain_messages(self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter, conn: int) -> None:
         parser, index = ZmtpParser(), 0
         while True:
@@ -363,7 +376,7 @@ class Proxy:
             await self._late(arrived)
             for unit in parser.feed(data):
                 if isinstance(unit, bytes):
-                    writer.write(unit)
+                    await self._write(writer, unit)
                     continue
                 w = Wire(unit, parse_header(unit[0]), index, conn)
                 index += 1
@@ -381,9 +394,10 @@ class Proxy:
                     continue
                 for out in self.tamper.emit(w) if self.tamper is not None else [w]:
                     raw = out.encode()
-                    writer.write(raw)
                     self.stats.messages += 1
                     self.stats.bytes_down += len(raw)
+                    self.stats.largest = max(self.stats.largest, len(raw))
+                    await self._write(writer, raw)
             await writer.drain()
 
 

@@ -60,6 +60,7 @@ from protocol.errors import ResyncLimitError, StaleVersionError, WeightSyncError
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import MessageType
 from receiver import Receiver
+from receiver import service as receiver_service
 from sender import Sender
 from sender.stats import SyncStats
 
@@ -135,8 +136,9 @@ def process_figures(trainer: Trainer, procs: dict[str, Proc]) -> dict[str, Any]:
 class Rig:
     """An in-process sender, optionally a proxy in front of it, receivers of any kind."""
 
-    def __init__(self, tmp_path: Path, mode: str = "patch") -> None:
+    def __init__(self, tmp_path: Path, mode: str = "patch", config: dict[str, Any] | None = None) -> None:
         self.tmp, self.mode = tmp_path, mode
+        self.syncer = CONFIGS[mode] if config is None else config
         self.trainer = Trainer()
         self.sender: Sender | None = None
         self.proxy: Proxy | None = None
@@ -147,13 +149,15 @@ class Rig:
         self.config.write_text(YAML[mode])
 
     async def start_sender(self, **kw: Any) -> Sender:
-        self.sender = Sender("tcp://127.0.0.1:0", CONFIGS[self.mode], **{**DAEMON_KW, **kw})
+        self.sender = Sender("tcp://127.0.0.1:0", self.syncer, **{**DAEMON_KW, **kw})
         await asyncio.wait_for(self.sender.start(self.trainer.model, version=self.trainer.version), T)
         return self.sender
 
-    async def start_proxy(self, tamper: Tamper | None = None, upstream: str | None = None, delay: float = 0.0) -> Proxy:
+    async def start_proxy(
+        self, tamper: Tamper | None = None, upstream: str | None = None, delay: float = 0.0, rate: float | None = None,
+    ) -> Proxy:
         host, port = (upstream or self.endpoint).removeprefix("tcp://").rsplit(":", 1)
-        self.proxy = await Proxy((host, int(port)), delay=delay, tamper=tamper).start()
+        self.proxy = await Proxy((host, int(port)), delay=delay, tamper=tamper, rate=rate).start()
         return self.proxy
 
     @property
@@ -162,7 +166,7 @@ class Rig:
         return self.sender.endpoint
 
     async def receiver(self, identity: str, endpoint: str, *, start: bool = True, **kw: Any) -> Receiver:
-        r = Receiver(receiver_model(), endpoint, CONFIGS[self.mode], identity=identity, **{**DAEMON_KW, **kw})
+        r = Receiver(receiver_model(), endpoint, self.syncer, identity=identity, **{**DAEMON_KW, **kw})
         self.receivers.append(r)
         self.watches[identity] = Applied(r, self.trainer)
         if start:
@@ -518,6 +522,70 @@ async def test_connections_reset_mid_stream_converge(rig: Rig, reliability: Any)
     reliability.record(**figures)
     assert proxy.stats.severed == 6 and proxy.stats.connections >= 8
     assert figures["wrong_versions_published"] == 0 and figures["final_digests_equal"], figures
+
+# -- a slow link: one message takes longer than peer_timeout ----------------------------------
+SLOW_TIMEOUT = 1.0  # the receivers' peer_timeout in these tests
+SLOW_RATE = 96 << 10  # bytes a second the proxy forwards to the receiver
+ONE_BUCKET = {  # the tiny model's bootstrap, and a bucket version, in one message each
+    "patch": {"type": "patch", "patch": {"init_sync": {"bucket_size": 1 << 20}}},
+    "bucket": {"type": "bucket", "bucket": {"bucket_size": 1 << 20}},
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+async def test_a_message_slower_than_peer_timeout_is_waited_for_while_it_arrives(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reliability: Any,
+) -> None:
+    """ZeroMQ hands a message over only once all of it is in, and the sender's heartbeats
+    queue behind it: a bootstrap bucket or a version that takes longer than peer_timeout
+    on the link used to read as silence, so the receiver reconnected, and the next copy
+    was as slow, forever. Bytes still arriving are not silence: the receiver joins and
+    follows with no reconnect. The handshake's own bound is cut to peer_timeout here, so
+    it is crossed too."""
+    monkeypatch.setattr(receiver_service, "HANDSHAKE_GRACE", 0.0)
+    rig = Rig(tmp_path, mode, ONE_BUCKET[mode])
+    try:
+        await rig.start_sender()
+        proxy = await rig.start_proxy(rate=SLOW_RATE)
+        r = await rig.receiver("slow", proxy.endpoint, peer_timeout=SLOW_TIMEOUT)
+        boot = proxy.stats.largest
+        await rig.converged(0)
+        for _ in range(2):
+            await rig.step()
+        figures = in_process_figures(rig.trainer, rig.sender, rig.watches)
+        crossing = proxy.stats.largest / SLOW_RATE
+        figures.update(rate_Bps=SLOW_RATE, peer_timeout_s=SLOW_TIMEOUT, bootstrap_message_s=round(boot / SLOW_RATE, 2),
+                       largest_message_s=round(crossing, 2))
+        reliability.record(**figures)
+        assert boot / SLOW_RATE > 2 * SLOW_TIMEOUT, "the bootstrap must be a message slower than peer_timeout"
+        assert r.reconnects == 0, figures
+        assert figures["wrong_versions_published"] == 0 and figures["final_digests_equal"], figures
+    finally:
+        await rig.close()
+
+
+@pytest.mark.timeout(90)
+async def test_a_message_stalled_on_the_wire_is_still_silence(rig: Rig, reliability: Any) -> None:
+    """The other side of the test above: half a message, then nothing (a sender host gone,
+    a route lost). No byte arrives, so peer_timeout still ends the session; once the
+    stream moves again the receiver is back on the current version."""
+    await rig.start_sender()
+    stall = Stall(lambda w: w.type == PATCH and w.version == 1, fraction=0.5)
+    proxy = await rig.start_proxy(stall)
+    r = await rig.receiver("r0", proxy.endpoint)
+    await rig.converged(0)
+    await rig.step(wait=False)
+    await asyncio.wait_for(stall.stalled.wait(), T)
+    await wait_until(lambda: r.reconnects >= 1, timeout=T)
+    stall.release()
+    await rig.converged()
+    await rig.step()
+    figures = in_process_figures(rig.trainer, rig.sender, rig.watches)
+    reliability.record(**figures)
+    assert figures["reconnects"]["r0"] >= 1
+    assert figures["wrong_versions_published"] == 0 and figures["final_digests_equal"], figures
+
 
 # -- kill -9 of a receiver process mid-bootstrap and mid-patch ----------------------------------
 @pytest.mark.timeout(90)

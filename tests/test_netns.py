@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import CONFIGS, DAEMON_KW, PEER_TIMEOUT, ROOT, Proc, T, Trainer
+from daemon_helpers import DAEMON_KW, PEER_TIMEOUT, ROOT, Proc, T, Trainer
 from proxy import Proxy
 from test_faults import MODEL, TIMING, process_converged, process_figures, stop_and_compare
 
@@ -128,21 +128,22 @@ def _receiver_plaintext_flag() -> list[str]:
 class Cluster:
     """The in-process trainer and sender, receiver processes in the link's namespace."""
 
-    def __init__(self, link: Link, tmp_path: Path) -> None:
+    def __init__(self, link: Link, tmp_path: Path, bucket_size: int = 98304) -> None:
         self.link, self.tmp = link, tmp_path
+        self.syncer = {"type": "patch", "patch": {"init_sync": {"bucket_size": bucket_size}}}
         self.trainer = Trainer()
         self.sender: Sender | None = None
         self.proxy: Proxy | None = None
         self.procs: list[Proc] = []
         self.saves: dict[str, Path] = {}
         self.config = tmp_path / "patch.yaml"
-        self.config.write_text("weight_syncer:\n  type: patch\n  patch:\n    init_sync: {bucket_size: 98304}\n")
+        self.config.write_text(f"weight_syncer:\n  type: patch\n  patch:\n    init_sync: {{bucket_size: {bucket_size}}}\n")
 
     async def start(self) -> Sender:
         kw: dict[str, Any] = dict(DAEMON_KW)
         if "insecure_plaintext" in inspect.signature(Sender.__init__).parameters:
             kw["insecure_plaintext"] = True  # a non-loopback bind without CURVE, on purpose
-        self.sender = Sender(f"tcp://{self.link.host_ip}:0", CONFIGS["patch"], **kw)
+        self.sender = Sender(f"tcp://{self.link.host_ip}:0", self.syncer, **kw)
         await asyncio.wait_for(self.sender.start(self.trainer.model, version=0), T)
         return self.sender
 
@@ -280,3 +281,31 @@ async def test_impaired_link_converges(impairment: str, cluster: Cluster, reliab
         extra["proxy_messages"] = cluster.proxy.stats.messages
     figures = await cluster.finish(reliability, impairment=impairment, **extra)
     assert figures["wrong_versions_published"] == 0
+
+
+async def test_a_bucket_slower_than_peer_timeout_on_a_shaped_link_joins(link: Link, tmp_path: Path, reliability: Any) -> None:
+    """The kernel shapes the link (tc tbf, 384 kbit/s) so that the one bootstrap bucket
+    takes several times the receiver's peer_timeout to cross. ZeroMQ delivers it only
+    once it is all in, and the sender's heartbeats wait behind it; the receiver counts the
+    bytes arriving on its TCP connection as life, so it joins without a reconnect (before,
+    it reconnected every peer_timeout and never joined), then follows."""
+    if shutil.which("tc") is None:
+        pytest.skip("tc (iproute2) is not installed")
+    rate = 384_000 / 8  # bytes a second
+    _sh("tc", "qdisc", "add", "dev", link.host_if, "root", "tbf", "rate", "384kbit", "burst", "32kbit", "latency", "2s")
+    cluster = Cluster(link, tmp_path, bucket_size=1 << 20)
+    try:
+        sender = await cluster.start()
+        proc = await cluster.receiver("r0", sender.endpoint)
+        await process_converged(proc, cluster.trainer, 0)
+        sent = int(_sh("tc", "-s", "qdisc", "show", "dev", link.host_if).stdout.split("Sent ", 1)[1].split()[0])
+        for _ in range(2):
+            await cluster.step()
+        reconnects = cluster.procs[0].log.read_text().count("; reconnecting in")
+        figures = await cluster.finish(reliability, bootstrap_link_bytes=sent, bootstrap_link_seconds=round(sent / rate, 2),
+                                       peer_timeout_s=PEER_TIMEOUT, reconnects=reconnects)
+        assert sent / rate > 2 * PEER_TIMEOUT, "the bootstrap must take longer than peer_timeout on this link"
+        assert reconnects == 0, proc.tail()
+        assert figures["wrong_versions_published"] == 0
+    finally:
+        await cluster.close()

@@ -4,13 +4,16 @@ loopback: what it routes, what ends it, and that closing it leaves nothing behin
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import zmq
 import zmq.asyncio
 
 from protocol.errors import UNKNOWN_PEER, StateError, WeightSyncError, WeightSyncTimeout, error_code
+from protocol.net.sockets import DealerSocket
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message
 from protocol.wire.limits import DEFAULT_LIMITS
 from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport, Welcome
@@ -135,3 +138,41 @@ async def test_two_asks_at_once_each_get_their_own_answer(upstream: zmq.asyncio.
     assert await asyncio.wait_for(first, T) == (1, None)
     assert await asyncio.wait_for(second, T) == (2, "with-digest")
     await link.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="TCP_INFO's byte count is read on Linux only")
+async def test_bytes_received_counts_what_arrives_over_tcp_and_nothing_over_ipc(upstream: zmq.asyncio.Socket, tmp_path: Path) -> None:
+    """What the silence check counts: the kernel's bytes received on the TCP connection,
+    which move with every message (framing included); an ipc socket has no count."""
+    context = zmq.asyncio.Context.instance()
+    tcp = DealerSocket(context, upstream.getsockopt_string(zmq.LAST_ENDPOINT), b"b1")
+    local = context.socket(zmq.ROUTER)
+    local.linger = 0
+    local.bind(f"ipc://{tmp_path}/s")
+    ipc = DealerSocket(context, f"ipc://{tmp_path}/s", b"b2")
+    watches = [asyncio.create_task(s.watch(name)) for s, name in ((tcp, "b1"), (ipc, "b2"))]
+    try:
+        for sock, router in ((tcp, upstream), (ipc, local)):
+            await sock.send([b"hello"])
+            identity, _ = await asyncio.wait_for(router.recv_multipart(), T)
+        counted = tcp.bytes_received()
+        for _ in range(int(T / 0.01)):  # the CONNECTED event reaches watch() a moment after the connect
+            if counted is not None:
+                break
+            await asyncio.sleep(0.01)
+            counted = tcp.bytes_received()
+        assert counted is not None
+        await upstream.send_multipart([b"b1", b"x" * 100_000])
+        await asyncio.wait_for(tcp.recv(), T)
+        after = tcp.bytes_received()
+        assert after is not None and after - counted >= 100_000
+        await local.send_multipart([identity, b"y" * 1000])
+        await asyncio.wait_for(ipc.recv(), T)
+        assert ipc.bytes_received() is None
+    finally:
+        for task in watches:
+            task.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)
+        tcp.close()
+        ipc.close()
+        local.close(linger=0)

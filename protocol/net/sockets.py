@@ -11,10 +11,13 @@ receivers whose public key is in the allowlist complete the handshake
 ``DealerSocket`` is a receiver's connection to it, under a stable identity. With
 ``curve`` it is a CURVE client: it completes a handshake only with the sender whose
 public key it was given, and only if the sender admits its own key; otherwise it keeps
-retrying and never connects. ``recv`` awaits a message's first part only: ZeroMQ
-delivers a multipart message atomically, so the rest is read at once without waiting,
-counted as it is read (``MessageCounter``), and dropped part by part past a limit. One
-await a message instead of one a frame (``python -m benchmarks.micro --only recv``).
+retrying and never connects. ``bytes_received`` reads the kernel's count of bytes that
+arrived on its TCP connection, which moves while a message is still crossing: ZeroMQ
+hands a message over only once all of it is in, so on a slow link a large one looks like
+silence without it. ``recv`` awaits a message's first part only: ZeroMQ delivers a
+multipart message atomically, so the rest is read at once without waiting, counted as it
+is read (``MessageCounter``), and dropped part by part past a limit. One await a message
+instead of one a frame (``python -m benchmarks.micro --only recv``).
 
 ``handoff_socket``: the local hand-off between a trainer and its sender sidecar.
 
@@ -27,6 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, overload
@@ -144,6 +150,32 @@ class RouterSocket:
 
 
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+CONNECTION = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED  # each event's value is the TCP socket's fd
+_TCPI_BYTES_RECEIVED = 128  # offset of struct tcp_info's tcpi_bytes_received (a u64; Linux 4.1 and later)
+
+
+def _tcp_connection(fd: int) -> tuple[object, object, int] | None:
+    """``fd``'s TCP connection as (local address, peer address, bytes received so far), or
+    None if ``fd`` is no longer an open TCP socket. The fd belongs to ZeroMQ's I/O thread:
+    it is borrowed (``detach``), never closed here."""
+    if sys.platform != "linux":
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        if len(info) < _TCPI_BYTES_RECEIVED + 8:
+            return None
+        return sock.getsockname(), sock.getpeername(), struct.unpack_from("<Q", info, _TCPI_BYTES_RECEIVED)[0]
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+
 
 class DealerSocket:
     """Connects to the sender's ROUTER under a stable identity, so the sender knows a
@@ -167,7 +199,7 @@ class DealerSocket:
             sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.keys.public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, curve.keys.secret)
-        self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | CONNECTION)
         sock.connect(endpoint)
         self.sock = sock
         self._blocking: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, without the event loop: NOBLOCK reads
@@ -175,16 +207,34 @@ class DealerSocket:
         self.curve = curve
         self.endpoint = endpoint
         self.handshake_failures = 0
+        self._connections: dict[int, tuple[object, object]] = {}  # fd -> (local, peer) address of each TCP connection
 
-    async def watch_handshakes(self, name: str) -> None:
-        """Log why handshakes with the sender fail (a wrong key otherwise looks like a
-        sender that never answers). Runs until cancelled; the first failure of each kind
-        is a warning, repeats (ZeroMQ retries) are debug."""
+    def bytes_received(self) -> int | None:
+        """Bytes the kernel has received on this socket's TCP connection, ZeroMQ's framing
+        and heartbeats included, or None where that cannot be read (not TCP, not Linux, not
+        connected yet). A reconnect starts the count over: compare values, not totals."""
+        total = None
+        for fd, addresses in list(self._connections.items()):
+            found = _tcp_connection(fd)
+            if found is None or found[:2] != addresses:  # closed, or the fd number reused for another socket
+                del self._connections[fd]
+                continue
+            total = (total or 0) + found[2]
+        return total
+
+    async def watch(self, name: str) -> None:
+        """Follow the TCP connections (for ``bytes_received``) and log why handshakes with
+        the sender fail (a wrong key otherwise looks like a sender that never answers).
+        Runs until cancelled; the first failure of each kind is a warning, repeats
+        (ZeroMQ retries) are debug."""
         seen: set[int] = set()
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            self.handshake_failures += 1
             kind = int(event["event"])
+            if kind & CONNECTION:
+                self._follow_connection(kind, int(event["value"]))
+                continue
+            self.handshake_failures += 1
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 why = (f"the sender refused this receiver's key (ZAP status {event['value']}): "
                        f"add {self.curve.keys.public.decode() if self.curve else 'its public key'} to the sender's allowlist")
@@ -196,6 +246,11 @@ class DealerSocket:
                 why = "handshake failed"
             (log.debug if kind in seen else log.warning)("receiver %s, sender %s: %s", name, self.endpoint, why)
             seen.add(kind)
+
+    def _follow_connection(self, kind: int, fd: int) -> None:
+        self._connections.pop(fd, None)
+        if kind == zmq.EVENT_CONNECTED and (found := _tcp_connection(fd)) is not None:
+            self._connections[fd] = found[:2]
 
     async def send(self, frames: Sequence[Buffer]) -> None:
         await self.sock.send_multipart(list(frames), copy=False)
