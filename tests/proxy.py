@@ -8,7 +8,12 @@ raw tensor buffers) and can corrupt bytes *inside the payload buffers*, duplicat
 replay, reorder or stall them. The receiver-to-sender direction passes through as bytes.
 Both directions can be delayed (a latency line: every chunk leaves ``delay`` seconds
 after it arrived, order kept), the sender-to-receiver one paced to ``rate`` bytes a
-second (a slow link, without root), and ``sever()`` resets every connection at once.
+second (a slow link, without root: the proxy then reads from the sender only as fast as
+it forwards, through a small receive buffer, so the sender's TCP sees the pace too), and
+``sever()`` resets every connection at once. ``upstream_waits`` holds the receiver's
+bytes while the sender's are still being forwarded: a shaped link whose deep queue holds
+the acknowledgements the receiver's TCP waits for, so its heartbeats reach the sender
+only after the message it is receiving.
 
 Plaintext (NULL mechanism) only: a CURVE stream is opaque, which is the point of CURVE.
 
@@ -22,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
 import struct
 import sys
 import time
@@ -251,9 +257,10 @@ class Proxy:
 
     def __init__(
         self, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0), *,
-        delay: float = 0.0, tamper: Tamper | None = None, rate: float | None = None,
+        delay: float = 0.0, tamper: Tamper | None = None, rate: float | None = None, upstream_waits: bool = False,
     ) -> None:
         self.upstream, self.listen, self.delay, self.tamper, self.rate = upstream, listen, delay, tamper, rate
+        self.upstream_waits = upstream_waits
         self.stats = ProxyStats()
         self._server: asyncio.base_events.Server | None = None
         self._links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
@@ -307,7 +314,7 @@ class Proxy:
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
-            server_r, server_w = await asyncio.open_connection(*self.upstream)
+            server_r, server_w = await self._connect_upstream()
         except OSError:  # the sender is down: refuse like it would; ZeroMQ retries
             client_w.transport.abort()
             return
@@ -315,12 +322,27 @@ class Proxy:
         conn = self.stats.connections
         link = (client_w, server_w)
         self._links.add(link)
-        up = self._spawn(self._pipe(client_r, lambda q: self._drain(q, server_w)))
-        down = self._spawn(self._pipe(server_r, lambda q: self._drain_messages(q, client_w, conn)))
+        down_idle = asyncio.Event()  # nothing of the sender's is waiting to be forwarded
+        down_idle.set()
+        up = self._spawn(self._pipe(client_r, lambda q: self._drain(q, server_w, down_idle)))
+        down = self._spawn(self._pipe(server_r, lambda q: self._drain_messages(q, client_w, conn, down_idle), down_idle))
         await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
         for w in link:
             w.transport.abort()
         self._links.discard(link)
+
+    async def _connect_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.rate is None:
+            return await asyncio.open_connection(*self.upstream)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.upstream[0] else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 10)  # before connect: a small window, no autotuning
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, self.upstream)
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_connection(sock=sock, limit=4 << 10)
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -332,13 +354,23 @@ class Proxy:
         if self.delay > 0:
             await asyncio.sleep(max(0.0, arrived + self.delay - time.monotonic()))
 
-    async def _pipe(self, reader: asyncio.StreamReader, drain: Callable[[asyncio.Queue[tuple[float, bytes]]], Awaitable[None]]) -> None:
-        """Read one direction into a queue that ``drain`` forwards (with delay, faults)."""
+    async def _pipe(
+        self, reader: asyncio.StreamReader, drain: Callable[[asyncio.Queue[tuple[float, bytes]]], Awaitable[None]],
+        busy: asyncio.Event | None = None,
+    ) -> None:
+        """Read one direction into a queue that ``drain`` forwards (with delay, faults);
+        ``busy`` is cleared while there is something to forward. Paced, the sender's side
+        reads no further ahead than a few chunks."""
+        paced = busy is not None and self.rate is not None
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         pump = self._spawn(drain(queue))
         try:
-            while data := await reader.read(1 << 16):
+            while data := await reader.read(4 << 10 if paced else 1 << 16):
+                if busy is not None:
+                    busy.clear()
                 queue.put_nowait((time.monotonic(), data))
+                while paced and not queue.empty() and not pump.done():
+                    await asyncio.sleep(0.01)
         except (ConnectionError, OSError):
             pass
         finally:
@@ -346,12 +378,14 @@ class Proxy:
             with contextlib.suppress(Exception):
                 await pump
 
-    async def _drain(self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter) -> None:
+    async def _drain(self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter, down_idle: asyncio.Event) -> None:
         while True:
             arrived, data = await queue.get()
             if not data:
                 return
             await self._late(arrived)
+            if self.upstream_waits:
+                await down_idle.wait()
             writer.write(data)
             self.stats.bytes_up += len(data)
             await writer.drain()
@@ -367,13 +401,29 @@ class Proxy:
             await writer.drain()
             await asyncio.sleep(chunk / self.rate)
 
-    async def _drain_messages(self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter, conn: int) -> None:
+    def _count(self, size: int) -> None:
+        """One message of ``size`` bytes (ZMTP framing included) forwarded down."""
+        self.stats.messages += 1
+        self.stats.bytes_down += size
+        self.stats.largest = max(self.stats.largest, size)
+
+    async def _drain_messages(
+        self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter, conn: int, idle: asyncio.Event,
+    ) -> None:
         parser, index = ZmtpParser(), 0
         while True:
+            if queue.empty():
+                idle.set()
             arrived, data = await queue.get()
             if not data:
                 return
             await self._late(arrived)
+            if self.tamper is None:  # nothing to rewrite: the bytes go on as they come, the messages only counted
+                for unit in parser.feed(data):
+                    if isinstance(unit, list):
+                        self._count(sum(len(f) + (9 if len(f) > 255 else 2) for f in unit))
+                await self._write(writer, data)
+                continue
             for unit in parser.feed(data):
                 if isinstance(unit, bytes):
                     await self._write(writer, unit)
@@ -394,9 +444,7 @@ class Proxy:
                     continue
                 for out in self.tamper.emit(w) if self.tamper is not None else [w]:
                     raw = out.encode()
-                    self.stats.messages += 1
-                    self.stats.bytes_down += len(raw)
-                    self.stats.largest = max(self.stats.largest, len(raw))
+                    self._count(len(raw))
                     await self._write(writer, raw)
             await writer.drain()
 

@@ -29,6 +29,7 @@ are in ``test_processes.py``, and hostile messages at the strategy level in
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -155,9 +156,10 @@ class Rig:
 
     async def start_proxy(
         self, tamper: Tamper | None = None, upstream: str | None = None, delay: float = 0.0, rate: float | None = None,
+        upstream_waits: bool = False,
     ) -> Proxy:
         host, port = (upstream or self.endpoint).removeprefix("tcp://").rsplit(":", 1)
-        self.proxy = await Proxy((host, int(port)), delay=delay, tamper=tamper, rate=rate).start()
+        self.proxy = await Proxy((host, int(port)), delay=delay, tamper=tamper, rate=rate, upstream_waits=upstream_waits).start()
         return self.proxy
 
     @property
@@ -533,33 +535,42 @@ ONE_BUCKET = {  # the tiny model's bootstrap, and a bucket version, in one messa
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("held", [False, True], ids=["heartbeats-through", "heartbeats-held"])
 @pytest.mark.parametrize("mode", ["patch", "bucket"])
 async def test_a_message_slower_than_peer_timeout_is_waited_for_while_it_arrives(
-    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reliability: Any,
+    mode: str, held: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, reliability: Any,
 ) -> None:
     """ZeroMQ hands a message over only once all of it is in, and the sender's heartbeats
     queue behind it: a bootstrap bucket or a version that takes longer than peer_timeout
     on the link used to read as silence, so the receiver reconnected, and the next copy
     was as slow, forever. Bytes still arriving are not silence: the receiver joins and
     follows with no reconnect. The handshake's own bound is cut to peer_timeout here, so
-    it is crossed too."""
+    it is crossed too.
+
+    ``held``: the other direction. On a shaped link with a deep queue, the
+    acknowledgements the receiver's TCP waits for sit behind the message it is receiving,
+    so its heartbeats reach the sender only after it (the proxy holds them while the
+    sender's bytes are still being forwarded). The sender, its peer_timeout cut to 1 s
+    too, used to drop the receiver as silent mid-message, and it reconnected; the
+    receiver's kernel acknowledging the sender's bytes is life."""
     monkeypatch.setattr(receiver_service, "HANDSHAKE_GRACE", 0.0)
     rig = Rig(tmp_path, mode, ONE_BUCKET[mode])
     try:
-        await rig.start_sender()
-        proxy = await rig.start_proxy(rate=SLOW_RATE)
-        r = await rig.receiver("slow", proxy.endpoint, peer_timeout=SLOW_TIMEOUT)
-        boot = proxy.stats.largest
-        await rig.converged(0)
-        for _ in range(2):
-            await rig.step()
+        await rig.start_sender(**({"peer_timeout": SLOW_TIMEOUT} if held else {}))
+        proxy = await rig.start_proxy(rate=SLOW_RATE, upstream_waits=held)
+        with caplog.at_level(logging.INFO, logger="protocol.net.server"):
+            r = await rig.receiver("slow", proxy.endpoint, peer_timeout=SLOW_TIMEOUT)
+            boot = proxy.stats.largest
+            await rig.converged(0)
+            for _ in range(2):
+                await rig.step()
         figures = in_process_figures(rig.trainer, rig.sender, rig.watches)
-        crossing = proxy.stats.largest / SLOW_RATE
+        drops = [rec.getMessage() for rec in caplog.records if "dropped: silent" in rec.getMessage()]
         figures.update(rate_Bps=SLOW_RATE, peer_timeout_s=SLOW_TIMEOUT, bootstrap_message_s=round(boot / SLOW_RATE, 2),
-                       largest_message_s=round(crossing, 2))
+                       largest_message_s=round(proxy.stats.largest / SLOW_RATE, 2), dropped_as_silent=len(drops))
         reliability.record(**figures)
         assert boot / SLOW_RATE > 2 * SLOW_TIMEOUT, "the bootstrap must be a message slower than peer_timeout"
-        assert r.reconnects == 0, figures
+        assert not drops and r.reconnects == 0, figures
         assert figures["wrong_versions_published"] == 0 and figures["final_digests_equal"], figures
     finally:
         await rig.close()

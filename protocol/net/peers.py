@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.errors import ProtocolError
+from protocol.net.sockets import TcpLink
 from protocol.wire.messages import Ack
 
 
@@ -37,10 +38,37 @@ class Peer:
     refused: int = 0  # resyncs sent since it NACKed, with no ACK between (bounded by the server)
     below: int = 0
     below_acked: int | None = None
+    source: int | None = None  # the fd of the connection its messages last came on
+    link: TcpLink | None = None  # that connection, if it is TCP (Linux)
+    acked_bytes: int | None = None  # what its kernel had acknowledged of ours at the last look
 
     @property
     def name(self) -> str:
         return self.identity.decode(errors="replace")
+
+    def heard(self, fd: int) -> None:
+        """A message from it arrived, on the connection with fd ``fd``."""
+        self.last_seen = time.monotonic()
+        if fd != self.source:
+            self.source, self.link, self.acked_bytes = fd, TcpLink.of(fd), None
+
+    def silence(self, now: float, beat: float) -> float:
+        """Seconds without a sign of life at ``now``, judged every ``beat`` seconds.
+
+        A message is one; so is, over TCP on Linux, its kernel acknowledging more of our
+        bytes since the last look. On a slow link with a deep queue the acknowledgements
+        its TCP waits for sit behind the version we are sending it, so its heartbeats can
+        arrive later than peer_timeout while it takes in every byte. The counter is read
+        only once a beat has passed without a message."""
+        if now - self.last_seen > beat and self.link is not None:
+            counts = self.link.counts()
+            if counts is None:  # closed (its next message names the new one)
+                self.source = self.link = None
+            else:
+                if self.acked_bytes is not None and counts[0] != self.acked_bytes:
+                    self.last_seen = max(self.last_seen, now - beat)
+                self.acked_bytes = counts[0]
+        return now - self.last_seen
 
     def ack(self, version: int | None) -> None:
         self.acked = version

@@ -402,7 +402,7 @@ class VersionServer:
     async def _serve(self) -> None:
         assert self._socket is not None
         while True:
-            identity, frames = await self._socket.recv()
+            identity, frames, source = await self._socket.recv()
             try:
                 msg = decode_message(frames)
             except WeightSyncError as e:
@@ -410,7 +410,7 @@ class VersionServer:
                 continue
             peer = self._peers.get(identity)
             if peer is not None:
-                peer.last_seen = time.monotonic()
+                peer.heard(source)
             request: DigestRequest | None = None
             if msg.type is MessageType.DIGEST_REQUEST:
                 try:
@@ -424,7 +424,7 @@ class VersionServer:
                 previous = self._greeting.pop(identity, None)
                 if previous is not None:
                     previous.cancel()
-                self._greeting[identity] = self.spawn(self._on_hello(identity, msg), f"hello-{identity!r}")
+                self._greeting[identity] = self.spawn(self._on_hello(identity, msg, source), f"hello-{identity!r}")
             elif peer is None and request is not None and request.metadata is True:
                 self._describe_to(identity, request)  # before HELLO: what a receiver must declare
             elif peer is None:
@@ -487,11 +487,12 @@ class VersionServer:
         except PeerGone:
             await self._drop(peer, "disconnected")
 
-    async def _on_hello(self, identity: bytes, hello: Message) -> None:
+    async def _on_hello(self, identity: bytes, hello: Message, source: int) -> None:
         old = self._peers.pop(identity, None)
         if old is not None and old.task is not None:
             old.task.cancel()
         peer = Peer(identity)
+        peer.heard(source)
         try:
             await self._greet(peer, hello)
         except WeightSyncError as e:  # this receiver cannot be served; the others carry on
@@ -640,8 +641,8 @@ class VersionServer:
     async def _heartbeat(self) -> None:
         async for now, stalled in ticks(self.heartbeat_interval):  # a stalled tick judges no silence
             for peer in list(self._peers.values()):
-                if now - peer.last_seen > self.peer_timeout and not stalled:
-                    await self._drop(peer, f"silent for {now - peer.last_seen:.1f}s")
+                if (silent := peer.silence(now, self.heartbeat_interval)) > self.peer_timeout and not stalled:
+                    await self._drop(peer, f"silent for {silent:.1f}s")
                     continue
                 try:
                     self._try_send(peer, self.stamp(Message(MessageType.HEARTBEAT, version=self.version)))

@@ -6,12 +6,15 @@ whose queue is full gets ``False`` back (the caller keeps the message and retrie
 later), and a peer that is gone raises ``PeerGone`` (ROUTER_MANDATORY turns silent drops
 into errors). With ``curve`` it is a CURVE server: traffic is encrypted and only
 receivers whose public key is in the allowlist complete the handshake
-(``protocol/net/zap.py`` decides and logs each refused key).
+(``protocol/net/zap.py`` decides and logs each refused key). ``recv`` also says which
+connection a message came on, so the server can read how much of what it sent the
+receiver's kernel acknowledged (``TcpLink``): on a slow link a receiver's heartbeats can
+wait behind the version it is taking in.
 
 ``DealerSocket`` is a receiver's connection to it, under a stable identity. With
 ``curve`` it is a CURVE client: it completes a handshake only with the sender whose
 public key it was given, and only if the sender admits its own key; otherwise it keeps
-retrying and never connects. ``bytes_received`` reads the kernel's count of bytes that
+retrying and never connects. ``bytes_received`` reads the kernel's count (``TcpLink``) of bytes that
 arrived on its TCP connection, which moves while a message is still crossing: ZeroMQ
 hands a message over only once all of it is in, so on a slow link a large one looks like
 silence without it. ``recv`` awaits a message's first part only: ZeroMQ delivers a
@@ -35,6 +38,7 @@ import struct
 import sys
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, overload
 
 import zmq
@@ -102,18 +106,21 @@ class RouterSocket:
             zap.unregister(self._context, self._domain)
             self._domain = None
 
-    async def recv(self) -> tuple[bytes, list[memoryview]]:
-        """The next message within ``limits``: the peer's identity and its frames.
-        Messages over a limit are drained part by part, logged and skipped."""
+    async def recv(self) -> tuple[bytes, list[memoryview], int]:
+        """The next message within ``limits``: the peer's identity, its frames, and the fd
+        of the connection it came on (``source_fd``; ``TcpLink.of`` reads it). Messages
+        over a limit are drained part by part, logged and skipped."""
         while True:
-            identity = bytes((await self.sock.recv(copy=False)).buffer)
+            first = await self.sock.recv(copy=False)
+            identity, fd = bytes(first.buffer), source_fd(first)
+            del first
             try:
                 frames = await read_bounded(lambda: self.sock.recv(copy=False), self.limits)
             except LimitError as e:
                 self.oversized += 1
                 log.warning("discarded a message from %r: %s", identity, e)
                 continue
-            return identity, frames
+            return identity, frames, fd
 
     def try_send(self, identity: bytes, frames: Sequence[Buffer]) -> bool:
         """Queue a whole message for ``identity`` without blocking; False when its queue is full."""
@@ -151,14 +158,15 @@ class RouterSocket:
 
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 CONNECTION = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED  # each event's value is the TCP socket's fd
-_TCPI_BYTES_RECEIVED = 128  # offset of struct tcp_info's tcpi_bytes_received (a u64; Linux 4.1 and later)
+_TCPI_BYTES_ACKED = 120  # offsets of struct tcp_info's tcpi_bytes_acked and tcpi_bytes_received (u64s; Linux 4.1 and later)
+_TCPI_BYTES_RECEIVED = 128
 
 
-def _tcp_connection(fd: int) -> tuple[object, object, int] | None:
-    """``fd``'s TCP connection as (local address, peer address, bytes received so far), or
-    None if ``fd`` is no longer an open TCP socket. The fd belongs to ZeroMQ's I/O thread:
-    it is borrowed (``detach``), never closed here."""
-    if sys.platform != "linux":
+def _tcp_info(fd: int) -> tuple[tuple[object, object], int, int] | None:
+    """``fd``'s TCP connection as ((local address, peer address), bytes of ours the peer
+    acknowledged, bytes received), or None if ``fd`` is not an open TCP socket. The fd
+    belongs to ZeroMQ's I/O thread: it is borrowed (``detach``), never closed here."""
+    if sys.platform != "linux" or fd < 0:
         return None
     try:
         sock = socket.socket(fileno=fd)
@@ -170,11 +178,42 @@ def _tcp_connection(fd: int) -> tuple[object, object, int] | None:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
         if len(info) < _TCPI_BYTES_RECEIVED + 8:
             return None
-        return sock.getsockname(), sock.getpeername(), struct.unpack_from("<Q", info, _TCPI_BYTES_RECEIVED)[0]
+        acked, received = struct.unpack_from("<QQ", info, _TCPI_BYTES_ACKED)
+        return (sock.getsockname(), sock.getpeername()), acked, received
     except OSError:
         return None
     finally:
         sock.detach()
+
+
+@dataclass(frozen=True)
+class TcpLink:
+    """One of ZeroMQ's TCP connections, read through the kernel's counters (Linux). The
+    addresses tell the connection apart from a later one that reuses its fd number."""
+
+    fd: int
+    addresses: tuple[object, object]
+
+    @classmethod
+    def of(cls, fd: int) -> TcpLink | None:
+        """``fd``'s connection, or None where it cannot be read (not TCP, not Linux, closed)."""
+        found = _tcp_info(fd)
+        return None if found is None else cls(fd, found[0])
+
+    def counts(self) -> tuple[int, int] | None:
+        """(bytes of ours the peer's kernel acknowledged, bytes received) so far, ZeroMQ's
+        framing and heartbeats included; None once this connection is closed."""
+        found = _tcp_info(self.fd)
+        return None if found is None or found[0] != self.addresses else found[1:]
+
+
+def source_fd(frame: zmq.Frame) -> int:
+    """The fd of the connection ``frame`` arrived on (ZMQ_SRCFD: deprecated in libzmq, kept
+    since 4.1), or -1 where it has none (inproc) or cannot be told."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, ValueError):
+        return -1
 
 
 class DealerSocket:
@@ -207,19 +246,19 @@ class DealerSocket:
         self.curve = curve
         self.endpoint = endpoint
         self.handshake_failures = 0
-        self._connections: dict[int, tuple[object, object]] = {}  # fd -> (local, peer) address of each TCP connection
+        self._connections: dict[int, TcpLink] = {}  # fd -> each TCP connection
 
     def bytes_received(self) -> int | None:
         """Bytes the kernel has received on this socket's TCP connection, ZeroMQ's framing
         and heartbeats included, or None where that cannot be read (not TCP, not Linux, not
         connected yet). A reconnect starts the count over: compare values, not totals."""
         total = None
-        for fd, addresses in list(self._connections.items()):
-            found = _tcp_connection(fd)
-            if found is None or found[:2] != addresses:  # closed, or the fd number reused for another socket
+        for fd, link in list(self._connections.items()):
+            counts = link.counts()
+            if counts is None:  # closed, or the fd number reused for another socket
                 del self._connections[fd]
                 continue
-            total = (total or 0) + found[2]
+            total = (total or 0) + counts[1]
         return total
 
     async def watch(self, name: str) -> None:
@@ -249,8 +288,8 @@ class DealerSocket:
 
     def _follow_connection(self, kind: int, fd: int) -> None:
         self._connections.pop(fd, None)
-        if kind == zmq.EVENT_CONNECTED and (found := _tcp_connection(fd)) is not None:
-            self._connections[fd] = found[:2]
+        if kind == zmq.EVENT_CONNECTED and (link := TcpLink.of(fd)) is not None:
+            self._connections[fd] = link
 
     async def send(self, frames: Sequence[Buffer]) -> None:
         await self.sock.send_multipart(list(frames), copy=False)
