@@ -251,10 +251,6 @@ def proxy_main(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from proxy import Proxy  # type: ignore[import-not-found]
 
-    class RawProxy(Proxy):  # type: ignore[misc]
-        async def _drain_messages(self, queue: Any, writer: Any, conn: int) -> None:
-            await self._drain(queue, writer)
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.lowbw proxy")
     p.add_argument("--listen", required=True)
     p.add_argument("--upstream", required=True)
@@ -266,7 +262,7 @@ def proxy_main(argv: list[str]) -> None:
         return host, int(port)
 
     async def serve() -> None:
-        async with RawProxy(hostport(args.upstream), hostport(args.listen), delay=args.delay) as proxy:
+        async with Proxy(hostport(args.upstream), hostport(args.listen), delay=args.delay, raw=True) as proxy:
             print(json.dumps({"event": "proxy", "endpoint": proxy.endpoint}), flush=True)
             await asyncio.Event().wait()
 

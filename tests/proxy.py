@@ -258,9 +258,12 @@ class Proxy:
     def __init__(
         self, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0), *,
         delay: float = 0.0, tamper: Tamper | None = None, rate: float | None = None, upstream_waits: bool = False,
+        raw: bool = False,
     ) -> None:
+        """``raw``: forward the sender's bytes unparsed (no ``tamper``, no message counts),
+        so any TCP stream passes, not only ZeroMQ's."""
         self.upstream, self.listen, self.delay, self.tamper, self.rate = upstream, listen, delay, tamper, rate
-        self.upstream_waits = upstream_waits
+        self.upstream_waits, self.raw = upstream_waits, raw
         self.stats = ProxyStats()
         self._server: asyncio.base_events.Server | None = None
         self._links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
@@ -419,7 +422,7 @@ class Proxy:
                 return
             await self._late(arrived)
             if self.tamper is None:  # nothing to rewrite: the bytes go on as they come, the messages only counted
-                for unit in parser.feed(data):
+                for unit in () if self.raw else parser.feed(data):
                     if isinstance(unit, list):
                         self._count(sum(len(f) + (9 if len(f) > 255 else 2) for f in unit))
                 await self._write(writer, data)
