@@ -292,8 +292,9 @@ async def test_a_bucket_slower_than_peer_timeout_on_a_shaped_link_joins(link: Li
 
     The shaper's queue holds more than the test sends (10 s of the link), so it drops
     nothing. With a 2 s queue it dropped packets, and TCP's loss recovery across a queue
-    that deep left 0.9-1.5 s here, and over 2 s on CI's machine, with no byte arriving at
-    all: silence for peer_timeout is then what it says, and not what this test is about.
+    that deep left 0.9-1.5 s with no byte arriving at all (4 runs here), and 2 s in one
+    clean-clone run: silence for peer_timeout is then what it says, and not what this
+    test is about.
     A deep queue also holds the acknowledgements the receiver's TCP waits for, so its
     heartbeats can reach the sender late: the sender counts the receiver's kernel
     acknowledging its bytes as life (tests/test_faults.py tests that on its own)."""

@@ -14,8 +14,8 @@ wait behind the version it is taking in.
 ``DealerSocket`` is a receiver's connection to it, under a stable identity. With
 ``curve`` it is a CURVE client: it completes a handshake only with the sender whose
 public key it was given, and only if the sender admits its own key; otherwise it keeps
-retrying and never connects. ``bytes_received`` reads the kernel's count (``TcpLink``) of bytes that
-arrived on its TCP connection, which moves while a message is still crossing: ZeroMQ
+retrying and never connects. ``bytes_received`` reads the kernel's count (``TcpLink``)
+of bytes that arrived on its TCP connection, which moves while a message is crossing: ZeroMQ
 hands a message over only once all of it is in, so on a slow link a large one looks like
 silence without it. ``recv`` awaits a message's first part only: ZeroMQ delivers a
 multipart message atomically, so the rest is read at once without waiting, counted as it
