@@ -5,7 +5,8 @@ received and staged, in front of the commit) and tells the engine to stop genera
 update_weights applies received versions while paused and never resumes by itself;
 sleep pauses, then releases the KV cache (the engine's hook) and the weights' memory;
 wakeup brings the KV cache back first, then the weights as the sender's *current*
-version, then resumes. abort_requests only forwards to the engine's hook.
+version, then resumes. abort_requests only forwards to the engine's hook; without one it
+aborts nothing and reports the requested ids not found (FastDeploy's answer's shape).
 ``receiver/http_api.py`` serves these over HTTP.
 
 Concurrency: pause, resume, sleep, wakeup and update_weights are serialised by one lock
@@ -177,8 +178,8 @@ class Controller:
         if not abort_all and not ids:
             raise ConfigError("must provide abort_all=true or req_ids")
         hook = self.engine.on_abort_requests
-        if hook is None:
-            raise StateError("no engine hook aborts requests: Receiver.register_engine(on_abort_requests=...)")
+        if hook is None:  # no engine to abort in: nothing aborted, in FastDeploy's result shape
+            return {"aborted": [], "not_found": [] if abort_all else list(ids)}
         return await call_hook(hook, abort_all, list(ids))
 
     async def sender_version(self, timeout: float | None) -> int | None:
