@@ -14,16 +14,17 @@ from protocol.wire.framing import MessageType
 from .base import ReceiverBase
 
 if TYPE_CHECKING:
-    from protocol.codec import entropy
+    from protocol.codec import entropy, packed
 
     from . import kernels
 else:  # numba loads on first use (protocol/lazy.py)
-    entropy, kernels = lazy_module("protocol.codec.entropy"), lazy_module("receiver.kernels")
+    entropy, packed, kernels = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("receiver.kernels")
 
 
 def compile_kernels() -> None:
     """Compile the decoders and the scatter kernels (or load them from numba's cache,
     which a first run on a fresh install fills: ``python -m receiver compile``)."""
+    packed.warm_up()
     entropy.warm_up()
     kernels.warm_up()
 

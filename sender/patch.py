@@ -32,11 +32,11 @@ from .snapshot import Snapshot
 from .stats import SyncStats
 
 if TYPE_CHECKING:
-    from protocol.codec import entropy
+    from protocol.codec import entropy, packed
 
     from . import fastdiff
 else:  # numba loads on first use (protocol/lazy.py)
-    entropy, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("sender.fastdiff")
+    entropy, packed, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("sender.fastdiff")
 
 
 T = TypeVar("T")
@@ -56,6 +56,7 @@ def compile_kernels(pairs: Iterable[tuple[torch.dtype, torch.dtype]] = COMMON_PA
     encoders (or load them from numba's cache, which a first run on a fresh install
     fills: ``python -m sender compile``)."""
     fastdiff.warm_up(set(pairs))
+    packed.warm_up()
     entropy.warm_up()
 
 

@@ -4,16 +4,36 @@ with ``ast``, every import, including those inside functions.
 - ``protocol`` imports neither side; ``sender`` and ``receiver`` never import each other.
 - ``protocol.wire`` and ``protocol.codec`` are bytes and tensors only: no ZeroMQ, no event
   loop, no file locks, and nothing of ``protocol.net`` / ``protocol.host``.
+- No import cycle among the modules of ``protocol``, ``sender`` and ``receiver``: the
+  dependencies form layers, each module usable (and testable) with only those below it.
+
+What counts as a dependency, for the cycle check: every import statement anywhere in a
+file (module level, inside functions and methods, under ``if TYPE_CHECKING:``) and every
+module named by a string to ``lazy_module`` (protocol/lazy.py) or
+``importlib.import_module``. A function-level or lazy import defers *when* a module is
+loaded (numba's start-up cost, a heavy optional package), not *whether* one module needs
+the other: a cycle through one is still two modules that cannot be understood, loaded or
+replaced apart, and it breaks at import time as soon as the deferred call runs during the
+other's import. None is exempt; the tree has no cycle that needs one. A type-only import is
+counted too: it is a real dependency of the annotations, and the tree does not need one to
+close a cycle. Not counted: the package that Python imports before a submodule (a
+package's ``__init__`` importing its own submodules is how packages are built, and would
+make every package a cycle); ``from pkg import name`` counts as ``pkg.name`` when that is
+a module, else as ``pkg``.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
+from collections import deque
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("protocol", "sender", "receiver")
+LAZY_IMPORTERS = ("lazy_module", "import_module")  # called with a module's absolute name
 
 RULES: list[tuple[str, tuple[str, ...]]] = [
     ("protocol", ("sender", "receiver")),
@@ -24,19 +44,23 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+def _from_base(node: ast.ImportFrom, module: str) -> str:
+    """The absolute name a ``from ... import`` in a file of ``module`` imports from."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".")[:-1]  # a module's package; for a package's __init__, the package
+    base = package[: len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports(source: str, module: str) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in ``source``, a file of ``module``."""
     out = []
-    package = module.split(".")[:-1]  # a module's package; for a package's __init__, the package
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
+            name = _from_base(node, module)
             out.append((node.lineno, name))
             out += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]  # from protocol import net
     return out
@@ -56,6 +80,132 @@ def violations(folder: str, banned: tuple[str, ...]) -> list[str]:
 def test_layers_import_only_what_they_may(folder: str, banned: tuple[str, ...]) -> None:
     assert (ROOT / folder).is_dir()
     assert violations(folder, banned) == []
+
+
+# -- no import cycles --------------------------------------------------------------------------
+def dependencies(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, name) of every module ``source`` (a file of ``module``) depends on, as the
+    module docstring counts them: ``from pkg import name`` gives ``pkg.name`` (which
+    ``import_graph`` resolves to ``pkg`` when it is not a module)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(node, module)
+            out += [(node.lineno, base if alias.name == "*" else f"{base}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            func = node.func.id if isinstance(node.func, ast.Name) else node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            if func in LAZY_IMPORTERS and not node.args[0].value.startswith("."):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+Graph = dict[str, dict[str, tuple[str, int]]]  # module -> {module it depends on: (file, first line)}
+
+
+def import_graph(files: dict[str, tuple[str, str]]) -> Graph:
+    """The dependencies among ``files`` (module name, a package's as ``pkg.__init__`` ->
+    (its path for messages, its source)), each resolved to the longest module name that is
+    one of them (``protocol.errors.ConfigError`` -> ``protocol.errors``); the rest ignored."""
+    node = {name: name.removesuffix(".__init__") for name in files}
+    modules = set(node.values())
+    graph: Graph = {m: {} for m in modules}
+    for name, (path, source) in files.items():
+        for line, dep in dependencies(source, name):
+            while dep and dep not in modules:
+                dep = dep.rpartition(".")[0]
+            if dep and dep != node[name]:
+                graph[node[name]].setdefault(dep, (path, line))
+    return graph
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``, shortest through its first module) in every strongly
+    connected component of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found = []
+    for component in sorted(components):
+        start, inside = component[0], set(component)
+        came: dict[str, str] = {}
+        queue = deque([start])
+        while start not in came:  # breadth first, back to start: a shortest cycle
+            v = queue.popleft()
+            for w in sorted(graph[v]):
+                if w in inside and w not in came:
+                    came[w] = v
+                    queue.append(w)
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(came[path[-1]])
+        found.append(path[::-1])
+    return found
+
+
+def describe(graph: Graph, cycle: list[str]) -> str:
+    """``a -> b (a's file:line) -> a (b's file:line)``."""
+    return cycle[0] + "".join(f" -> {b} ({graph[a][b][0]}:{graph[a][b][1]})" for a, b in itertools.pairwise(cycle))
+
+
+def project_files() -> dict[str, tuple[str, str]]:
+    files = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            files[".".join(rel.with_suffix("").parts)] = (str(rel), path.read_text())
+    return files
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph(project_files())
+    assert len(graph) > 50 and "protocol.codec.entropy" in graph["protocol.codec.packed"]  # it reads the real tree
+    found = [describe(graph, cycle) for cycle in cycles(graph)]
+    assert not found, "import cycles (tests/test_layering.py's docstring says which imports count):\n" + "\n".join(found)
+
+
+def test_the_cycle_check_sees_deferred_imports_and_names_the_cycle() -> None:
+    files = {
+        "pkg.__init__": ("pkg/__init__.py", "from pkg import a\nfrom pkg.b import B\n"),  # a package's own: no cycle
+        "pkg.a": ("pkg/a.py", "from . import b\n"),
+        "pkg.b": ("pkg/b.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.c import C\n"),
+        "pkg.c": ("pkg/c.py", "def f():\n    from .d import D\n"),
+        "pkg.d": ("pkg/d.py", "from protocol.lazy import lazy_module\na = lazy_module('pkg.a')\n"),
+        "pkg.e": ("pkg/e.py", "import importlib\nimport pkg.f\n"),
+        "pkg.f": ("pkg/f.py", "import importlib\nx = importlib.import_module('pkg.e')\n"),
+        "pkg.g": ("pkg/g.py", "from pkg import a, b\nfrom pkg.a import thing\n"),  # depends on a cycle, is in none
+    }
+    graph = import_graph(files)
+    assert graph["pkg.g"] == {"pkg.a": ("pkg/g.py", 1), "pkg.b": ("pkg/g.py", 1)}
+    assert graph["pkg"] == {"pkg.a": ("pkg/__init__.py", 1), "pkg.b": ("pkg/__init__.py", 2)}
+    assert [describe(graph, c) for c in cycles(graph)] == [
+        "pkg.a -> pkg.b (pkg/a.py:1) -> pkg.c (pkg/b.py:3) -> pkg.d (pkg/c.py:2) -> pkg.a (pkg/d.py:2)",
+        "pkg.e -> pkg.f (pkg/e.py:2) -> pkg.e (pkg/f.py:2)",
+    ]
+    files["pkg.d"] = ("pkg/d.py", "a = 'pkg.a'\n")  # a string is not an import
+    assert cycles(import_graph(files)) == [["pkg.e", "pkg.f", "pkg.e"]]
 
 
 def test_the_checker_sees_every_kind_of_import() -> None:

@@ -94,11 +94,10 @@ def _get_wide(buf, bit, width):  # pragma: no cover - numba
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernels before they are timed, the packed
-    entries' (``protocol.codec.packed``, which codes with these) included."""
-    from protocol.codec import packed
-
-    packed.warm_up()
+    """Compile (or load from numba's cache) this module's kernels before they are timed.
+    The packed entries' (``protocol.codec.packed``, which codes with these and so imports
+    this module) have their own ``packed.warm_up``: the ``compile_kernels`` of
+    ``sender/patch.py`` and ``receiver/patch.py`` call both."""
     gaps = torch.tensor([0, 3, 1 << 20, 7] * 200, dtype=torch.int64)
     coded = encode_gaps(gaps)
     decode_gaps(coded["words"], coded["low"], coded["model"], coded["escapes"], gaps.numel())

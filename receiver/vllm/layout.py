@@ -89,7 +89,13 @@ class Segment:
         return self.storage.as_strided(self.sizes, self.dst_strides, self.dst_offset)
 
     def src_view(self, whole: torch.Tensor) -> torch.Tensor:
-        return whole.reshape(-1).as_strided(self.sizes, self.src_strides, self.src_offset)
+        """This segment's box of ``whole``, a checkpoint-shaped tensor. ``as_strided`` takes
+        an offset into the *storage*, so the box starts at ``whole``'s own offset: a tensor
+        sent whole is often a view into a larger received buffer (a group run, a bucket)."""
+        flat = whole.reshape(-1)
+        if flat.stride() != (1,):
+            flat = flat.contiguous()
+        return flat.as_strided(self.sizes, self.src_strides, flat.storage_offset() + self.src_offset)
 
     def locate(self, flat: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of ``flat`` held by this segment, their offsets in ``storage``)."""
@@ -171,8 +177,11 @@ class MappedTensor(Placed):
 
     @torch.no_grad()
     def assign(self, values: torch.Tensor) -> None:
+        if tuple(values.shape) != self.shape:
+            raise ValueError(f"{self.key}: a whole tensor of shape {tuple(values.shape)} for one of {self.shape}")
+        values = values.to(self.dtype)
         for seg in self.segments:
-            seg.dst_view().copy_(seg.src_view(values.to(self.dtype)))
+            seg.dst_view().copy_(seg.src_view(values))
 
     def materialize(self) -> torch.Tensor | None:
         if self.held != self.numel():
