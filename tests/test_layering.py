@@ -53,16 +53,23 @@ def _from_base(node: ast.ImportFrom, module: str) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports(source: str, module: str) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``source``, a file of ``module``."""
+def imports(source: str, module: str, *, from_bases: bool = True) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``source``, a file of ``module``,
+    and of every module named to ``lazy_module`` / ``importlib.import_module``.
+    ``from pkg import name`` gives ``pkg.name`` (``from protocol import net``), and ``pkg``
+    too with ``from_bases``."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             name = _from_base(node, module)
-            out.append((node.lineno, name))
-            out += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]  # from protocol import net
+            out += [(node.lineno, name)] if from_bases else []
+            out += [(node.lineno, name if alias.name == "*" else f"{name}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            func = node.func.id if isinstance(node.func, ast.Name) else node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            if func in LAZY_IMPORTERS and not node.args[0].value.startswith("."):
+                out.append((node.lineno, node.args[0].value))
     return out
 
 
@@ -83,24 +90,6 @@ def test_layers_import_only_what_they_may(folder: str, banned: tuple[str, ...]) 
 
 
 # -- no import cycles --------------------------------------------------------------------------
-def dependencies(source: str, module: str) -> list[tuple[int, str]]:
-    """(line, name) of every module ``source`` (a file of ``module``) depends on, as the
-    module docstring counts them: ``from pkg import name`` gives ``pkg.name`` (which
-    ``import_graph`` resolves to ``pkg`` when it is not a module)."""
-    out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = _from_base(node, module)
-            out += [(node.lineno, base if alias.name == "*" else f"{base}.{alias.name}") for alias in node.names]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
-            func = node.func.id if isinstance(node.func, ast.Name) else node.func.attr if isinstance(node.func, ast.Attribute) else ""
-            if func in LAZY_IMPORTERS and not node.args[0].value.startswith("."):
-                out.append((node.lineno, node.args[0].value))
-    return out
-
-
 Graph = dict[str, dict[str, tuple[str, int]]]  # module -> {module it depends on: (file, first line)}
 
 
@@ -112,7 +101,7 @@ def import_graph(files: dict[str, tuple[str, str]]) -> Graph:
     modules = set(node.values())
     graph: Graph = {m: {} for m in modules}
     for name, (path, source) in files.items():
-        for line, dep in dependencies(source, name):
+        for line, dep in imports(source, name, from_bases=False):  # a package is not its submodules' dependency
             while dep and dep not in modules:
                 dep = dep.rpartition(".")[0]
             if dep and dep != node[name]:
@@ -212,6 +201,7 @@ def test_the_checker_sees_every_kind_of_import() -> None:
     source = (
         "import zmq\nfrom asyncio import Event\nfrom protocol import net\n"
         "def f():\n    from ....sender import Sender\n    from ..net.server import VersionServer\n"
+        "zmq_ = lazy_module('protocol.net.sockets')\n"
     )
     names = {name for _, name in imports(source, "protocol.codec.sub.mod")}
-    assert {"zmq", "asyncio", "protocol.net", "sender", "protocol.codec.net.server"} <= names
+    assert {"zmq", "asyncio", "protocol.net", "sender", "protocol.codec.net.server", "protocol.net.sockets"} <= names
