@@ -15,6 +15,10 @@ them: its greedy tokens, top-k logprobs and vLLM's own weight checksums must equ
 weightsync engine's at that version. Prints one JSON line per batch and a summary.
 
     python examples/vllm_rollout.py --steps 4 --check
+    # TP=2, another shape, an engine that starts from other weights, and a step whose
+    # tensors travel whole (lr 1e-3 changes most bf16 elements):
+    python examples/vllm_rollout.py --tp 2 --untied --layers 3 --hidden 192 --heads 6 --kv-heads 2 \
+        --start-from other --lr 2e-6 1e-3 2e-6 --check
 """
 
 from __future__ import annotations
@@ -42,14 +46,15 @@ CONFIG = str(Path(__file__).resolve().parent / "config" / "weight_syncer" / "pat
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [42, 43, 44, 45, 46]]
 
 
-def tiny_config(tie: bool) -> Any:
-    """A Qwen2 with grouped-query attention (4 query heads, 2 kv heads), qkv bias and a
-    vocabulary vLLM pads (500 -> 512); head_dim 32, the smallest vLLM's CPU kernels take."""
+def tiny_config(tie: bool, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2) -> Any:
+    """A Qwen2 with grouped-query attention (by default 4 query heads, 2 kv heads), qkv bias
+    and a vocabulary vLLM pads (500 -> 512); head_dim 32 (hidden / heads), the smallest
+    vLLM's CPU kernels take."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+        vocab_size=500, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, torch_dtype="bfloat16",
     )
 
@@ -86,7 +91,10 @@ class Trainer:
         self.sender = Sender(endpoint, CONFIG)
         self.run(self._start())
 
-    def step(self) -> dict[str, Any]:
+    def step(self, lr: float | None = None) -> dict[str, Any]:
+        if lr is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = lr
         loss = self.model(input_ids=self.batch, labels=self.batch).loss
         loss.backward()
         self.opt.step()
@@ -145,20 +153,35 @@ def engine_totals(worker: Any) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate (2e-6: a few percent of bf16 elements change a step)")
+    parser.add_argument("--lr", type=float, nargs="+", default=[2e-6],
+                        help="AdamW learning rate, or one per step, cycled (2e-6: a few percent of bf16 elements change a step; "
+                             "1e-3: most, and tensors travel whole)")
     parser.add_argument("--step-interval", type=float, default=0.3, help="seconds between trainer steps")
     parser.add_argument("--untied", action="store_true", help="untied embeddings (lm_head is its own tensor)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism of the engine")
     parser.add_argument("--check", action="store_true", help="compare with a fresh engine loaded from the trainer's weights")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4, help="query heads (head_dim = hidden / heads: 32 or more on CPU)")
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--start-from", choices=("dummy", "other"), default="dummy",
+                        help="the engine's weights before weightsync bootstraps it: vLLM's dummy ones, or another model's checkpoint")
     args = parser.parse_args(argv)
     if args.check:  # engine_totals runs in the workers as a function
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-    trainer = Trainer(tie=not args.untied, lr=args.lr)
+    config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads)
+    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config)
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
-    trainer.config.save_pretrained(workdir)  # a config only: the engine starts from dummy weights
+    if args.start_from == "other":  # a checkpoint of other weights: the bootstrap writes over a loaded model
+        from transformers import Qwen2ForCausalLM
+
+        torch.manual_seed(1)
+        Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(workdir)
+    else:
+        trainer.config.save_pretrained(workdir)  # a config only: the engine starts from dummy weights
     started = time.perf_counter()
-    llm = engine(workdir, weightsync=True, tp=args.tp, dummy=True)
+    llm = engine(workdir, weightsync=True, tp=args.tp, dummy=args.start_from == "dummy")
     up = time.perf_counter() - started
     started = time.perf_counter()
     llm.init_weight_transfer_engine({"init_info": {"endpoint": trainer.sender.endpoint, "config": CONFIG, "timeout": 120}})
@@ -167,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     # The trainer steps on its own thread; its versions stage in the engine while it generates.
     steps: list[dict[str, Any]] = []
     def train() -> None:
-        for _ in range(args.steps):
+        for i in range(args.steps):
             time.sleep(args.step_interval)
-            steps.append(trainer.step())
+            steps.append({**trainer.step(args.lr[i % len(args.lr)]), "lr": args.lr[i % len(args.lr)]})
 
     training = threading.Thread(target=train)
     training.start()
