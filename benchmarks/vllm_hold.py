@@ -11,7 +11,9 @@ does not matter:
 
 * ``weightsync``: ``receive_weights`` of the staged patch (commit through the runtime map,
   then the touched layers: swapped in, having been re-packed ahead while the patch was
-  staged, on copies; or, on alternate versions with that switched off, re-packed inline);
+  staged, on copies; or, on alternate versions with that switched off, re-packed inline).
+  Its commit includes reading a sample of every written tensor back
+  (``init_info.check_writes``), timed on its own as ``weightsync_check_s``;
 * ``dense_reload``: vLLM's checkpoint-format path (``initialize_layerwise_reload``, the
   whole checkpoint through ``load_weights``, ``finalize_layerwise_reload``), what the
   ``nccl`` / ``ipc`` backends run between start and finish;
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--check-writes", type=int, default=None,
+                   help="init_info.check_writes: elements read back per tensor after each commit (default: the engine's)")
     args = p.parse_args(argv)
 
     from vllm import LLM
@@ -181,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     config.save_pretrained(workdir)
     llm = LLM(workdir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128, max_num_seqs=4,
               load_format="dummy", weight_transfer_config=WeightTransferConfig(backend="weightsync"))
-    llm.init_weight_transfer_engine({"init_info": {"endpoint": trainer.sender.endpoint, "config": CONFIG}})
+    init_info: dict[str, Any] = {"endpoint": trainer.sender.endpoint, "config": CONFIG}
+    if args.check_writes is not None:
+        init_info["check_writes"] = args.check_writes
+    llm.init_weight_transfer_engine({"init_info": init_info})
 
     def checkpoint() -> dict[str, torch.Tensor]:
         return {k: v.detach().to(torch.bfloat16).clone() for k, v in trainer.model.state_dict().items() if k != "lm_head.weight"}
@@ -235,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("dense_reload_s", "full_copy_s", "changed_fraction", "api_round_trip_s")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     ahead, inline = [r for r in rows if r["prepack"]], [r for r in rows if not r["prepack"]]
-    for k in ("weightsync_s", "weightsync_commit_s", "weightsync_prepack_s"):
+    for k in ("weightsync_s", "weightsync_commit_s", "weightsync_prepack_s", "weightsync_check_s"):
         med[k] = statistics.median(r[k] for r in ahead)
+    # Reading the writes back is part of the commit: its share of each version's hold.
+    med["check_share_of_hold"] = statistics.median(r["weightsync_check_s"] / r["weightsync_s"] for r in rows)
     med["weightsync_inline_s"] = statistics.median(r["weightsync_s"] for r in inline) if inline else None
     med["weightsync_inline_repack_s"] = statistics.median(r["weightsync_repack_s"] for r in inline) if inline else None
     sparse_rows = [r for r in rows if r["vllm_sparse_s"] is not None]

@@ -57,6 +57,12 @@ class PlacementError(ConfigError):
     element by element (its loader transforms the values); names the tensor."""
 
 
+class WriteCheckError(PlacementError):
+    """An element read back after a commit does not hold the value staged for it: the
+    engine's runtime map put a tensor's elements somewhere else (``receiver.readback``).
+    The version is not published; names the tensor and the element."""
+
+
 class GatherOrderError(WeightSyncError):
     """A gather the other ranks are not making: out of order, twice, or outside a sync.
     Raised before the collective, on the rank that would have made it."""

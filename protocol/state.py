@@ -50,6 +50,10 @@ class Placed:
         """The elements at the (sorted, in-bounds) flat indices, as one 1-D tensor."""
         raise NotImplementedError
 
+    def read_held(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which of the flat indices this state holds, ``read(flat)``)."""
+        return torch.ones(flat.numel(), dtype=torch.bool, device=self.device), self.read(flat)
+
     def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
         """Set the elements at the flat indices; those not held here are dropped."""
         raise NotImplementedError

@@ -24,9 +24,11 @@ from vllm_like import Engine, Shape, differing, loaded, random_checkpoint
 import receiver
 import sender
 from protocol.codec.tensorcodec import DecodedTensor, split_group
+from protocol.errors import WriteCheckError
 from protocol.state import Placed
 from protocol.wire.framing import Encoding, MessageType, ValueEncoding, decode_message
 from receiver.commit import StagedUpdate, commit
+from receiver.readback import check_written
 from receiver.vllm.layout import Layout, derive_layout
 
 # (tp, kv heads, query heads per kv head): every GQA ratio 1:1 to 4:1 at TP 1, 2 and 4, with
@@ -239,3 +241,78 @@ async def test_strategies_keep_every_rank_on_the_checkpoint(name: str, tp: int, 
     await fresh.sync(checkpoint, ch2.to_receiver.send, 6)
     assert await asyncio.wait_for(rcv.apply(states[-1], ch2.to_receiver.recv), 60) == 6
     assert differing(engines[-1], loaded(s, tp - 1, checkpoint)) == []
+
+
+# -- reading the writes back (receiver/readback.py) ------------------------------------------
+def _rng() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def test_reading_back_passes_on_every_tensor_a_correct_map_wrote() -> None:
+    s = Shape(tp=2, heads=6, kv_heads=2, bias=True, vocab=40)
+    _, layouts = engine_ranks(s, 1)
+    keys, aliases = trainer_keys(s)
+    g = torch.Generator().manual_seed(3)
+    checkpoint = random_checkpoint(s, 2)
+    for actions in (["run"] * len(keys), ["sparse", "whole", "xor", "run", "same"] * len(keys)):
+        checkpoint, decoded = version_updates(keys, aliases, checkpoint, actions[: len(keys)], g)
+        for layout in layouts:
+            targets = [layout.tensors[k] for k in keys]
+            staged = [StagedUpdate.stage(d, targets[d.key]) for d in decoded]
+            commit(targets, staged, aliases)
+            compared = [check_written(keys[u.ordinal], targets[u.ordinal], u, 8, _rng()) for u in staged]
+            assert sum(compared) > 0
+            assert all(c <= 8 for c in compared)
+
+
+def test_reading_back_catches_a_whole_tensor_written_from_the_wrong_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug of issue 34 put back: boxes read from the storage's start, not the view's."""
+    from receiver.vllm.layout import Segment
+
+    def from_storage_start(self: Segment, whole: torch.Tensor) -> torch.Tensor:
+        return whole.reshape(-1).as_strided(self.sizes, self.src_strides, self.src_offset)
+
+    monkeypatch.setattr(Segment, "src_view", from_storage_start)
+    s = Shape(tp=2, heads=6, kv_heads=2, bias=True)
+    _, layouts = engine_ranks(s, 1)
+    key = "model.layers.0.self_attn.k_proj.bias"
+    target = layouts[1].tensors[key]
+    assert isinstance(target, Placed)
+    values = torch.randn(10 + target.numel()).to(torch.bfloat16)
+    update = StagedUpdate(0, None, values[10:].view(target.shape))
+    commit([target], [update], {})
+    with pytest.raises(WriteCheckError, match=key):
+        check_written(key, target, update, 8, _rng())
+
+
+def test_reading_back_catches_a_sparse_change_written_over_or_lost() -> None:
+    s = Shape(tp=2)
+    engines, layouts = engine_ranks(s, 1)
+    key = "model.layers.0.mlp.down_proj.weight"  # columns split over the ranks
+    target = layouts[0].tensors[key]
+    assert isinstance(target, Placed)
+    flat = torch.arange(0, target.numel(), 3)
+    update = StagedUpdate(0, flat, torch.full((flat.numel(),), 2.5, dtype=torch.bfloat16))
+    commit([target], [update], {})
+    assert check_written(key, target, update, 64, _rng()) > 0
+    engines[0].layers[0].down_proj.weight.data.fill_(-1.0)  # something wrote over the change
+    with pytest.raises(WriteCheckError, match=key):
+        check_written(key, target, update, 64, _rng())
+
+
+def test_reading_back_compares_only_what_this_rank_holds_and_plain_tensors_too() -> None:
+    s = Shape(tp=4, heads=4, kv_heads=4, vocab=40)  # rank 3 holds no vocabulary row
+    _, layouts = engine_ranks(s, 1)
+    key = "model.embed_tokens.weight"
+    none_here = layouts[3].tensors[key]
+    assert isinstance(none_here, Placed) and none_here.held == 0
+    update = StagedUpdate(0, None, torch.ones(none_here.shape, dtype=torch.bfloat16))
+    commit([none_here], [update], {})
+    assert check_written(key, none_here, update, 8, _rng()) == 0
+    plain = torch.zeros(5, 4, dtype=torch.bfloat16)
+    update = StagedUpdate(0, torch.tensor([1, 7, 19]), torch.tensor([1.0, 2.0, 3.0]).to(torch.bfloat16))
+    commit([plain], [update], {})
+    assert check_written("plain", plain, update, 8, _rng()) == 3
+    plain.view(-1)[7] = 0
+    with pytest.raises(WriteCheckError, match="element 7"):
+        check_written("plain", plain, update, 8, _rng())

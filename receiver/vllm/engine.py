@@ -48,11 +48,15 @@ from ..commit import StagedUpdate
 from ..describe import ask_metadata
 from ..engine import parse_version
 from ..naming import AGENT_PREFIX
+from ..readback import check_written
 from ..service import Receiver
 from .layout import Layout, Prepack, derive_layout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Elements read back per tensor after each commit (WeightsyncInitInfo.check_writes):
+# benchmarks/vllm_hold.py measures what it adds to the hold (docs/performance.md).
+CHECK_WRITES = 8
 
 
 @dataclass
@@ -65,7 +69,10 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     engine's checkpoint name -> the trainer's name (a dict), or ``"is_agent"``.
     ``timeout``: seconds for the handshake and bootstrap. ``prepack``: where vLLM re-packs
     layers after loading (CPU), re-pack them while a version is staged, on copies, so that
-    ``update_weights`` only swaps them in (one more copy of those layers' weights)."""
+    ``update_weights`` only swaps them in (one more copy of those layers' weights).
+    ``check_writes``: after each commit, read back this many of the elements written into
+    each tensor and compare them with the staged values (``receiver.readback``); a map
+    that wrote elsewhere fails the update with ``WriteCheckError`` instead of serving. 0: off."""
 
     endpoint: str | list[str]
     config: dict[str, Any] | str | None = None
@@ -74,6 +81,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     timeout: float = 120.0
     insecure_plaintext: bool = False
     prepack: bool = True
+    check_writes: int = CHECK_WRITES
 
     def __post_init__(self) -> None:
         endpoints = [self.endpoint] if isinstance(self.endpoint, str) else self.endpoint
@@ -89,6 +97,8 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
             raise ValueError(f"init_info.timeout must be a positive number of seconds, got {self.timeout!r}")
         if type(self.prepack) is not bool:
             raise ValueError(f"init_info.prepack must be true or false, got {self.prepack!r}")
+        if type(self.check_writes) is not int or self.check_writes < 0:
+            raise ValueError(f"init_info.check_writes must be an int >= 0 (elements a tensor; 0: off), got {self.check_writes!r}")
 
     @property
     def endpoints(self) -> list[str]:
@@ -126,6 +136,7 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
 class _Ahead:
     pending: PendingVersion  # the staged version the layers were re-packed for
     prepack: Prepack
+    writes: list[tuple[str, StagedUpdate]]  # all of the version's, those the copies hold too
 
 
 class _LoopThread:
@@ -179,6 +190,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._ahead: _Ahead | None = None
         self._installed = 0  # layers installed by the commits of the update in progress
         self.last_prepack_s = 0.0  # the last version's re-pack ahead, off the hold
+        self.check_writes = 0
+        self._checked_s = 0.0  # reading back the writes of the update in progress (in its commit time)
+        self._check_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -205,6 +219,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 curve=curve, insecure_plaintext=init_info.insecure_plaintext,
             )
             receiver.strategy.on_commit = self._committed
+            self.check_writes = init_info.check_writes
             self.prepack = init_info.prepack and bool(layout.shadows)
             if self.prepack:
                 receiver.strategy.on_staged = self._prepack
@@ -242,8 +257,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         stale, self._stale = list(self._stale), {}
         installed, self._installed = self._installed, 0
         layers = self.layout.repack(stale)
+        checked, self._checked_s = self._checked_s, 0.0
         self.last_timing = {"commit_s": committed - started, "repack_s": time.perf_counter() - committed,
-                            "layers_installed": installed, "layers_repacked": layers}
+                            "check_s": checked, "layers_installed": installed, "layers_repacked": layers}
         self.totals["updates"] += 1
         self.totals["layers_installed"] += installed
         self.totals["layers_repacked"] += layers
@@ -283,12 +299,25 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 self.layout.install(ahead.prepack, layer)
             installed = set(ahead.prepack.layers)
             self._installed += len(installed)
-        names = {name for name, _ in self._writes(pending)}
+        writes = ahead.writes if ahead is not None and ahead.pending is pending else self._writes(pending)
+        self._check(writes)
+        names = {name for name, _ in writes}
         for layer in self.layout.layers_of(names):
             if layer not in installed:
                 self._stale[layer] = None
             else:
                 self._stale.pop(layer, None)
+
+    def _check(self, writes: list[tuple[str, StagedUpdate]]) -> None:
+        """Read back a sample of every tensor the version wrote (after the layers re-packed
+        ahead are installed: their copies hold some of the writes)."""
+        if not self.check_writes:
+            return
+        assert self.layout is not None
+        started = time.perf_counter()
+        for name, update in writes:
+            check_written(name, self.layout.tensors[name], update, self.check_writes, self._check_rng)
+        self._checked_s += time.perf_counter() - started
 
     def _writes(self, pending: PendingVersion) -> list[tuple[str, StagedUpdate]]:
         """(checkpoint name, update) of every tensor a version writes: each update's own,
@@ -317,7 +346,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             return
         partly = {id(u) for name, u in writes if not layout.holds(prepack, name)}  # some name of it is not in the copies
         pending.updates[:] = [u for u in pending.updates if id(u) in partly]
-        self._ahead = _Ahead(pending, prepack)
+        self._ahead = _Ahead(pending, prepack, writes)
         self.last_prepack_s = time.perf_counter() - started
 
     def _checkpoint_names(self, trainer: ModelMetadata, mapping: dict[str, str] | str | None) -> dict[str, str]:

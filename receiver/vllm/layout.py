@@ -163,11 +163,17 @@ class MappedTensor(Placed):
         self.held = sum(s.numel for s in segments)
 
     def read(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.read_held(flat)[1]
+
+    def read_held(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        held = torch.zeros(flat.numel(), dtype=torch.bool, device=self.device)
         out = torch.zeros(flat.numel(), dtype=self.dtype, device=self.device)
         for seg in self.segments:
-            held, dst = seg.locate(flat, self.shape)
-            out[held.to(self.device)] = seg.storage[dst.to(self.device)].to(self.dtype)
-        return out
+            mask, dst = seg.locate(flat, self.shape)
+            mask = mask.to(self.device)
+            out[mask] = seg.storage[dst.to(self.device)].to(self.dtype)
+            held |= mask
+        return held, out
 
     @torch.no_grad()
     def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
