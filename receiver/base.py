@@ -42,6 +42,22 @@ class _Superseded(Exception):
         self.pending, self.parts, self.by = pending, parts, by
 
 
+@dataclass(frozen=True)
+class Announced:
+    """The bootstrap WELCOME announced: every part is checked against it before any of it
+    is written, so a bootstrap that contradicts its WELCOME writes nothing (or, written
+    on arrival, is refused at the part that gives it away)."""
+
+    version: int | None
+    parts: int
+
+    def check(self, msg: Message) -> None:
+        if msg.version != self.version:
+            raise ProtocolError(f"{msg.describe()}: WELCOME announced a bootstrap at v{self.version}")
+        if msg.part >= self.parts or msg.last != (msg.part + 1 == self.parts):
+            raise ProtocolError(f"{msg.describe()}: WELCOME announced a bootstrap of {self.parts} parts")
+
+
 @dataclass
 class PendingVersion:
     """A version received, validated and staged, not yet written."""
@@ -60,15 +76,21 @@ class ReceiverBase:
     """The rollout side of one sync channel.
 
     Nothing is written into the model until every message of a version has arrived and
-    been checked against the model: sizes, dtypes, index bounds and checksums. After an
-    error the model is exactly as it was, and ``version`` is unchanged.
+    been checked against the model: sizes, dtypes, index bounds and checksums (and, for a
+    handshake's bootstrap, against what WELCOME announced). After an error before the
+    write the model is exactly as it was, and ``version`` is unchanged.
 
     Except where a strategy writes on arrival (``writes_on_arrival``: the bucket
     strategy's ``load_instant``): each message is checked, then written at once, under
     the write side taken at the first one and held for the whole version, so only one
-    message's worth is ever staged. A version that fails midway leaves the model *torn*
-    (``torn``): ``version`` is None and the write side stays held (readers are kept out)
-    until a whole version is written over it; it is never published.
+    message's worth is ever staged.
+
+    Once any of a version is written, whatever ends it before it is whole and published
+    (an error, a cancellation, a timeout, a failing ``on_commit``) leaves the model *torn*
+    (``torn``): ``version`` is None, never the previous one over mixed weights, and the
+    write side stays held (readers are kept out) until a whole version is written over
+    it; the version is never published. A cancelled write finishes its thread first, so
+    nothing is written after the failure is recorded.
     """
 
     strategy: ClassVar[str]
@@ -124,12 +146,7 @@ class ReceiverBase:
             raise ProtocolError(f"expected WELCOME, got {welcome.describe()}")
         parts = self._welcome(welcome).bootstrap
         if parts:
-            pending = await self.receive(model, recv, bootstrap=True)
-            if pending.stats.messages != parts or pending.version != welcome.version:
-                raise ProtocolError(
-                    f"bootstrap of {pending.stats.messages} parts at v{pending.version} does not match "
-                    f"WELCOME's {parts} parts at v{welcome.version}"
-                )
+            pending = await self.receive(model, recv, bootstrap=Announced(welcome.version, parts))
             if self.commit_gate is not None:
                 await self.commit_gate(pending)
             await self.commit(model, pending)
@@ -178,13 +195,14 @@ class ReceiverBase:
         return pending.version
 
     async def receive(
-        self, model: StateLike, recv: Recv, *, bootstrap: bool = False,
+        self, model: StateLike, recv: Recv, *, bootstrap: Announced | None = None,
         before_write: Callable[[PendingVersion], Awaitable[None]] | None = None,
     ) -> PendingVersion:
         """Collect and stage every message of the next version; writes nothing, unless
         this strategy writes on arrival: then, once the first message is checked, it
         awaits ``before_write`` (a daemon's pause gate), takes the write side and writes
-        each message as it comes; the version returned is ``written``."""
+        each message as it comes; the version returned is ``written``. ``bootstrap``:
+        the handshake's, as WELCOME announced it (nothing else is taken then)."""
         if self.metadata is None:
             raise WeightSyncError("init_receiver() must complete before apply()")
         first = await self._next(recv)
@@ -196,12 +214,12 @@ class ReceiverBase:
                 first = e.by
 
     async def _receive(
-        self, model: StateLike, recv: Recv, first: Message, bootstrap: bool,
+        self, model: StateLike, recv: Recv, first: Message, bootstrap: Announced | None,
         before_write: Callable[[PendingVersion], Awaitable[None]] | None,
     ) -> PendingVersion:
         targets = self.targets(model)
         started = time.perf_counter()
-        self._check_first(first, bootstrap)
+        self._check_first(first, bootstrap is not None)
         kind = "bootstrap" if first.type is MessageType.BOOTSTRAP else self.strategy
         pending = PendingVersion(first.type, first.version, first.base_version, stats=ApplyStats(first.version, kind))
         received = 0
@@ -221,6 +239,8 @@ class ReceiverBase:
                     self._check_same_version(first, msg)
                 if msg.part != received:  # ZeroMQ keeps order: a gap or a repeat is an error
                     raise ProtocolError(f"{msg.describe()}: expected part {received + 1}")
+                if bootstrap is not None:
+                    bootstrap.check(msg)
                 if not msg.last and not msg.tensors:  # each part but the last covers new tensors: a version's parts are bounded
                     raise ProtocolError(f"{msg.describe()}: a part before the last with no tensors")
                 received += 1
@@ -246,16 +266,14 @@ class ReceiverBase:
                 if msg.last:
                     break
                 msg = await self._next(recv)
+            if held is not None:
+                self._publish_written(pending)
         except BaseException:
             if held is not None:
                 await self._failed_while_writing(held, wrote, pending)
             raise
         if held is not None:
-            self.version = pending.version
-            if self.on_commit is not None:
-                self.on_commit(pending)
-            self._torn = None
-            await held.__aexit__(None, None, None)
+            await self._let_readers_in(held)
             pending.written = True
             pending.stats.receive_seconds = time.perf_counter() - started
             return pending
@@ -312,9 +330,36 @@ class ReceiverBase:
 
     async def _write_staged(self, targets: list[Target], pending: PendingVersion) -> None:
         started = time.perf_counter()
-        await asyncio.to_thread(commit, targets, pending.updates, self.aliases)
+        await self._write(targets, pending.updates)
         pending.updates, pending.staged_bytes = [], 0  # one message's worth staged at a time
         pending.stats.apply_seconds += time.perf_counter() - started
+
+    async def _write(self, targets: list[Target], updates: list[StagedUpdate]) -> None:
+        """Write ``updates`` off the event loop. A thread cannot be stopped, so a caller
+        cancelled meanwhile waits for it before the cancellation goes on: the failure is
+        recorded (``torn``) and the write side handed on only once nothing writes."""
+        thread = asyncio.ensure_future(asyncio.to_thread(commit, targets, updates, self.aliases))
+        cancelled = False
+        while not thread.done():
+            try:
+                await asyncio.wait((thread,))
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        thread.result()
+
+    def _publish_written(self, pending: PendingVersion) -> None:
+        """The whole version is in the model: it is the version now, and ``on_commit``
+        (which may write too: an engine installs layers) is part of the write."""
+        self.version = pending.version
+        if self.on_commit is not None:
+            self.on_commit(pending)
+
+    async def _let_readers_in(self, held: AbstractAsyncContextManager[Any]) -> None:
+        """A whole version was written under ``held``: the model is no longer torn."""
+        self._torn = None
+        await held.__aexit__(None, None, None)
 
     async def _failed_while_writing(self, held: AbstractAsyncContextManager[Any], wrote: bool, pending: PendingVersion) -> None:
         if not wrote and self._torn is None:  # nothing of it was written: as if it never came
@@ -327,19 +372,23 @@ class ReceiverBase:
 
     async def commit(self, model: StateLike, pending: PendingVersion) -> None:
         """Write a staged version into ``model`` (off the event loop, under
-        ``write_guard``) and only then set ``version``. A version ``written`` on arrival
-        is only recorded."""
+        ``write_guard``) and only then set ``version``; a write that fails or is
+        cancelled midway leaves the model ``torn``. A version ``written`` on arrival is
+        only recorded."""
         if pending.written:
             self.last_stats = pending.stats
             return
         targets = self.targets(model)
-        async with self.exclusive():
+        held = await self._take_write_side(pending, None)
+        try:
             started = time.perf_counter()
-            await asyncio.to_thread(commit, targets, pending.updates, self.aliases)
+            await self._write(targets, pending.updates)
             pending.stats.apply_seconds = time.perf_counter() - started
-            self.version = pending.version
-            if self.on_commit is not None:
-                self.on_commit(pending)
+            self._publish_written(pending)
+        except BaseException:
+            await self._failed_while_writing(held, True, pending)
+            raise
+        await self._let_readers_in(held)
         self.last_stats = pending.stats
         log.debug("applied %s", pending.stats)
 

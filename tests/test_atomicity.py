@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from channel import Channel, Pipe
 from models import Trainer, cast_like, make_model, mismatches, snapshot
 
 import receiver
+import receiver.base
 import sender
 from protocol.codec.compress import Codec
 from protocol.errors import IntegrityError, ProtocolError, StaleVersionError, WeightSyncError
@@ -522,12 +524,12 @@ async def test_stale_and_foreign_buckets() -> None:
 
 
 # -- the init bootstrap ----------------------------------------------------------------------------
-async def _capture_init(config: dict[str, Any], model: torch.nn.Module) -> tuple[Any, list[Frames]]:
+async def _capture_init(config: dict[str, Any], model: torch.nn.Module, version: int | None = None) -> tuple[Any, list[Frames]]:
     """The WELCOME and bootstrap frames a real sender sends to a receiver of this model's shape."""
     s = sender.make_sender(config)
     ch = Channel()
     await asyncio.gather(
-        s.init_sender(model, ch.to_receiver.send, ch.to_sender.recv),
+        s.init_sender(model, ch.to_receiver.send, ch.to_sender.recv, version=version),
         receiver.make_receiver(config).init_receiver(make_model(7, dtype=torch.bfloat16), ch.to_receiver.recv, ch.to_sender.send),
     )
     return s, ch.to_receiver.sent
@@ -582,3 +584,254 @@ async def test_welcome_with_mismatched_alias_is_rejected_before_writing() -> Non
     finally:
         assert mismatches(before, rmodel.state_dict()) == [], "model half-written by a failed bootstrap"
         assert r.version is None
+
+
+# -- a version that fails once written: torn, never the old version over mixed weights ------------
+# Every way a receiver writes, each taking a version three ways: a fresh receiver's handshake
+# bootstrap, the resync bootstrap of one at v2, and v3 on top of v2. A failure before anything
+# is written leaves the model and version as they were; once anything is written it leaves
+# the model torn: no version, readers kept out until a whole version is written over it.
+WRITERS = {
+    "bucket-instant": bucket_config(True),
+    "bucket-deferred": bucket_config(False),
+    "patch": {"type": "patch", "patch": {"part_bytes": 2048, "init_sync": {"bucket_size": 16 << 10}}},
+}
+SCENES = ["fresh-bootstrap", "resync-bootstrap", "next-version"]
+RESYNC = 5  # the version the sender bootstraps at
+
+
+def _writes_on_arrival(config: dict[str, Any]) -> bool:
+    return bool(config["type"] == "bucket" and config["bucket"]["load_instant"])
+
+
+@dataclass
+class Scene:
+    """A receiver, its model lock and the messages it is about to take (a handshake's
+    WELCOME and bootstrap, or a version's parts), and a bootstrap to recover with."""
+
+    pair: Pair
+    r: Any
+    lock: ReadWriteLock
+    messages: list[Frames]
+    handshake: bool
+    resync: list[Frames]
+    before: tuple[dict[str, torch.Tensor], int | None]
+
+    @property
+    def first_part(self) -> int:
+        """Where the version's parts start in ``messages`` (after a WELCOME)."""
+        return 1 if self.handshake else 0
+
+    async def take(self, recv: Callable[[], Awaitable[Frames]]) -> None:
+        if self.handshake:
+            await self.r.init_receiver(self.pair.rmodel, recv, Pipe().send)
+        else:
+            await self.r.apply(self.pair.rmodel, recv)
+
+    def readable(self) -> bool:
+        if not self.lock.acquire_read(blocking=False):
+            return False
+        self.lock.release_read()
+        return True
+
+    def assert_untouched(self) -> None:
+        state, version = self.before
+        assert mismatches(state, self.pair.rmodel.state_dict()) == [], "a version failing before its first write wrote"
+        assert self.r.version == version and not self.r.torn and self.readable()
+
+    def assert_torn(self) -> None:
+        assert mismatches(self.before[0], self.pair.rmodel.state_dict()), "nothing was written: the case tests nothing"
+        assert self.r.torn and self.r.version is None, f"a version failing once written left v{self.r.version}, torn={self.r.torn}"
+        assert not self.readable(), "readers are let into a torn model"
+
+    async def recover(self) -> None:
+        """The resync bootstrap, whole, puts the model at its version and lets readers in."""
+        assert await asyncio.wait_for(self.r.init_receiver(self.pair.rmodel, recv_over(self.resync), Pipe().send), 10) == RESYNC
+        assert self.r.version == RESYNC and not self.r.torn and self.readable()
+        self.pair.assert_synced()
+
+
+async def make_scene(config: dict[str, Any], scene: str) -> Scene:
+    pair = await make_pair(config)
+    if scene == "next-version":
+        messages, handshake, r = await pair.capture(3), False, pair.r
+    else:
+        pair.trainer.step()
+        _, messages = await _capture_init(config, pair.model, RESYNC)
+        handshake, r = True, pair.r if scene == "resync-bootstrap" else receiver.make_receiver(config)
+    _, resync = await _capture_init(config, pair.model, RESYNC)
+    lock = ReadWriteLock()
+    r.write_guard = lock.writing
+    assert len(messages) - handshake >= 2, "a version in one part: no two parts to fail between"
+    state, version = pair.before()
+    return Scene(pair, r, lock, messages, handshake, resync, (state, version if r is pair.r else None))
+
+
+def recv_over(
+    messages: list[Frames], stop_at: int | None = None, error: BaseException | None = None, *,
+    taken: list[Frames] | None = None, asked: asyncio.Event | None = None,
+) -> Callable[[], Awaitable[Frames]]:
+    """``recv`` over ``messages``, each one it returns added to ``taken``; asked for the one
+    at ``stop_at`` it sets ``asked`` and raises ``error``, or without one waits for ever
+    (to be cancelled)."""
+    pending = iter(enumerate(messages))
+
+    async def recv() -> Frames:
+        i, frames = next(pending)
+        if i == stop_at:
+            if asked is not None:
+                asked.set()
+            if error is not None:
+                raise error
+            await asyncio.Event().wait()
+        if taken is not None:
+            taken.append(frames)
+        return frames
+
+    return recv
+
+
+def forge_welcome(frames: Frames, **body: Any) -> Frames:
+    """A WELCOME with ``body``'s fields (``version`` the header's) rewritten, validly encoded."""
+    version = body.pop("version", None)
+
+    def edit(m: Message) -> None:
+        m.body = {**m.body, **body}
+        if version is not None:
+            m.version = version
+
+    return reencode(frames, edit)
+
+
+@pytest.mark.parametrize("scene", ["fresh-bootstrap", "resync-bootstrap"])
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("lie", ["version", "one-part", "fewer-parts", "more-parts"])
+async def test_bootstrap_contradicting_welcome(writer: str, scene: str, lie: str) -> None:
+    """Found by the fuzzer: a WELCOME announcing another version or part count than its
+    bootstrap carries. The version and a count the first part already contradicts are
+    refused at that part, before anything is written; a count found wrong later, written
+    on arrival, leaves the model torn: never a version published over weights the check
+    refused (a fresh receiver at the bootstrap's version, or one at v2 still saying v2)."""
+    config = WRITERS[writer]
+    s = await make_scene(config, scene)
+    parts = len(s.messages) - 1
+    assert parts >= 3, "fewer-parts must leave one part written and one refused"
+    welcome = s.messages[0]
+    forged = {"version": forge_welcome(welcome, version=RESYNC + 1), "one-part": forge_welcome(welcome, bootstrap=1),
+              "fewer-parts": forge_welcome(welcome, bootstrap=parts - 1),
+              "more-parts": forge_welcome(welcome, bootstrap=parts + 1)}[lie]
+    taken: list[Frames] = []
+    with pytest.raises(ProtocolError, match="WELCOME announced"):
+        await asyncio.wait_for(s.take(recv_over([forged, *s.messages[1:]], taken=taken)), 10)
+    if _writes_on_arrival(config) and lie in ("fewer-parts", "more-parts"):
+        s.assert_torn()
+    else:
+        s.assert_untouched()
+    if lie in ("version", "one-part"):
+        assert len(taken) == 2, "refused only after the first part"  # WELCOME and the part that contradicts it
+    await s.recover()
+
+
+@pytest.mark.parametrize("scene", SCENES)
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("failure", ["cancelled", "error"])
+async def test_failure_between_two_parts(writer: str, scene: str, failure: str) -> None:
+    """A version broken off while the receiver waits for its second part (cancelled, or
+    the sender's error): torn if its first part was written on arrival, else untouched."""
+    config = WRITERS[writer]
+    s = await make_scene(config, scene)
+    error = None if failure == "cancelled" else ProtocolError("sender reported: the trainer went away")
+    asked = asyncio.Event()
+    taking = asyncio.ensure_future(s.take(recv_over(s.messages, s.first_part + 1, error, asked=asked)))
+    await asyncio.wait_for(asked.wait(), 10)  # the first part is done with: the receiver asks for the second
+    if error is None:
+        taking.cancel()
+    with pytest.raises(asyncio.CancelledError if error is None else ProtocolError):
+        await asyncio.wait_for(taking, 10)
+    if _writes_on_arrival(config):
+        s.assert_torn()
+    else:
+        s.assert_untouched()
+    await s.recover()
+
+
+class SlowWrite:
+    """``receiver.base.commit`` whose ``n``-th call writes half its updates, then waits
+    for ``release`` (or raises), then writes the rest: a write the test can break into."""
+
+    def __init__(self, n: int, fail: bool = False) -> None:
+        self.n, self.fail, self.calls = n, fail, 0
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.finished = False
+        self.real = receiver.base.commit
+
+    def __call__(self, targets: Any, updates: Any, aliases: Any) -> None:
+        self.calls += 1
+        if self.calls != self.n:
+            return self.real(targets, updates, aliases)
+        half = max(1, len(updates) // 2)
+        self.real(targets, updates[:half], aliases)
+        self.entered.set()
+        if self.fail:
+            raise RuntimeError("the device went away mid-write")
+        assert self.release.wait(10)
+        self.real(targets, updates[half:], aliases)
+        self.finished = True
+        return None
+
+
+@pytest.mark.parametrize("scene", SCENES)
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+async def test_cancelled_while_writing(writer: str, scene: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled while a write runs on its thread (the second part's, written on arrival;
+    else the whole version's commit): the thread cannot be stopped, so the cancellation
+    waits for it, and then the model is torn (not the old version over mixed weights)."""
+    config = WRITERS[writer]
+    s = await make_scene(config, scene)
+    write = SlowWrite(2 if _writes_on_arrival(config) else 1)
+    monkeypatch.setattr(receiver.base, "commit", write)
+    taking = asyncio.ensure_future(s.take(recv_over(s.messages)))
+    assert await asyncio.to_thread(write.entered.wait, 10)
+    taking.cancel()
+    await asyncio.sleep(0.2)
+    assert not taking.done(), "a cancelled write returned while its thread still writes into the model"
+    write.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(taking, 10)
+    assert write.finished
+    s.assert_torn()
+    await s.recover()
+
+
+@pytest.mark.parametrize("scene", SCENES)
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+async def test_error_while_writing(writer: str, scene: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails halfway (the second part's, or the whole version's) leaves the
+    model torn."""
+    config = WRITERS[writer]
+    s = await make_scene(config, scene)
+    monkeypatch.setattr(receiver.base, "commit", SlowWrite(2 if _writes_on_arrival(config) else 1, fail=True))
+    with pytest.raises(RuntimeError, match="mid-write"):
+        await asyncio.wait_for(s.take(recv_over(s.messages)), 10)
+    s.assert_torn()
+    monkeypatch.undo()
+    await s.recover()
+
+
+@pytest.mark.parametrize("scene", SCENES)
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+async def test_failing_on_commit(writer: str, scene: str) -> None:
+    """``on_commit`` is part of the write (an engine installs layers there): failing, it
+    leaves the model torn, and the write side is still held, not lost."""
+    config = WRITERS[writer]
+    s = await make_scene(config, scene)
+
+    def fail(pending: Any) -> None:
+        raise RuntimeError("the engine could not install the layers")
+
+    s.r.on_commit = fail
+    with pytest.raises(RuntimeError, match="install"):
+        await asyncio.wait_for(s.take(recv_over(s.messages)), 10)
+    s.assert_torn()
+    s.r.on_commit = None
+    await s.recover()

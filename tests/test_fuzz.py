@@ -765,16 +765,14 @@ def run_case(c: Corpus, exchange: Exchange, messages: list[Frames], sealed: bool
         outcome = "starved"
     except TimeoutError:
         pytest.fail(f"{exchange.name}: a mutated exchange hung for {CASE_TIMEOUT}s")
-    if outcome == "applied":
-        try:
-            if messages == exchange.messages or not sealed:
-                target.assert_genuine()
-            else:
-                target.assert_complete(messages)
-        finally:
-            target.restore()
-    else:
-        target.assert_untouched(messages)
+    try:  # restored whatever the verdict: a failing case must not leave its writes to the next
+        if outcome != "applied":
+            target.assert_untouched(messages)
+        elif messages == exchange.messages or not sealed:
+            target.assert_genuine()
+        else:
+            target.assert_complete(messages)
+    finally:
         target.restore()
     STATS.count(outcome)
     return outcome
