@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,7 +86,7 @@ def integer_pair(dtype: torch.dtype, numel: int, density: float, seed: int) -> t
 
 
 # -- round trips -------------------------------------------------------------------------------
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     dtype=st.sampled_from(FLOATS),
     numel=st.integers(1, 3000),
@@ -103,7 +104,7 @@ def test_float_receivers_of_an_fp32_master_round_trip_bit_exact(dtype: torch.dty
     assert torch.equal(bits(target), bits(new))  # the changes are exactly what a bitwise compare finds
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(dtype=st.sampled_from(INTEGERS), numel=st.integers(1, 3000), density=st.sampled_from([0.0, 0.01, 0.3, 1.0]), seed=st.integers(0, 2**16))
 def test_integer_buffers_round_trip_bit_exact(dtype: torch.dtype, numel: int, density: float, seed: int) -> None:
     old, new = integer_pair(dtype, numel, density, seed)
@@ -135,7 +136,7 @@ def test_extreme_differences_wrap_at_the_width() -> None:
     roundtrip(torch.tensor([3, 9, 27, 81]), new, old, 100)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(nnz=st.integers(1, 600), log_numel=st.integers(33, 40), seed=st.integers(0, 2**16))
 def test_huge_targets_and_gaps_past_32_bits(nnz: int, log_numel: int, seed: int) -> None:
     """Positions up to 2**40 (nothing of that size is allocated), gaps beyond 2**32."""
@@ -195,7 +196,7 @@ def resealed(payload: torch.Tensor) -> torch.Tensor:
     return payload
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**16), flips=st.integers(1, 8), reseal=st.booleans())
 def test_flipped_bytes(seed: int, flips: int, reseal: bool) -> None:
     payload, nnz, numel = sample(seed=seed % 7)
@@ -211,7 +212,7 @@ def test_flipped_bytes(seed: int, flips: int, reseal: bool) -> None:
         assert not verdict(bad, nnz, numel)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(cut=st.integers(1, 400), extra=st.integers(1, 64), reseal=st.booleans())
 def test_truncated_and_extended(cut: int, extra: int, reseal: bool) -> None:
     payload, nnz, numel = sample()
@@ -264,6 +265,7 @@ def test_header_fields_and_nnz_that_lie() -> None:
     assert verdict(payload, nnz, numel)
     for lie in (nnz - 1, nnz + 1, nnz + dc.BLOCK, 0, numel + 1, -1):
         assert not verdict(payload, lie, numel)
+    assert not verdict(payload, 2**40, 2**41)  # refused before anything 2**40 long is allocated
     for byte, value in ((8, 2), (9, 6), (10, 32), (11, 1), (16, 1), (23, 0x80)):
         bad = payload.clone()
         bad[byte] = value
@@ -317,12 +319,13 @@ def test_checksum_catches_one_and_two_word_errors() -> None:
 
 
 # -- structure ---------------------------------------------------------------------------------
-SYNCING = ("aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::_unique")
+SYNCING = ("aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::_unique", "aten::lift_fresh")
 
 
 class SyncCounter(TorchDispatchMode):
     """Counts the operations that would wait for a CUDA device: nonzero, item/int()/tolist
-    (``_local_scalar_dense``), masked_select, unique*, and copies onto the CPU from elsewhere."""
+    (``_local_scalar_dense``), masked_select, unique*, a tensor made from host data
+    (``lift_fresh``: moved to the device by a blocking copy) and blocking copies between devices."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -332,15 +335,20 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
         self.ops += 1
-        if name.startswith(SYNCING) or (name in ("aten::_to_copy", "aten::copy_") and _to_host(args, kwargs or {})):
+        if name.startswith(SYNCING) or (name in ("aten::_to_copy", "aten::copy_") and _blocking_transfer(args, kwargs or {})):
             self.syncs[name] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _to_host(args: Any, kwargs: dict[str, Any]) -> bool:
-    source = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
-    target = kwargs.get("device") or (args[0].device if len(args) > 1 else source.device)
-    return torch.device(target).type == "cpu" and source.device.type != "cpu"
+def _blocking_transfer(args: Any, kwargs: dict[str, Any]) -> bool:
+    """A copy from one device to another that the host waits for."""
+    if len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(dst, src, non_blocking)
+        source, target = args[1].device, args[0].device
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking"))
+    else:  # _to_copy(src, ..., device=, non_blocking=)
+        source, target = args[0].device, torch.device(kwargs.get("device") or args[0].device)
+        non_blocking = bool(kwargs.get("non_blocking"))
+    return source != target and (target.type == "cpu" or not non_blocking)
 
 
 @pytest.mark.parametrize("nnz", [10, 10_000, 1_000_000])
@@ -377,3 +385,18 @@ def test_the_op_count_does_not_grow_with_blocks() -> None:
 def test_importing_the_codec_loads_no_numba() -> None:
     code = "import sys, protocol.codec.devicecodec; assert 'numba' not in sys.modules, 'numba imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_benchmark_measures_a_small_workload() -> None:
+    """``python -m benchmarks.device_codec`` on two small tensors: its figures are consistent."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import device_codec as bench
+    from benchmarks.workloads import SyntheticWorkload
+
+    changes, elements = bench.step_changes(SyntheticWorkload("small", 0.02, [(64, 64), (300,)], measured_steps=1))
+    result = bench.measure("small", "synthetic", changes, elements, repeat=1)
+    assert result["elements"] == 64 * 64 + 300 and 0 < result["changed"] < elements
+    assert result["device_bytes"] == sum(dc.encode(c.flat, c.new, c.old).payload.numel() for c in changes)
+    assert 1.0 < result["device_over_floor"] < 2.0 and result["host_bytes"] > 0

@@ -1,25 +1,26 @@
 """The device codec: a tensor's sparse changes as one uint8 payload, coded and decoded by
 batched torch operations on the tensors' own device (CUDA in production, CPU in tests).
 
-The host codec (``packed``: rANS in numba) gets the fewest bytes but runs one change after
+The host codec (``packed``: rANS in numba) gets the fewest bytes but codes one change after
 another on the CPU. Here every change and every block is coded at once: no loop over blocks
-or changes, no numba, and one host sync per encode (the payload's size, to allocate it);
-decode makes none and returns its verdict as a device tensor, which the caller reads once.
+or changes, no numba, one host sync per encode (the payload's size, to allocate it) and
+none per decode, which returns its verdict as a device tensor for the caller to read once.
 
-Symbols. Each change contributes one unsigned symbol ``u >= 1`` to each of two streams:
-the gap stream (``u`` = position - previous position, the first one's previous being -1)
-and the value stream (``u`` = the zigzag of ``new_bits - old_bits`` wrapped to the
-dtype's width W; never 0, since a change differs). Both are 64-bit patterns in int64.
+Symbols. Each change gives one symbol ``u`` (a 64-bit pattern in int64) to each of two
+streams: gaps (``u`` = position - previous position, the first one's previous being -1)
+and values (``u`` = the zigzag of ``new_bits - old_bits`` wrapped to the dtype's width W).
+A valid change has ``u >= 1`` in both (positions ascend; a change differs).
 
 Blocks. The changes split into blocks of ``BLOCK`` (the last one shorter). Each block of
 each stream has a low width ``b`` and an escape width ``h`` (0..64), chosen to minimise
-its bits: every change stores a ``b``-bit field, ``u - 1`` when ``u < 2**b``, else the
-escape code ``2**b - 1`` (all of them escape at ``b = 0``); each escaped change then
-stores ``u - 2**b`` in ``h`` bits, in order, in the block's escape section. It is a
-patched frame of reference whose exceptions cost no index: the few long gaps or large
-value moves do not widen their whole block.
+its bits: every change stores a ``b``-bit field, ``u - 1`` when it is below ``2**b - 1``,
+else the escape code ``2**b - 1`` (all of them escape at ``b = 0``, none at 64), and each
+escaped change stores the rest, ``u - 2**b``, in ``h`` bits in its block's escape section,
+in order. A patched frame of reference whose exceptions cost no index: the few long gaps
+or large value moves do not widen their whole block. Any 64-bit symbol codes faithfully,
+so a sender's bad positions reach the decoder as they are, and it refuses them.
 
-Layout (little-endian)::
+Bytes are little-endian (the byte order of every CUDA and x86/ARM host torch runs on)::
 
     0   u64  checksum of bytes 8.. (``checksum``)
     8   u8   format version (1)
@@ -44,7 +45,6 @@ The packed bytes are contiguous and byte-aligned after the table, so an nvCOMP s
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +52,12 @@ import torch
 from protocol.errors import ProtocolError
 
 VERSION = 1
-BLOCK = 128  # changes a block: a power of two (the header stores its log2)
+# Changes a block, a power of two (the header stores its log2). 128 codes the real bf16 steps of
+# ``python -m benchmarks.device_codec`` in the fewest bytes (64: +0.3-1%, 256: +0.2-1.3%, 512:
+# +1-3.5%); uniform synthetic changes would take 512 (-1.5%): wider blocks halve the table.
+BLOCK = 128
 HEADER = 24  # bytes before the block table
 PLANES = 4  # table bytes a block: b and h of each stream
-_WIDTHS = 65  # candidate widths 0..64
 _MOD = (1 << 31) - 1  # the checksum's prime modulus
 _CHUNK = 1 << 15  # products the checksum sums before a remainder
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width signed views: differences wrap in them
@@ -118,7 +120,7 @@ class _Blocks:
     def clear_padding(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (a grid) with the padding zeroed, in place: no work on the other blocks."""
         if self.padding:
-            x[-1, self.block - self.padding :] = 0
+            x[-1, self.block - self.padding :].zero_()  # a kernel (assigning a Python 0 makes a host tensor first)
         return x
 
 
@@ -149,21 +151,22 @@ class _Coded:
     high: torch.Tensor  # the h-bit field (0 where not escaped)
 
 
-def _choose_widths(v: torch.Tensor, length: torch.Tensor, blocks: _Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each block's (b, h) of fewest bits ``n*b + E(b)*h(b)``, every b in 0..64 at once:
-    E(b) from a histogram of the symbols' bit ``length`` (a field ``v`` escapes at b below
-    its length; the padding's length 0 never does), h(b) the bit length of the largest
-    escape field (estimated while choosing, exact for the choice)."""
-    nb = blocks.count
-    counts = torch.zeros(nb, _WIDTHS, dtype=torch.int64, device=v.device)
-    counts.scatter_add_(1, length, counts.new_ones(1, 1).expand_as(length))
+def _choose_widths(v: torch.Tensor, length: torch.Tensor, blocks: _Blocks, top_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's (b, h) of fewest bits ``n*b + E(b)*h(b)``, every b in 0..``top_width`` at
+    once: E(b) from a histogram of the symbols' bit ``length`` (a field ``v`` escapes at b
+    below its length; the padding's length 0 never does), h(b) the bit length of the largest
+    escape field (estimated while choosing, exact for the choice). Symbols longer than
+    ``top_width`` (only where they are invalid) still code, as escapes."""
+    nb, candidates = blocks.count, top_width + 1
+    counts = torch.zeros(nb, candidates, dtype=torch.int64, device=v.device)
+    counts.scatter_add_(1, length.clamp(max=top_width), counts.new_ones(1, 1).expand_as(length))
     escapes = counts.flip(1).cumsum(1).flip(1)  # [:, L]: symbols of length >= L
     escapes = torch.cat([escapes[:, 1:], escapes.new_zeros(nb, 1)], 1)  # [:, b]: length > b
     low = torch.iinfo(torch.int64).min
     top = (v ^ low).amax(1) ^ low  # the unsigned maximum: flipping the top bit orders patterns as unsigned
-    widths = torch.arange(_WIDTHS, device=v.device)
+    widths = torch.arange(candidates, device=v.device)
     over = top[:, None] - _mask(widths)
-    h = _length_estimate(over).masked_fill_((over < 0) | (escapes == 0), 64).masked_fill_(escapes == 0, 0)
+    h = _length_estimate(over).masked_fill_(over < 0, 64).masked_fill_(escapes == 0, 0)
     b = (blocks.sizes[:, None] * widths + escapes * h).argmin(1)  # the first minimum: the narrowest
     over = top - _mask(b)
     escaping = _escapes(top + 1, b)  # exactly: the largest field is >= 2**b - 1
@@ -176,12 +179,13 @@ def _escapes(u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (((u >> b.clamp(max=63)) != 0) | (u == 0)) & (b < 64)
 
 
-def _code(u: torch.Tensor, blocks: _Blocks) -> _Coded:
-    """A stream of symbols ``u`` (a grid, padding 0) coded block by block. Every 64-bit
-    pattern codes faithfully (a 0 too: the decoder, not the coder, refuses what is invalid)."""
+def _code(u: torch.Tensor, blocks: _Blocks, top_width: int) -> _Coded:
+    """A stream of symbols ``u`` (a grid, padding 0) coded block by block, at widths up to
+    ``top_width`` (what the valid symbols need). Every 64-bit pattern codes faithfully (a 0
+    too: the decoder, not the coder, refuses what is invalid)."""
     v = blocks.clear_padding(u - 1)
     length = blocks.clear_padding(_length_estimate(u).masked_fill_(u <= 0, 64))
-    b, h = _choose_widths(v, length, blocks)
+    b, h = _choose_widths(v, length, blocks, top_width)
     escaped = blocks.clear_padding(_escapes(u, b[:, None]))
     low = torch.where(escaped, _mask(b)[:, None], v)
     high = torch.where(escaped, v - _mask(b)[:, None], 0)
@@ -200,9 +204,10 @@ def _put_bits(words: torch.Tensor, at: torch.Tensor, value: torch.Tensor) -> Non
 
 
 def _header(width: int, nnz: int, block: int, device: torch.device) -> torch.Tensor:
-    """Bytes 8..24 of a payload (all but the checksum)."""
-    fields = struct.pack("<BBB5xQ", VERSION, block.bit_length() - 1, width, nnz)
-    return torch.frombuffer(bytearray(fields), dtype=torch.uint8).to(device)
+    """Bytes 8..24 of a payload (all but the checksum), made on the device: a tensor made
+    from host data would be a blocking host-to-device copy, which waits for the device."""
+    fields = VERSION | (block.bit_length() - 1) << 8 | width << 16
+    return torch.cat([torch.full((1,), value, dtype=torch.int64, device=device) for value in (fields, nnz)]).view(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -246,7 +251,8 @@ def encode(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, *
     nnz, device = flat.numel(), flat.device
     blocks = _Blocks.of(nnz, block, device)
     width = value_width(new_bits.dtype)
-    gaps, values = (_code(u, blocks) for u in _symbols(flat, new_bits, old_bits, blocks))
+    gap_symbols, value_symbols = _symbols(flat, new_bits, old_bits, blocks)
+    gaps, values = _code(gap_symbols, blocks, 64), _code(value_symbols, blocks, width)
     bit = torch.zeros((), dtype=torch.int64, device=device)  # where the next section starts
     fields = []  # (bit offset, value) of every field
     for coded in (gaps, values):
@@ -370,33 +376,43 @@ def decode(payload: torch.Tensor, nnz: int, numel: int, dtype: torch.dtype, *, b
     if not 0 <= numel < 1 << 62:
         raise ValueError(f"a target of {numel} elements")
     device, width = payload.device, value_width(dtype)
-    blocks = _Blocks.of(max(nnz, 0), block, device)
-    body = HEADER + PLANES * blocks.count
-    if not 0 <= nnz <= numel or payload.numel() < body:
+    body = HEADER + PLANES * -(-nnz // block)
+    if not 0 <= nnz <= numel or payload.numel() < body:  # before allocating anything nnz long
         return _empty(device)
-    checks = [
-        checksum(payload[8:]) == payload[:8].clone().view(torch.int64)[0],
-        (payload[8:HEADER] == _header(width, nnz, block, device)).all(),
-    ]
-    table = payload[HEADER:body].to(torch.int64).view(PLANES, blocks.count)
-    limits = torch.tensor([numel.bit_length()] * 2 + [width] * 2, device=device)[:, None]
-    checks.append((table <= limits).all())
-    table = torch.minimum(table, limits)
-    words = torch.zeros(-(-(payload.numel() - body) // 8) + 2, dtype=torch.int64, device=device)
-    words.view(torch.uint8)[: payload.numel() - body] = payload[body:]
+    blocks = _Blocks.of(nnz, block, device)
+    table, widths_fit = _table(payload[HEADER:body], blocks.count, numel, width)
+    words = _words(payload[body:])
     gaps, end = _read_stream(words, blocks, table[0], table[1], torch.zeros((), dtype=torch.int64, device=device))
     values, end = _read_stream(words, blocks, table[2], table[3], end)
     gaps, values = gaps.view(-1)[:nnz], values.view(-1)[:nnz]
-    checks += [
+    flat = torch.cumsum(gaps.clamp(1, max(numel, 1)), 0) - 1
+    checks = [
+        checksum(payload[8:]) == payload[:8].clone().view(torch.int64)[0],
+        (payload[8:HEADER] == _header(width, nnz, block, device)).all(),
+        widths_fit,
         body + (end + 7) // 8 == payload.numel(),
         _get_bits(words, end.reshape(1), (-end).reshape(1) % 8)[0] == 0,  # the last byte's padding
         ((gaps >= 1) & (gaps <= numel)).all(),
+        (flat < numel).all(),  # with every gap in 1..numel < 2**62, no sum wraps unseen
         _values_fit(values, dtype),
     ]
-    flat = torch.cumsum(gaps.clamp(1, max(numel, 1)), 0) - 1
-    checks.append((flat < numel).all())  # with every gap in 1..numel < 2**62, no sum wraps unseen
     diffs = ((values >> 1) & torch.iinfo(torch.int64).max) ^ -(values & 1)  # unzigzag
     return Decoded(flat.clamp_(0, max(numel - 1, 0)), diffs, torch.stack(checks).all())
+
+
+def _table(planes: torch.Tensor, count: int, numel: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table as [4, blocks] int64, each width clamped to what the target allows
+    (a gap to ``numel``'s bit length, a value to ``width``), and whether none needed it."""
+    table = planes.to(torch.int64).view(PLANES, count)
+    limits = torch.where(torch.arange(PLANES, device=planes.device) < 2, numel.bit_length(), width)[:, None]
+    return torch.minimum(table, limits), (table <= limits).all()
+
+
+def _words(stream: torch.Tensor) -> torch.Tensor:
+    """The bit stream's bytes as int64 words, zero-padded, with a spare word for reads past the end."""
+    words = torch.zeros(-(-stream.numel() // 8) + 2, dtype=torch.int64, device=stream.device)
+    words.view(torch.uint8)[: stream.numel()] = stream
+    return words
 
 
 def apply_differences(old_bits: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
