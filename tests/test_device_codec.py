@@ -382,6 +382,27 @@ def test_the_op_count_does_not_grow_with_blocks() -> None:
     assert abs(counts[0] - counts[1]) <= 4  # the checksum pads a payload of odd length
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_same_bytes_and_a_decode_that_never_waits() -> None:
+    """The payload is the same bytes on either device; CUDA's sync debug mode raises on any
+    operation that would make the host wait, and decode and apply make none."""
+    old, new = float_pair(torch.bfloat16, 200_000, 0.03, 1e-5, 0)
+    flat, new_at, old_at = bitwise_changes(old, new)
+    cuda = torch.device("cuda")
+    payload = dc.encode(flat.to(cuda), new_at.to(cuda), old_at.to(cuda)).payload
+    assert torch.equal(payload.cpu(), dc.encode(flat, new_at, old_at).payload)
+    old_on_device = old_at.to(cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decoded = dc.decode(payload, flat.numel(), old.numel(), torch.bfloat16)
+        new_bits = dc.apply_differences(old_on_device, decoded.diffs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(decoded.ok) and torch.equal(decoded.flat.cpu(), flat)
+    assert torch.equal(bits(new_bits.cpu()), bits(new_at))
+
+
 def test_importing_the_codec_loads_no_numba() -> None:
     code = "import sys, protocol.codec.devicecodec; assert 'numba' not in sys.modules, 'numba imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
