@@ -71,7 +71,7 @@ def _mask(width: torch.Tensor) -> torch.Tensor:
     return ((1 << half) << (width - half)) - 1
 
 
-def bit_length(x: torch.Tensor) -> torch.Tensor:
+def _bit_length(x: torch.Tensor) -> torch.Tensor:
     """Bits of each unsigned 64-bit pattern (0 for 0, 64 with the top bit set). float64
     rounds a pattern from ``2**53`` on up to one bit too many; one compare corrects it."""
     est = _length_estimate(x).clamp_(max=63)
@@ -80,7 +80,7 @@ def bit_length(x: torch.Tensor) -> torch.Tensor:
 
 
 def _length_estimate(x: torch.Tensor) -> torch.Tensor:
-    """``bit_length`` of non-negative patterns, exact below ``2**53``, at most one too many
+    """``_bit_length`` of non-negative patterns, exact below ``2**53``, at most one too many
     above: enough to choose widths (which fields escape is decided exactly)."""
     return torch.frexp(x.to(torch.float64))[1].to(torch.int64)
 
@@ -170,7 +170,7 @@ def _choose_widths(v: torch.Tensor, length: torch.Tensor, blocks: _Blocks, top_w
     b = (blocks.sizes[:, None] * widths + escapes * h).argmin(1)  # the first minimum: the narrowest
     over = top - _mask(b)
     escaping = _escapes(top + 1, b)  # exactly: the largest field is >= 2**b - 1
-    return b, torch.where(escaping, bit_length(over), 0)
+    return b, torch.where(escaping, _bit_length(over), 0)
 
 
 def _escapes(u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
