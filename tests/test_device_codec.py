@@ -365,7 +365,7 @@ def test_host_syncs_are_bounded_whatever_the_size(nnz: int) -> None:
         new_bits = dc.apply_differences(old, decoded.diffs)
     assert sum(encoding.syncs.values()) == 1 and set(encoding.syncs) == {"aten::_local_scalar_dense"}
     assert sum(decoding.syncs.values()) == 0, decoding.syncs
-    assert encoding.ops < 400 and decoding.ops < 400  # a constant number of launches, not one a block
+    assert encoding.ops < 600 and decoding.ops < 600  # ~380 and ~300 dispatched ops (views included): a constant, not one a block
     assert bool(decoded.ok) and torch.equal(new_bits, new)
 
 
