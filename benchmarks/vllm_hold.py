@@ -2,7 +2,7 @@
 
     python -m benchmarks.vllm_hold --json benchmarks/results/vllm_hold.json [--steps 5] [--lr 3e-6]
 
-One offline ``vllm.LLM`` (CPU build, TP=1) runs the ``weightsync`` backend, fed by a
+One offline ``vllm.LLM`` (CPU build, TP=1 or ``--tp``) runs the ``weightsync`` backend, fed by a
 Hugging Face Qwen2 trainer (fp32, real AdamW steps) through a Sender. Per version, once
 the patch is staged in the worker, the same engine is updated to that version three ways,
 each timed inside the worker (so no RPC overhead favours or hurts any of them), and each
@@ -151,6 +151,11 @@ def _save_patches(chosen: list[Any], path: str) -> dict[str, list[int]]:
     return {n: list(shape) for n, shape, _, _ in chosen}
 
 
+def _slowest(workers: list[dict[str, float]]) -> dict[str, float]:
+    """The figures of the worker whose update took longest: the engine is held until it is done."""
+    return max(workers, key=lambda w: w["weightsync_s"])
+
+
 def _config(hidden: int, layers: int, vocab: int) -> Any:
     from transformers import Qwen2Config
 
@@ -169,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: per version, the slowest worker's figures")
     p.add_argument("--check-writes", type=int, default=None,
                    help="init_info.check_writes: elements read back per tensor after each commit (default: the engine's)")
     args = p.parse_args(argv)
@@ -183,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(tie=True, lr=args.lr, config=config)
     workdir = tempfile.mkdtemp(prefix="weightsync-bench-")
     config.save_pretrained(workdir)
+    if args.tp > 1:  # vLLM's CPU workers: one core each, as tests/test_vllm.py binds them
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
     llm = LLM(workdir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128, max_num_seqs=4,
-              load_format="dummy", weight_transfer_config=WeightTransferConfig(backend="weightsync"))
+              load_format="dummy", weight_transfer_config=WeightTransferConfig(backend="weightsync"), tensor_parallel_size=args.tp)
     init_info: dict[str, Any] = {"endpoint": trainer.sender.endpoint, "config": CONFIG}
     if args.check_writes is not None:
         init_info["check_writes"] = args.check_writes
@@ -218,18 +226,18 @@ def main(argv: list[str] | None = None) -> int:
                 patches.append((name, tuple(t.shape), flat, t.view(-1)[flat.long()].clone()))
         changed = sum(int(x[2].numel()) for x in patches)
         save_file(current, ckpt_path)
-        ours = llm.collective_rpc(_time_weightsync, args=(version,))[0]
+        ours = _slowest(llm.collective_rpc(_time_weightsync, args=(version,)))
         api_started = time.perf_counter()  # the caller's view: v is committed, so this is the empty round trip
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": version}})
         llm.finish_weight_update(str(version))
         api_empty = time.perf_counter() - api_started
-        dense = llm.collective_rpc(_time_dense_reload, args=(ckpt_path,))[0]
+        dense = max(llm.collective_rpc(_time_dense_reload, args=(ckpt_path,)))
         if supported is None:
             supported = llm.collective_rpc(_sparse_supported, args=(patch_path, _save_patches(patches, patch_path)))[0]
         sparse_patches = [x for x in patches if x[0] in supported]
-        sparse = llm.collective_rpc(_time_sparse, args=(patch_path, _save_patches(sparse_patches, patch_path)))[0] if sparse_patches else None
-        copy = llm.collective_rpc(_time_full_copy, args=(ckpt_path,))[0]
+        sparse = max(llm.collective_rpc(_time_sparse, args=(patch_path, _save_patches(sparse_patches, patch_path)))) if sparse_patches else None
+        copy = max(llm.collective_rpc(_time_full_copy, args=(ckpt_path,)))
         rows.append({
             "version": version, "prepack": prepack, "changed_fraction": step["changed_fraction"], "changed_elements": changed,
             **ours, "dense_reload_s": dense, "vllm_sparse_s": sparse, "full_copy_s": copy, "api_round_trip_s": api_empty,
@@ -244,15 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     ahead, inline = [r for r in rows if r["prepack"]], [r for r in rows if not r["prepack"]]
     for k in ("weightsync_s", "weightsync_commit_s", "weightsync_prepack_s", "weightsync_check_s"):
         med[k] = statistics.median(r[k] for r in ahead)
-    # Reading the writes back is part of the commit: its share of each version's hold.
-    med["check_share_of_hold"] = statistics.median(r["weightsync_check_s"] / r["weightsync_s"] for r in rows)
+    # Reading the writes back is part of the commit: its share of each version's hold, with
+    # the layers re-packed ahead (their writes were read back then, off the hold) and without.
+    med["check_share_of_hold"] = statistics.median(r["weightsync_check_s"] / r["weightsync_s"] for r in ahead)
+    med["check_share_of_inline_hold"] = statistics.median(r["weightsync_check_s"] / r["weightsync_s"] for r in inline) if inline else None
     med["weightsync_inline_s"] = statistics.median(r["weightsync_s"] for r in inline) if inline else None
     med["weightsync_inline_repack_s"] = statistics.median(r["weightsync_repack_s"] for r in inline) if inline else None
     sparse_rows = [r for r in rows if r["vllm_sparse_s"] is not None]
     doc = {
         "benchmark": "vllm_hold", "command": "python -m benchmarks.vllm_hold " + " ".join(argv or sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "dense_bf16_bytes": dense_bytes,
+        "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "tp": args.tp, "dense_bf16_bytes": dense_bytes,
                   "params": sum(p.numel() for p in trainer.model.parameters())},
         "vllm_sparse_supported_tensors": supported, "tensors": len(previous), "rows": rows,
         "medians": {

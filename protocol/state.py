@@ -14,7 +14,7 @@ enforces it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from protocol.errors import ConfigError
+from protocol.wire.dtypes import bit_view
 
 
 class Placed:
@@ -53,6 +54,12 @@ class Placed:
     def read_held(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(which of the flat indices this state holds, ``read(flat)``)."""
         return torch.ones(flat.numel(), dtype=torch.bool, device=self.device), self.read(flat)
+
+    def peek(self, flat: Sequence[int]) -> list[int | None]:
+        """The bits (an integer each) of a few elements at these flat indices, None where
+        not held here: a cheap read of a handful, for checking what was written."""
+        held, values = self.read_held(torch.tensor(list(flat), dtype=torch.int64))
+        return [b if h else None for b, h in zip(bit_view(values).tolist(), held.tolist())]
 
     def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
         """Set the elements at the flat indices; those not held here are dropped."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from typing import Any
 
 import pytest
@@ -110,9 +111,15 @@ def version_updates(
 
 
 def apply(layout: Layout, keys: list[str], aliases: dict[int, list[int]], decoded: list[DecodedTensor]) -> None:
-    """What a receiver does with a validated version: stage against the targets, commit."""
+    """What a receiver does with a validated version: stage against the targets, commit;
+    then what the vLLM engine does before publishing it: read a sample of each back."""
     targets = [layout.tensors[k] for k in keys]
-    commit(targets, [StagedUpdate.stage(d, targets[d.key]) for d in decoded], aliases)
+    staged = [StagedUpdate.stage(d, targets[d.key]) for d in decoded]
+    commit(targets, staged, aliases)
+    rng = random.Random(len(staged))
+    for u in staged:
+        for ordinal in (u.ordinal, *aliases.get(u.ordinal, ())):
+            check_written(keys[ordinal], targets[ordinal], u, 16, rng)
 
 
 def assert_ranks_equal_a_fresh_load(s: Shape, engines: list[Engine], checkpoint: dict[str, torch.Tensor], when: str) -> None:
@@ -159,6 +166,23 @@ def test_a_whole_tensor_as_a_view_past_other_bytes_lands_where_load_weights_puts
                 t.copy_(view)
     assert isinstance(layouts[0].tensors["model.layers.0.self_attn.q_proj.bias"], Placed)
     assert_ranks_equal_a_fresh_load(s, engines, checkpoint, "assigned from views")
+
+
+@settings(max_examples=40, deadline=None)
+@given(s=shapes(), seed=st.integers(0, 2**16))
+def test_peek_finds_every_element_where_the_vectorised_locate_does(s: Shape, seed: int) -> None:
+    """Two inverses of one map: ``MappedTensor.peek`` (plain integers, checked against the
+    forward map) and ``read_held`` (``Segment.locate`` over tensors)."""
+    _, layouts = engine_ranks(s, seed)
+    g = torch.Generator().manual_seed(seed)
+    for layout in layouts:
+        for t in layout.tensors.values():
+            if not isinstance(t, Placed):
+                continue
+            flat = torch.randint(t.numel(), (24,), generator=g).unique()
+            held, values = t.read_held(flat)
+            want = [b if h else None for b, h in zip(bits(values).tolist(), held.tolist())]
+            assert t.peek(flat.tolist()) == want
 
 
 def test_a_whole_tensor_of_the_wrong_shape_is_refused_before_any_write() -> None:
@@ -244,8 +268,8 @@ async def test_strategies_keep_every_rank_on_the_checkpoint(name: str, tp: int, 
 
 
 # -- reading the writes back (receiver/readback.py) ------------------------------------------
-def _rng() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
+def _rng() -> random.Random:
+    return random.Random(0)
 
 
 def test_reading_back_passes_on_every_tensor_a_correct_map_wrote() -> None:

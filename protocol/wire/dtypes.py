@@ -6,6 +6,8 @@ only codes listed here, so untrusted input never names an arbitrary torch attrib
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from protocol.errors import ConfigError, ProtocolError
@@ -62,8 +64,26 @@ def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     return _BITS[itemsize(dtype)]
 
 
+def bit_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as signed integers of its width, for comparing bits (NaN payloads, -0.0);
+    integer and bool tensors as they are."""
+    if t.dtype == torch.bool or not t.dtype.is_floating_point:
+        return t
+    return t.view(bits_dtype(t.dtype))
+
+
+def bits_at(t: torch.Tensor, at: Sequence[int]) -> list[int]:
+    """``bit_view(t)``'s elements at a few flat indices of a 1-D ``t``, as Python ints: read
+    through numpy on the host (a torch op per read costs more than the read)."""
+    if not at:
+        return []
+    if t.device.type == "cpu":
+        return bit_view(t).numpy()[list(at)].tolist()
+    return bit_view(t[torch.tensor(list(at), device=t.device)]).tolist()
+
+
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def smallest_unsigned(max_value: int) -> torch.dtype:

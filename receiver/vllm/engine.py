@@ -28,10 +28,11 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import random
 import socket
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,6 +41,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from protocol.errors import ConfigError, WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, KeyPair, z85_key
+from protocol.state import Placed
 from protocol.wire.framing import MessageType
 from protocol.wire.metadata import ModelMetadata
 
@@ -136,7 +138,6 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
 class _Ahead:
     pending: PendingVersion  # the staged version the layers were re-packed for
     prepack: Prepack
-    writes: list[tuple[str, StagedUpdate]]  # all of the version's, those the copies hold too
 
 
 class _LoopThread:
@@ -191,8 +192,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._installed = 0  # layers installed by the commits of the update in progress
         self.last_prepack_s = 0.0  # the last version's re-pack ahead, off the hold
         self.check_writes = 0
-        self._checked_s = 0.0  # reading back the writes of the update in progress (in its commit time)
-        self._check_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self._checked = (0.0, 0)  # reading back the update in progress's writes: seconds (of its commit), tensors
+        self._check_rng = random.Random()
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -257,9 +258,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         stale, self._stale = list(self._stale), {}
         installed, self._installed = self._installed, 0
         layers = self.layout.repack(stale)
-        checked, self._checked_s = self._checked_s, 0.0
+        (checked_s, checked), self._checked = self._checked, (0.0, 0)
         self.last_timing = {"commit_s": committed - started, "repack_s": time.perf_counter() - committed,
-                            "check_s": checked, "layers_installed": installed, "layers_repacked": layers}
+                            "check_s": checked_s, "checked_tensors": checked, "layers_installed": installed, "layers_repacked": layers}
         self.totals["updates"] += 1
         self.totals["layers_installed"] += installed
         self.totals["layers_repacked"] += layers
@@ -299,8 +300,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 self.layout.install(ahead.prepack, layer)
             installed = set(ahead.prepack.layers)
             self._installed += len(installed)
-        writes = ahead.writes if ahead is not None and ahead.pending is pending else self._writes(pending)
-        self._check(writes)
+        writes = self._writes(pending)
+        seconds, count = self._check(writes, self.layout.tensors)
+        self._checked = (self._checked[0] + seconds, self._checked[1] + count)
         names = {name for name, _ in writes}
         for layer in self.layout.layers_of(names):
             if layer not in installed:
@@ -308,16 +310,20 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             else:
                 self._stale.pop(layer, None)
 
-    def _check(self, writes: list[tuple[str, StagedUpdate]]) -> None:
-        """Read back a sample of every tensor the version wrote (after the layers re-packed
-        ahead are installed: their copies hold some of the writes)."""
+    def _check(self, writes: list[tuple[str, StagedUpdate]], targets: Mapping[str, Any]) -> tuple[float, int]:
+        """Read back a sample of each mapped tensor ``writes`` wrote into ``targets``;
+        returns the seconds it took and how many tensors it read. Only mapped tensors (``Placed``) are read: a plain
+        target is one view of one parameter, proven by the map's probes, and written by the
+        receiver's own paths."""
         if not self.check_writes:
-            return
-        assert self.layout is not None
-        started = time.perf_counter()
+            return 0.0, 0
+        started, count = time.perf_counter(), 0
         for name, update in writes:
-            check_written(name, self.layout.tensors[name], update, self.check_writes, self._check_rng)
-        self._checked_s += time.perf_counter() - started
+            target = targets.get(name)
+            if isinstance(target, Placed):
+                check_written(name, target, update, self.check_writes, self._check_rng)
+                count += 1
+        return time.perf_counter() - started, count
 
     def _writes(self, pending: PendingVersion) -> list[tuple[str, StagedUpdate]]:
         """(checkpoint name, update) of every tensor a version writes: each update's own,
@@ -341,12 +347,15 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         started = time.perf_counter()
         try:
             prepack = await asyncio.to_thread(layout.prepack, layout.layers_of(dict.fromkeys(name for name, _ in writes)), writes)
-        except Exception as e:  # logged; update_weights re-packs these layers inline
+            # What the copies hold entirely is not written again in the hold: read it back here.
+            ahead = [(name, u) for name, u in writes if layout.holds(prepack, name)]
+            await asyncio.to_thread(self._check, ahead, prepack.targets)
+        except Exception as e:  # logged; update_weights re-packs (and reads back) these layers inline
             log.warning("weightsync: re-packing v%s ahead failed, it will re-pack inside update_weights: %s", pending.version, e)
             return
         partly = {id(u) for name, u in writes if not layout.holds(prepack, name)}  # some name of it is not in the copies
         pending.updates[:] = [u for u in pending.updates if id(u) in partly]
-        self._ahead = _Ahead(pending, prepack, writes)
+        self._ahead = _Ahead(pending, prepack)
         self.last_prepack_s = time.perf_counter() - started
 
     def _checkpoint_names(self, trainer: ModelMetadata, mapping: dict[str, str] | str | None) -> dict[str, str]:

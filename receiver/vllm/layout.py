@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from protocol.errors import MetadataMismatchError, PlacementError
 from protocol.state import Placed
+from protocol.wire.dtypes import bit_view, bits_at
 
 from ..commit import StagedUpdate, write
 
@@ -54,6 +55,14 @@ def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> list[torch.Tensor]:
         coords.append(rest % d)
         rest = rest // d
     return list(reversed(coords))
+
+
+def _unravel_int(flat: int, shape: Sequence[int]) -> list[int]:
+    coords = []
+    for d in reversed(shape):
+        flat, c = divmod(flat, d)
+        coords.append(c)
+    return coords[::-1]
 
 
 def storage_flat(t: torch.Tensor) -> torch.Tensor:
@@ -96,6 +105,27 @@ class Segment:
         if flat.stride() != (1,):
             flat = flat.contiguous()
         return flat.as_strided(self.sizes, self.src_strides, flat.storage_offset() + self.src_offset)
+
+    def offset_of(self, flat: int, shape: Sequence[int]) -> int | None:
+        """``locate`` for one index, in plain integers (cheap for a few): the offset in
+        ``storage`` of checkpoint element ``flat``, None when this segment does not hold
+        it. The box coordinates found are mapped back through the forward map (source
+        offset and strides, as recorded); an index that does not come back raises."""
+        if self.kind == "range":
+            k = flat - self.src_offset
+            if not 0 <= k < self.numel:
+                return None
+            coords = _unravel_int(k, self.sizes)
+        else:
+            base = _unravel_int(flat, shape)
+            if any(c != self.start[b] for b, c in enumerate(base) if b not in self.dims):
+                return None
+            coords = [base[b] - self.start[b] for b in self.dims]
+            if any(not 0 <= c < n for c, n in zip(coords, self.sizes)):
+                return None
+        if self.src_offset + sum(c * s for c, s in zip(coords, self.src_strides)) != flat:
+            raise PlacementError(f"{self.param!r}: checkpoint element {flat} maps to box {coords}, whose source is elsewhere")
+        return self.dst_offset + sum(c * s for c, s in zip(coords, self.dst_strides))
 
     def locate(self, flat: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of ``flat`` held by this segment, their offsets in ``storage``)."""
@@ -164,6 +194,27 @@ class MappedTensor(Placed):
 
     def read(self, flat: torch.Tensor) -> torch.Tensor:
         return self.read_held(flat)[1]
+
+    def peek(self, flat: Sequence[int]) -> list[int | None]:
+        """The bits of a few elements (``offset_of``: plain integers, one read per storage)."""
+        out: list[int | None] = [None] * len(flat)
+        wanted: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # storage -> (it, positions in flat, offsets)
+        for i, f in enumerate(flat):
+            for seg in self.segments:
+                offset = seg.offset_of(f, self.shape)
+                if offset is not None:
+                    _, at, offsets = wanted.setdefault(id(seg.storage), (seg.storage, [], []))
+                    at.append(i)
+                    offsets.append(offset)
+                    break
+        for storage, at, offsets in wanted.values():
+            if storage.dtype == self.dtype:
+                read = bits_at(storage, offsets)
+            else:
+                read = bit_view(storage[torch.tensor(offsets, device=storage.device)].to(self.dtype)).tolist()
+            for i, bits in zip(at, read):
+                out[i] = bits
+        return out
 
     def read_held(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         held = torch.zeros(flat.numel(), dtype=torch.bool, device=self.device)
@@ -299,7 +350,7 @@ class Layout:
                 out.layers[layer] = _Processed(uses)
                 stand_ins[layer] = _stand_in(layer, {name: out.copies[ptr][1] for name, ptr in uses.items()})
         by_storage = {ptr: storage_flat(c) for ptr, (_, c) in out.copies.items()}
-        ahead: dict[str, torch.Tensor | Placed | None] = {}
+        ahead = out.targets
         for key, update in writes:
             if key not in ahead:
                 ahead[key] = self._over(key, by_storage)
@@ -367,11 +418,13 @@ class Layout:
             chosen = kept
 
     def _loaded(self, layer: nn.Module) -> dict[str, nn.Parameter]:
-        """The parameters a layer's post-load processing reads: its shadows, or its own."""
-        shadows = self.shadows.get(layer)
-        if shadows is not None:
-            return shadows
-        return {name: p for name, p in layer.named_parameters(recurse=False) if p.numel()}
+        """The parameters a layer's post-load processing reads: its shadows where vLLM
+        replaced the loaded ones, and those it kept that the map writes (a bias vLLM's CPU
+        build keeps in fp32 beside a re-packed weight: copied too, so a version's writes to
+        it land ahead as well, not inside the hold)."""
+        own = {name: p for name, p in layer.named_parameters(recurse=False)
+               if p.numel() and p.untyped_storage().data_ptr() in self._by_storage}
+        return {**own, **self.shadows.get(layer, {})}
 
     def _over(self, key: str, storages: Mapping[int, torch.Tensor]) -> torch.Tensor | Placed | None:
         """``key`` as its elements in ``storages`` hold it (None: it has none there)."""
@@ -410,6 +463,7 @@ class Prepack:
     """Layers processed ahead by ``Layout.prepack``, on copies of their parameters."""
 
     copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)  # storage -> (parameter, its copy)
+    targets: dict[str, torch.Tensor | Placed | None] = field(default_factory=dict)  # checkpoint name -> it over the copies
     layers: dict[nn.Module, _Processed] = field(default_factory=dict)
     repointed: set[int] = field(default_factory=set)
 
@@ -539,14 +593,14 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
         for seg in segs:
             dst = seg.dst_view()
             want = seg.src_view(second[key]).to(dst.dtype)
-            if not torch.equal(_bits(dst.cpu()), _bits(want)):
+            if not torch.equal(bit_view(dst.cpu()), bit_view(want)):
                 raise PlacementError(f"checkpoint tensor {key!r}: {seg.param!r} does not hold the loaded values (the loader transforms them)")
             mask = mapped[seg.param].as_strided(seg.sizes, seg.dst_strides, seg.dst_offset)
             if mask.any():
                 raise PlacementError(f"checkpoint tensor {key!r} is written over another one in {seg.param!r}")
             mask.fill_(True)
     for name, s in storages.items():
-        moved = _bits(s.cpu()) != _bits(after_first[name].cpu())
+        moved = bit_view(s.cpu()) != bit_view(after_first[name].cpu())
         if (moved & ~mapped[name]).any():
             culprits = _culprits(load, first, name, s, [k for k, _, _ in metadata if k not in segments])
             raise PlacementError(
@@ -573,12 +627,12 @@ def _culprits(load: Any, probes: dict[str, torch.Tensor], param: str, storage: t
     """The unplaced checkpoint tensors whose loading changes ``param``: loaded one at a time."""
     found = []
     for key in candidates:
-        before = _bits(storage.cpu()).clone()
+        before = bit_view(storage.cpu()).clone()
         try:
             load({key: probes[key]})
         except Exception:  # only naming the culprit; the error raised is the layout's
             continue
-        if not torch.equal(before, _bits(storage.cpu())):
+        if not torch.equal(before, bit_view(storage.cpu())):
             found.append(key)
     return found
 
@@ -596,9 +650,3 @@ def _as_view(shape: tuple[int, ...], dtype: torch.dtype, segs: list[Segment]) ->
 
 def _device(segs: list[Segment], params: Mapping[str, torch.Tensor]) -> torch.device:
     return segs[0].storage.device if segs else next(iter(params.values())).device
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.bool or not t.dtype.is_floating_point:
-        return t
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
