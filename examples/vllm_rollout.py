@@ -11,8 +11,10 @@ with version None / ``finish_weight_update``). Every sample is tagged with the v
 was generated under. Everything is built from a config in code; nothing is downloaded.
 
 ``--check`` then saves the trainer's weights (bf16) and starts a fresh vLLM engine from
-them: its greedy tokens, top-k logprobs and vLLM's own weight checksums must equal the
-weightsync engine's at that version. Prints one JSON line per batch and a summary.
+them: its greedy tokens, top-k logprobs (within ``TP_LOGPROB_TOLERANCE`` under tensor
+parallelism) and vLLM's own weight checksums must equal the weightsync engine's at that
+version, and every element each worker holds must equal the saved checkpoint's, bit for
+bit. Prints one JSON line per batch and a summary.
 
     python examples/vllm_rollout.py --steps 4 --check
     # TP=2, another shape, an engine that starts from other weights, and a step whose
@@ -145,6 +147,52 @@ def checksums(llm: Any) -> list[dict[str, str]]:
     return llm.collective_rpc("compute_weight_checksums")
 
 
+def weights_differing(worker: Any, checkpoint_dir: str) -> list[str]:
+    """Run in each worker (--check): the checkpoint names whose elements this worker holds
+    differ in any bit from the saved checkpoint's, read through the engine's runtime map.
+    (On CPU ``compute_weight_checksums`` hashes the emptied re-packed linear weights: this
+    reads what they were re-packed from.)"""
+    from safetensors.torch import load_file
+
+    from protocol.state import Placed
+    from protocol.wire.dtypes import bit_view
+
+    saved: dict[str, torch.Tensor] = {}
+    for path in Path(checkpoint_dir).glob("*.safetensors"):
+        saved.update(load_file(str(path)))
+    differ = []
+    for key, t in worker.weight_transfer_engine.layout.tensors.items():
+        if key not in saved:  # a tied head is saved once, as the embedding
+            continue
+        want = saved[key].reshape(-1)
+        flat = torch.arange(want.numel())
+        held, got = t.read_held(flat) if isinstance(t, Placed) else (torch.ones_like(flat, dtype=torch.bool), t.reshape(-1))
+        if not torch.equal(bit_view(got[held]), bit_view(want.to(got.dtype)[held])):
+            differ.append(key)
+    return differ
+
+
+# vLLM's CPU build sums tensor-parallel partial results in an order that depends on which
+# worker gets there first: two fresh TP=2 engines loaded from one checkpoint, on a busy
+# machine, differed by up to 0.0039 in 15 of 72 top-3 logprobs (measured 2026-12-04). At TP=1
+# logprobs must be equal; at TP>1, within this.
+TP_LOGPROB_TOLERANCE = 0.02
+
+
+def compare(final: list[dict[str, Any]], expected: list[dict[str, Any]], tp: int) -> dict[str, Any]:
+    """Greedy tokens equal, and logprobs equal (TP=1) or within ``TP_LOGPROB_TOLERANCE``."""
+    pairs = [(a["logprobs"], b["logprobs"]) for a, b in zip(final, expected)]
+    diffs = [abs(x[k] - y[k]) for la, lb in pairs for x, y in zip(la, lb) for k in x if k in y]
+    max_diff = max(diffs, default=0.0)
+    equal = [la for la, _ in pairs] == [lb for _, lb in pairs]
+    return {
+        "tokens_equal": [a["tokens"] for a in final] == [b["tokens"] for b in expected],
+        "logprobs_equal": equal,
+        "logprobs_max_diff": max_diff,
+        "logprobs_ok": equal if tp == 1 else max_diff <= TP_LOGPROB_TOLERANCE,
+    }
+
+
 def engine_totals(worker: Any) -> dict[str, int]:
     """Run in each worker (--check): how many layers were re-packed ahead vs inline."""
     return dict(worker.weight_transfer_engine.totals)
@@ -167,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-from", choices=("dummy", "other"), default="dummy",
                         help="the engine's weights before weightsync bootstraps it: vLLM's dummy ones, or another model's checkpoint")
     args = parser.parse_args(argv)
-    if args.check:  # engine_totals runs in the workers as a function
+    if args.check:  # engine_totals and weights_differing run in the workers as functions
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads)
@@ -224,18 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         ours = checksums(llm)
         summary["engine_totals"] = llm.collective_rpc(engine_totals)
-        del llm
         reference_dir = tempfile.mkdtemp(prefix="weightsync-vllm-ref-")
         trainer.save(reference_dir)
+        summary["weights_differing"] = llm.collective_rpc(weights_differing, args=(reference_dir,))
+        del llm
         fresh = engine(reference_dir, weightsync=False, tp=args.tp, dummy=False)
-        expected = generate(fresh)
-        summary["tokens_equal"] = [a["tokens"] for a in final] == [b["tokens"] for b in expected]
-        summary["logprobs_equal"] = [a["logprobs"] for a in final] == [b["logprobs"] for b in expected]
+        summary.update(compare(final, generate(fresh), args.tp))
         summary["checksums_equal"] = ours == checksums(fresh)
         summary["final_tokens"] = [a["tokens"] for a in final]
     trainer.close()
     print(json.dumps({"summary": summary}), flush=True)
-    ok = not args.check or (summary["tokens_equal"] and summary["logprobs_equal"] and summary["checksums_equal"])
+    ok = not args.check or (summary["tokens_equal"] and summary["logprobs_ok"] and summary["checksums_equal"]
+                            and not any(summary["weights_differing"]))
     return 0 if ok else 1
 
 

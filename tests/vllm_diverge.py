@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from proxy import Corrupt, Proxy, Wire  # noqa: E402
 from vllm_faults import background_loop, wait  # noqa: E402
 
-from examples.vllm_rollout import CONFIG, Trainer, checksums, engine, generate  # noqa: E402
+from examples.vllm_rollout import CONFIG, Trainer, checksums, compare, engine, generate, weights_differing  # noqa: E402
 from protocol.wire.framing import MessageType  # noqa: E402
 
 
@@ -106,13 +106,12 @@ def main() -> int:
     out["versions_after"] = [v for v, _ in llm.collective_rpc(worker_versions)]
 
     final, ours = generate(llm), checksums(llm)
-    del llm
     reference = tempfile.mkdtemp(prefix="weightsync-vllm-diverge-ref-")
     trainer.save(reference)
+    out["weights_differing"] = llm.collective_rpc(weights_differing, args=(reference,))
+    del llm
     fresh = engine(reference, weightsync=False, tp=2, dummy=False)
-    expected = generate(fresh)
-    out["tokens_equal"] = [a["tokens"] for a in final] == [b["tokens"] for b in expected]
-    out["logprobs_equal"] = [a["logprobs"] for a in final] == [b["logprobs"] for b in expected]
+    out.update(compare(final, generate(fresh), 2))
     out["checksums_equal"] = ours == checksums(fresh)
     trainer.close()
     run(proxy.close())
