@@ -344,7 +344,8 @@ class Receiver:
         """Abort the engine's requests, all of them or ``req_ids``, through its
         ``on_abort_requests`` hook; returns what the hook returned. Weights and the paused
         state are untouched, and the control lock is not taken: an abort does not wait
-        behind a running update_weights. No hook registered: ``StateError``."""
+        behind a running update_weights. No hook registered: nothing is aborted, as
+        FastDeploy answers, ``{"aborted": [], "not_found": req_ids}`` (``[]`` for all)."""
         return await self._controller.abort_requests(abort_all, req_ids)
 
     async def sender_version(self, timeout: float | None = 30.0) -> int | None:
