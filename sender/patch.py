@@ -8,25 +8,24 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from protocol.codec.compress import Codec
 from protocol.codec.parallel import map_ordered
-from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, pack_entry, raw_nbytes, sampled_differences, sparse_buffers
+from protocol.codec.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sampled_differences, sparse_buffers
 from protocol.config import PatchConfig
-from protocol.errors import MetadataMismatchError, WeightSyncError
+from protocol.errors import WeightSyncError
 from protocol.lazy import lazy_module
-from protocol.state import ModelState, StateLike, is_dtensor, materialize, state_tensors
-from protocol.wire.dtypes import bits_dtype
+from protocol.state import ModelState, StateLike, is_dtensor, state_tensors
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
 
 from .backlog import Backlog
 from .base import Send, SenderBase, send_all
-from .copies import LentSnapshots
+from .changes import Changes, plan_groups
+from .compare import KINDS, make_compare
 from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
@@ -37,9 +36,6 @@ if TYPE_CHECKING:
     from . import fastdiff
 else:  # numba loads on first use (protocol/lazy.py)
     entropy, packed, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("sender.fastdiff")
-
-
-T = TypeVar("T")
 
 BACKLOG_SHARE = 32  # patch.encode_backlog_bytes by default: this fraction of the snapshot...
 BACKLOG_MIN = 4 << 20  # ...and at least this
@@ -67,42 +63,15 @@ def encode_threads(configured: int | None) -> int:
         return configured
     return max(1, min(ENCODE_THREADS_MAX, (os.cpu_count() or 1) // 2))
 
+def _requested(config: PatchConfig) -> str:
+    """``patch.codec`` (auto, host or device) where the config has it, else auto."""
+    kind = getattr(config, "codec", "auto")
+    return kind if isinstance(kind, str) and kind in KINDS else "auto"
+
+
 # States whose compare reads at most this run it on the event loop's thread (~3 ms of
 # reading at 20 GB/s): below it a thread hand-off is a large share of the build.
 INLINE_READ_BYTES = 64 << 20
-
-
-@dataclass
-class Changes:
-    """One tensor's changes, captured: host copies (or copies under way) of the changed
-    positions and their new and old values, so encoding can run after the trainer moved on.
-    Where it surely goes whole (``PatchOptions.surely_dense``) only the whole new tensor is kept."""
-
-    key: int
-    shape: tuple[int, ...]
-    nnz: int
-    flat: torch.Tensor | None
-    new: torch.Tensor | None
-    old: torch.Tensor | None
-    dense: torch.Tensor | None  # the whole new tensor, kept when a dense send may be cheaper
-    events: list[torch.cuda.Event]
-    group: tuple[int, ...] = ()  # a group's ordinals: ``key`` is the first, ``shape`` their elements end to end
-    kept: bool = False  # ``dense`` is the snapshot, lent (``LentSnapshots``): no memory of its own
-
-    def wait(self) -> None:
-        for event in self.events:
-            event.synchronize()
-
-    def captured_nbytes(self) -> int:
-        """What this capture holds: changed positions and values, or the whole tensor."""
-        held = (self.flat, self.new, self.old) if self.flat is not None else (self.dense,)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
-
-    def pending_nbytes(self) -> int:
-        """What holding this capture until it is encoded adds to the sender's memory: its
-        changes, and its whole copy unless that is the snapshot, lent (``LentSnapshots``)."""
-        held = (self.flat, self.new, self.old, None if self.kept else self.dense)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
 @dataclass(frozen=True)
@@ -154,79 +123,6 @@ class CapturedStream:
         return item
 
 
-@dataclass(frozen=True)
-class _Group:
-    """Small tracked tensors of one receiver dtype, captured as one run of their elements end
-    to end (``Changes.group``, ``TensorEntry.group``): compared as that run where they can be
-    (``_compares_whole``), else one by one."""
-
-    keys: tuple[str, ...]
-    ordinals: tuple[int, ...]
-    offsets: tuple[int, ...]  # where each key's elements start in the run, and its end
-
-    @property
-    def numel(self) -> int:
-        return self.offsets[-1]
-
-
-GROUP_SPAN = 4  # a group holds up to this many times ``patch.group_numel`` elements
-
-
-def plan_groups(plan: SyncPlan, group_numel: int) -> dict[str, _Group]:
-    """Each tracked key that travels in a group, with its group: keys of at most
-    ``group_numel`` elements, by receiver dtype in tracked order, up to ``GROUP_SPAN``
-    times that many elements a group; a key left alone travels on its own."""
-    bins: dict[torch.dtype, list[str]] = {}
-    closed: list[list[str]] = []
-    numel = {k: plan.state.tensors[k].numel() for k in plan.tracked}
-    for key in plan.tracked:
-        if not 0 < numel[key] <= group_numel:
-            continue
-        members = bins.setdefault(plan.receiver_dtype(key), [])
-        if members and sum(numel[k] for k in members) + numel[key] > GROUP_SPAN * group_numel:
-            closed.append(members)
-            members = bins[plan.receiver_dtype(key)] = []
-        members.append(key)
-    groups: dict[str, _Group] = {}
-    for members in [*closed, *bins.values()]:
-        if len(members) < 2:
-            continue
-        offsets = [0]
-        for k in members:
-            offsets.append(offsets[-1] + numel[k])
-        group = _Group(tuple(members), tuple(plan.ordinal(k) for k in members), tuple(offsets))
-        groups.update(dict.fromkeys(members, group))
-    return groups
-
-
-@dataclass
-class _Member:
-    """A group member compared on its own (not as part of its run): its changes, and its
-    snapshot, moved, for the run's whole copy."""
-
-    flat: torch.Tensor
-    new: torch.Tensor
-    old: torch.Tensor
-    snap: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _KeyInfo:
-    """What the plan fixes about a tracked key, looked up once rather than per sync."""
-
-    ordinal: int
-    dtype: torch.dtype  # the receivers'
-    itemsize: int
-    candidate: float  # PatchOptions.dense_candidate: from this share a whole copy is kept
-    surely: float  # PatchOptions.surely_dense: past this share it goes whole whatever the values
-
-    @classmethod
-    def of(cls, plan: SyncPlan, options: PatchOptions, key: str) -> _KeyInfo:
-        dtype = plan.receiver_dtype(key)
-        size = dtype.itemsize
-        return cls(plan.ordinal(key), dtype, size, options.dense_candidate(size), options.surely_dense(size))
-
-
 class PatchBuilder:
     """Builds PATCH messages: the bitwise difference between the model (cast to the
     receivers' dtypes) and the snapshot of what the receivers hold.
@@ -236,20 +132,17 @@ class PatchBuilder:
     ulp sends nothing). Frozen parameters are not tracked: they travel in bootstraps.
     """
 
-    def __init__(self, plan: SyncPlan, config: PatchConfig) -> None:
+    def __init__(self, plan: SyncPlan, config: PatchConfig, compare: str | None = None) -> None:
         self.plan = plan
         self.options = config.options()
         self.part_bytes = config.part_bytes
         self.snapshot = Snapshot(config.snapshot_device)
         self.transport = torch.device(config.transport_device)
-        self._keys = {key: _KeyInfo.of(plan, self.options, key) for key in plan.tracked}
         # the seed's COO positions are 2-D: its format keeps each tensor to itself
-        self._groups = plan_groups(plan, 0 if self.options.positions in (Encoding.COO, Encoding.COO_DELTA) else config.group_numel)
-        self._distinct_groups = list(dict.fromkeys(self._groups.values()))
-        self._runs: dict[_Group, torch.Tensor] = {}  # each group's snapshot, its keys' end to end (capture)
-        # changes in each key's (or run's, by its first key) last compare: the next one collects as it compares
-        self._expect: dict[str, int] = {}
-        self._lent = LentSnapshots()  # host snapshots lent as whole new values, and their spares
+        grouped = 0 if self.options.positions in (Encoding.COO, Encoding.COO_DELTA) else config.group_numel
+        # host or device (``compare``, else ``patch.codec``: auto compares on the device where the tensors are on CUDA)
+        kind = compare or _requested(config)
+        self.compare = make_compare(kind, plan, self.options, self.snapshot, plan_groups(plan, grouped), stage=self._stages())
         self._diverged = False  # ``diverged``
         self._comparing: asyncio.Future[Any] | None = None  # a compare on its thread
         # Threads encode what a compare on a worker thread collects, each tensor as it comes,
@@ -260,25 +153,25 @@ class PatchBuilder:
         self._encoder = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="weightsync-encode")
         # (no shutdown needed: the executor's threads end once the builder, and so it, is collected)
         # what a compare reads: the state and the snapshot
-        self._read_bytes = sum(plan.state.tensors[k].numel() * (plan.state.tensors[k].element_size() + i.itemsize) for k, i in self._keys.items())
-        snapshot_bytes = sum(plan.state.tensors[k].numel() * i.itemsize for k, i in self._keys.items())
+        tensors = plan.state.tensors
+        sizes = {k: plan.receiver_dtype(k).itemsize for k in plan.tracked}
+        self._read_bytes = sum(tensors[k].numel() * (tensors[k].element_size() + size) for k, size in sizes.items())
+        snapshot_bytes = sum(tensors[k].numel() * size for k, size in sizes.items())
         limit = config.encode_backlog_bytes
         self.backlog_limit = max(BACKLOG_MIN, snapshot_bytes // BACKLOG_SHARE) if limit is None else limit
 
+    def _stages(self) -> bool:
+        """Whether a compare copies changes on a CUDA device to pinned host memory: unless
+        they are packed on the device (``transport_device: cuda``)."""
+        return self.transport.type != "cuda"
+
     def capture(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the snapshot: what the receivers hold after the bootstrap."""
-        receiver_copy = self._receiver_copy(tensors)
-        for key in self.plan.tracked:
-            if key not in self._groups:
-                self.snapshot.capture(key, receiver_copy(key))
-        for group in self._distinct_groups:
-            self._runs[group] = self.snapshot.capture_run(group.keys, [receiver_copy(k) for k in group.keys])
+        self.compare.capture(tensors)
         # JIT now, while the first receiver's HELLO is answered (the server heartbeats it
         # meanwhile), rather than in the first sync.
-        compile_kernels({(tensors[k].dtype, self.plan.receiver_dtype(k)) for k in self.plan.tracked})
-
-    def _receiver_copy(self, tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
-        return lambda key: materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key))
+        packed.warm_up()
+        entropy.warm_up()
 
     @property
     def diverged(self) -> bool:
@@ -292,16 +185,7 @@ class PatchBuilder:
         cancelled collect left running has ended: what receivers resynced to it will hold."""
         self.plan.check_tensors(tensors)
         await self._settle()
-        receiver_copy = self._receiver_copy(tensors)
-
-        def take() -> None:
-            tensors = self.snapshot.tensors
-            for key in self.plan.tracked:
-                target = tensors[key] = self._lent.writable(key, tensors[key])
-                target.copy_(receiver_copy(key))
-
-        await asyncio.to_thread(take)
-        self._expect.clear()
+        await asyncio.to_thread(self.compare.recapture, tensors)
         self._diverged = False
 
     async def _settle(self) -> None:
@@ -402,7 +286,7 @@ class PatchBuilder:
             return item
 
         try:
-            captured = self._collect(tensors, stats, handed)
+            captured = self.compare.collect(tensors, stats, handed)
         except BaseException as e:
             if stream is not None:
                 stream.close(e)
@@ -471,186 +355,6 @@ class PatchBuilder:
         specs, frames = assemble(encoded)
         stats.encode_seconds += time.perf_counter() - started
         return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames, part=part, last=last)
-
-    def _collect(self, tensors: dict[str, torch.Tensor], stats: SyncStats, emit: Callable[[Changes], T]) -> list[T]:
-        """Each changed tensor's (or group's) ``Changes``, passed through ``emit`` as it is collected."""
-        captured: list[T] = []
-        keys = [k for k in self.plan.tracked if k not in self._groups]
-        for group in self._distinct_groups:
-            if self._compares_whole(group, tensors):
-                item = self._run_diff(group, tensors, stats)
-                if item is not None:
-                    captured.append(emit(item))
-            else:
-                keys.extend(group.keys)  # one by one, gathered into one run after the last
-        members: list[_Member] = []
-        fetched = self._fetch(keys[0], tensors) if keys else None
-        for i, key in enumerate(keys):
-            assert fetched is not None
-            working, event = fetched
-            if i + 1 < len(keys):  # prefetch the next snapshot while this one is compared
-                fetched = self._fetch(keys[i + 1], tensors)
-            cur = materialize(tensors[key]).detach()
-            snap = working if event is None else self.snapshot.stream(cur.device).use(working, event)
-            member_of = self._groups.get(key)
-            item = None
-            if member_of is None:
-                item = self._diff(key, cur, snap, stats)
-            else:
-                _, flat, new, old = self._compare(key, cur, snap, stats, 1.0)  # a member never goes whole alone
-                assert flat is not None and new is not None and old is not None
-                members.append(_Member(flat, new, old, snap))
-                if key == member_of.keys[-1]:
-                    item, members = self._grouped(member_of, members), []
-            # A sharded (FSDP2) weight was gathered whole: drop it before the next
-            # gather, so no more than one full tensor is alive at a time.
-            del cur, snap
-            if item is not None:
-                captured.append(emit(item))
-        return captured
-
-    def _compares_whole(self, group: _Group, tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether ``group`` compares as one run: its tensors are plain CPU tensors of one
-        dtype the fused kernels take against the snapshot on the host."""
-        run = self._runs[group]
-        first = tensors.get(group.keys[0])
-        if run.device.type != "cpu" or first is None:
-            return False
-        dtype = first.dtype
-        for key in group.keys:
-            t = tensors.get(key)
-            if t is None or t.device.type != "cpu" or t.dtype != dtype or is_dtensor(t) or t.shape != self.snapshot.tensors[key].shape:
-                return False  # the one-by-one path says what is wrong, if anything is
-        return fastdiff.supported(first, run)
-
-    def _run_diff(self, group: _Group, tensors: dict[str, torch.Tensor], stats: SyncStats) -> Changes | None:
-        """A group's changes by one compare of its tensors end to end against its run."""
-        run = self._runs[group]
-        cur = torch.cat([tensors[k].detach().reshape(-1) for k in group.keys])
-        info = self._keys[group.keys[0]]
-        stats.total_elements += group.numel
-        stats.dense_bytes += group.numel * info.itemsize
-        nnz, flat, new, old = fastdiff.diff_and_update(cur, run, 1.0, self._expect.get(group.keys[0]))
-        self._expect[group.keys[0]] = nnz
-        if nnz == 0:
-            return None
-        assert flat is not None
-        stats.changed_elements += nnz
-        stats.tensors_changed += int(np.count_nonzero(np.diff(np.searchsorted(flat.numpy(), group.offsets))))
-        dense = run.clone() if nnz > info.candidate * group.numel else None
-        return Changes(group.ordinals[0], (group.numel,), nnz, flat, new, old, dense, [], group.ordinals)
-
-    def _fetch(self, key: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if key not in tensors:
-            raise MetadataMismatchError(f"key {key!r} was tracked at init but is missing from the model now")
-        return self.snapshot.fetch(key, tensors[key].device)
-
-    def _compare(
-        self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats, dense_above: float | fastdiff.DenseRule
-    ) -> tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``fastdiff.diff_and_update``'s (changed, flat, new, old) for ``key``, however it is compared."""
-        info = self._keys[key]
-        if cur.shape != snap.shape:
-            raise MetadataMismatchError(f"key {key!r} changed shape from {list(snap.shape)} to {list(cur.shape)}")
-        numel = cur.numel()
-        stats.total_elements += numel
-        stats.dense_bytes += numel * info.itemsize
-        if snap is self.snapshot.tensors[key] and fastdiff.supported(cur, snap):
-            expect = self._expect.get(key)
-            if callable(dense_above) and expect is not None and expect > info.candidate * numel:
-                # It may go whole again: counted first, not collected in the same pass (which
-                # writes 6-12 bytes a change, fresh memory a whole send then throws away).
-                expect = None
-            nnz, flat, new, old = fastdiff.diff_and_update(cur, snap, dense_above, expect)
-            self._expect[key] = nnz
-        else:
-            nnz, flat, new, old = self._torch_diff(key, info.dtype, cur, snap)
-        if nnz:
-            stats.changed_elements += nnz
-            stats.tensors_changed += 1
-        return nnz, flat, new, old
-
-    def _diff(self, key: str, cur: torch.Tensor, snap: torch.Tensor, stats: SyncStats) -> Changes | None:
-        info = self._keys[key]
-        stored = snap is self.snapshot.tensors[key]  # compared (and written) in place on the host
-        if stored:
-            snap = self.snapshot.tensors[key] = self._lent.writable(key, snap)
-        nnz, flat, new, old = self._compare(key, cur, snap, stats, self._dense_rule(info, cur.numel()))
-        kept = False
-        if nnz > info.candidate * cur.numel():
-            # The snapshot now holds exactly the new tensor: lend it, as dense may win.
-            dense = self._lent.lend(key, snap) if stored and snap.device.type == "cpu" else snap.clone()
-            kept = dense.data_ptr() == snap.data_ptr()
-        else:
-            dense = None
-            self._lent.drop(key)
-        if nnz == 0:
-            return None
-        return self._capture(Changes(info.ordinal, tuple(cur.shape), nnz, flat, new, old, dense, [], kept=kept))
-
-    def _grouped(self, group: _Group, members: list[_Member]) -> Changes | None:
-        """A group's members' changes (each compared on its own) as one run's."""
-        changed = [(offset, m) for offset, m in zip(group.offsets, members) if m.flat.numel()]
-        nnz = sum(m.flat.numel() for _, m in changed)
-        if nnz == 0:
-            return None
-        flat = torch.cat([m.flat + offset for offset, m in changed])
-        new = torch.cat([m.new for _, m in changed])
-        old = torch.cat([m.old for _, m in changed])
-        # The snapshots now hold exactly the new tensors: keep them when dense may win.
-        dense = torch.cat([m.snap.reshape(-1) for m in members]) if nnz > self._keys[group.keys[0]].candidate * group.numel else None
-        return self._capture(Changes(group.ordinals[0], (group.numel,), nnz, flat, new, old, dense, [], group.ordinals))
-
-    def _capture(self, changes: Changes) -> Changes:
-        """``changes`` as they are where they are on the host (or encoding runs on the device),
-        else copied to pinned host memory behind events."""
-        held = changes.flat if changes.flat is not None else changes.dense
-        if held is None or held.device.type == "cpu" or self.transport.type == "cuda":  # nothing to stage
-            return changes
-        return self._staged(changes)
-
-    def _dense_rule(self, info: _KeyInfo, numel: int) -> Callable[[int, Callable[[], torch.Tensor]], bool]:
-        """Whether a tensor with ``total`` changes goes whole, for ``diff_and_update``, given
-        a function returning its sampled differences (taken only where the counts leave it open)."""
-        options = self.options
-
-        def goes_dense(total: int, sample: Callable[[], torch.Tensor]) -> bool:
-            if total <= info.candidate * numel:
-                return False
-            if total > info.surely * numel:  # what options.goes_dense says whatever the sample
-                return options.goes_dense(total, numel, info.itemsize, None)
-            return options.goes_dense(total, numel, info.itemsize, sample())
-
-        return goes_dense
-
-    def _torch_diff(
-        self, key: str, dtype: torch.dtype, cur: torch.Tensor, snap: torch.Tensor
-    ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The diff in torch ops (CUDA, dtype pairs the fused kernels lack); commits the snapshot."""
-        cast = cur.to(dtype).reshape(-1)
-        snap_flat = snap.view(-1)
-        bits = bits_dtype(dtype)
-        flat = torch.nonzero(cast.view(bits) != snap_flat.view(bits)).squeeze(1)
-        new, old = cast[flat], snap_flat[flat]
-        nnz = flat.numel()
-        if nnz:
-            self.snapshot.commit(key, snap, flat, new)
-        return nnz, flat, new, old
-
-    def _staged(self, changes: Changes) -> Changes:
-        """``changes`` with their device tensors copied to pinned host memory, behind events."""
-        events: list[torch.cuda.Event] = []
-        staged: list[torch.Tensor | None] = []
-        for t in (changes.flat, changes.new, changes.old, changes.dense):
-            if t is None:
-                staged.append(t)
-                continue
-            host, event = self.snapshot.stream(t.device).to_host(t)
-            staged.append(host)
-            if event is not None:
-                events.append(event)
-        flat, new, old, dense = staged
-        return replace(changes, flat=flat, new=new, old=old, dense=dense, events=events)
 
     def _encode(self, changes: Changes) -> EncodedTensor:
         changes.wait()

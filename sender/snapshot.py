@@ -11,10 +11,12 @@ those write-backs first.
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Sequence
 
 import torch
 
-from .streams import CopyStream, cuda_present, host_empty, host_empty_like
+from .streams import CopyStream, cuda_present, host_empty, host_empty_like, host_zeros
 
 
 class Snapshot:
@@ -42,28 +44,43 @@ class Snapshot:
             stored = t.to(self.device, copy=True).contiguous()
         self.tensors[key] = stored
 
-    def capture_run(self, keys: tuple[str, ...], tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Store copies of ``tensors`` (at the receiver's dtype, one dtype) end to end in one
-        buffer, returned; each key's snapshot is its view of it, so one compare can cover them all."""
-        numel, dtype = sum(t.numel() for t in tensors), tensors[0].dtype
-        run = host_empty((numel,), dtype) if self.device.type == "cpu" else torch.empty(numel, dtype=dtype, device=self.device)
-        start = 0
-        for key, t in zip(keys, tensors):
+    def capture_run(
+        self, keys: Sequence[str], tensors: Sequence[torch.Tensor], starts: Sequence[int] | None = None, numel: int | None = None
+    ) -> torch.Tensor:
+        """Store copies of ``tensors`` (at the receiver's dtype, one dtype) in one buffer,
+        returned: end to end, or from ``starts`` in a buffer of ``numel`` elements, zero
+        between them. Each key's snapshot is its view of it, so one compare can cover them all."""
+        padded = starts is not None  # gaps between the tensors: zeros, never changed
+        starts = list(itertools.accumulate((t.numel() for t in tensors[:-1]), initial=0)) if starts is None else starts
+        numel = starts[-1] + tensors[-1].numel() if numel is None else numel
+        dtype = tensors[0].dtype
+        if self.device.type == "cpu":
+            run = (host_zeros if padded else host_empty)((numel,), dtype)
+        else:
+            run = (torch.zeros if padded else torch.empty)(numel, dtype=dtype, device=self.device)
+        for key, t, start in zip(keys, tensors, starts):
             view = run[start:start + t.numel()].view(t.shape)
             view.copy_(t)
             self.tensors[key] = view
-            start += t.numel()
         return run
 
     def fetch(self, key: str, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start bringing ``key``'s snapshot to ``device``; pass the result to ``stream().use``."""
         return self.stream(device).to_device(self.tensors[key])
 
-    def commit(self, key: str, working: torch.Tensor, flat: torch.Tensor, new: torch.Tensor) -> None:
-        """Write ``new`` at ``flat`` into ``working`` (the fetched snapshot) and, when that
-        is a device copy of a host snapshot, write it back in the background."""
-        working.view(-1)[flat] = new
-        stored = self.tensors[key]
+    def commit(self, key: str, working: torch.Tensor, flat: torch.Tensor | None, new: torch.Tensor) -> None:
+        """Write ``new`` at ``flat`` (``flat`` None: ``new`` is the whole tensor) into
+        ``working`` (the fetched snapshot) and, when that is a device copy of a host
+        snapshot, write it back in the background."""
+        if flat is None:
+            working.view(-1).copy_(new)
+        else:
+            working.view(-1)[flat] = new
+        self.store(working, self.tensors[key])
+
+    def store(self, working: torch.Tensor, stored: torch.Tensor) -> None:
+        """``working`` (a fetched copy of ``stored``, moved on) into ``stored``: in the
+        background when that is host memory and ``working`` is on a CUDA device."""
         if working is stored:
             return
         if stored.device.type == "cpu" and working.device.type == "cuda":

@@ -23,6 +23,11 @@ def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch
     return torch.empty(shape, dtype=dtype, pin_memory=cuda_present())
 
 
+def host_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor, pinned when CUDA is present."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=cuda_present())
+
+
 class CopyStream:
     """A dedicated copy stream on ``device`` (CUDA), or nothing at all (CPU)."""
 
@@ -66,3 +71,17 @@ class CopyStream:
             event.record(self.stream)
         src.record_stream(self.stream)
         return dst, event
+
+    def to_host_all(self, srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """``to_host`` of several tensors behind one event (CPU: the tensors themselves)."""
+        if self.stream is None:
+            return srcs, None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            hosts = [host_empty_like(src) for src in srcs]
+            for host, src in zip(hosts, srcs):
+                host.copy_(src, non_blocking=True)
+                src.record_stream(self.stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return hosts, event

@@ -36,7 +36,8 @@ def test_the_dense_rule_is_the_options_rule_with_the_sample() -> None:
     snap = cur.to(torch.bfloat16)
     cur += torch.randn(10_000, generator=g) * 1e-2
     builder = builder_for({"w": cur}, torch.bfloat16)
-    rule = builder._dense_rule(builder._keys["w"], cur.numel())
+    compare = builder.compare
+    rule = compare._dense_rule(compare._keys["w"], cur.numel())
     diffs = fastdiff.sampled_differences(cur, snap, max(1, cur.numel() // fastdiff.SAMPLE))
     taken = []
 
@@ -47,7 +48,7 @@ def test_the_dense_rule_is_the_options_rule_with_the_sample() -> None:
     for total in range(0, 10_001, 7):
         taken.clear()
         assert rule(total, sample) == builder.options.goes_dense(total, 10_000, 2, diffs)
-        open_band = builder._keys["w"].candidate * 10_000 < total <= builder._keys["w"].surely * 10_000
+        open_band = compare._keys["w"].candidate * 10_000 < total <= compare._keys["w"].surely * 10_000
         assert bool(taken) == open_band  # the sample only where the counts leave it open
 
 
@@ -60,7 +61,7 @@ def test_collect_captures_and_moves_the_snapshot_exactly() -> None:
     state["a"].view(-1)[::50] += 0.1  # sparse
     state["b"] += 1.0  # every element: surely whole
     state["d"].view(-1)[::4] += 0.1  # a quarter: a dense candidate
-    changes = builder._collect(state, SyncStats(1, "patch"), lambda c: c)
+    changes = builder.compare.collect(state, SyncStats(1, "patch"), lambda c: c)
     assert [c.key for c in changes] == [builder.plan.ordinal(k) for k in ("a", "b", "d")]
     for c, key in zip(changes, ("a", "b", "d")):
         new = state[key].to(torch.bfloat16).reshape(-1)
@@ -89,10 +90,10 @@ def test_small_tensors_are_captured_as_one_run_of_their_elements(whole: bool) ->
     if not whole:
         state["n2"] = state["n2"].to(torch.bfloat16)
     builder = builder_for(state, torch.bfloat16, group_numel=1000)
-    group = builder._groups["n1"]
-    assert group.keys == ("n1", "n2", "n3", "n4") and "big" not in builder._groups
+    group = builder.compare._groups["n1"]
+    assert group.keys == ("n1", "n2", "n3", "n4") and "big" not in builder.compare._groups
     assert group.offsets == (0, 64, 128, 228, 249)
-    assert builder._compares_whole(group, state) is whole
+    assert builder.compare._compares_whole(group, state) is whole
     before = {k: t.clone() for k, t in builder.snapshot.tensors.items()}
     state["big"].view(-1)[::50] += 0.1
     state["n1"].view(-1)[::3] += 0.1
@@ -100,7 +101,7 @@ def test_small_tensors_are_captured_as_one_run_of_their_elements(whole: bool) ->
     state["n2"] += 0.5
     state["n4"] += 0.5
     stats = SyncStats(1, "patch")
-    changes = builder._collect(state, stats, lambda c: c)
+    changes = builder.compare.collect(state, stats, lambda c: c)
     assert sorted(c.group for c in changes) == [(), group.ordinals]
     run = next(c for c in changes if c.group)
     assert run.key == group.ordinals[0] and run.shape == (249,)
@@ -121,7 +122,7 @@ def test_small_tensors_are_captured_as_one_run_of_their_elements(whole: bool) ->
 def test_groups_are_by_receiver_dtype_and_bounded() -> None:
     """Members share their receiver dtype; a group holds at most GROUP_SPAN x group_numel
     elements; a small key with no partner travels alone."""
-    from sender.patch import GROUP_SPAN, plan_groups
+    from sender.changes import GROUP_SPAN, plan_groups
 
     state = {f"b{i}": torch.zeros(100) for i in range(10)} | {"h": torch.zeros(50, dtype=torch.float16)}
     builder = builder_for(state, torch.bfloat16, group_numel=100)
@@ -184,7 +185,7 @@ async def test_the_compare_waits_while_too_much_waits_for_the_encoder(limit: int
     builder = builder_for(state, torch.bfloat16, encode_backlog_bytes=limit)
     builder._inline = lambda tensors: False  # type: ignore[method-assign]
     gate, compared = threading.Event(), []
-    encode, compare = builder._encode, builder._compare
+    encode, compare = builder._encode, builder.compare._compare
 
     def held(changes: Any) -> Any:
         gate.wait(30)
@@ -194,7 +195,7 @@ async def test_the_compare_waits_while_too_much_waits_for_the_encoder(limit: int
         compared.append(args[0])
         return compare(*args)
 
-    builder._encode, builder._compare = held, counted  # type: ignore[assignment, method-assign]
+    builder._encode, builder.compare._compare = held, counted  # type: ignore[assignment, method-assign]
     collect = asyncio.ensure_future(builder.collect(moved, 1))
     if limit:
         # w0 and w1 are handed over at once (0 and ~25 kB ahead); w2 has ~50 kB ahead: it waits
@@ -245,7 +246,7 @@ async def test_whole_copies_the_sender_keeps_anyway_do_not_hold_the_compare_back
 def test_what_a_capture_adds_to_memory_while_it_waits_for_the_encoder() -> None:
     """The backlog counts a capture's changes and any fresh whole copy (a group's run, a CUDA
     clone), but not a whole copy the sender keeps from version to version."""
-    from sender.patch import Changes
+    from sender.changes import Changes
 
     flat, values, whole = torch.arange(10, dtype=torch.int32), torch.zeros(10, dtype=torch.bfloat16), torch.zeros(100)
     changes = 10 * 4 + 2 * 10 * 2

@@ -118,7 +118,7 @@ def test_a_dense_version_still_being_sent_keeps_its_bytes_while_the_next_is_buil
         assert torch.equal(builder.snapshot.tensors["w"], state["w"])
         del versions, msg, entry, frame
         if copies_module._use_count is not None:
-            assert builder._lent.spare_nbytes() == 2 * (1 << 16) * 4  # the key's last two replaced snapshots kept
+            assert builder.compare._lent.spare_nbytes() == 2 * (1 << 16) * 4  # the key's last two replaced snapshots kept
 
     asyncio.run(main())
 
@@ -150,7 +150,7 @@ def test_a_dense_version_no_one_holds_is_sent_from_the_snapshot_itself() -> None
             assert torch.equal(torch.frombuffer(bytearray(frame), dtype=torch.float32), state["w"])
             del msg, frame
             await let_go(builder.snapshot.tensors["w"])
-        assert builder.snapshot.tensors["w"].data_ptr() == ptr and builder._lent.spare_nbytes() == 0
+        assert builder.snapshot.tensors["w"].data_ptr() == ptr and builder.compare._lent.spare_nbytes() == 0
 
     asyncio.run(main())
 

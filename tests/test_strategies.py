@@ -88,9 +88,15 @@ EXPECTED_ENCODING = {
 
 
 # -- patch: training loop, bit-exact every step ----------------------------------------------
+@pytest.mark.parametrize("compare", ["host", "device"])
 @pytest.mark.parametrize("lr", [1e-3, 1e-6], ids=["lr1e-3", "lr1e-6"])
 @pytest.mark.parametrize("name", list(PATCH_CONFIGS))
-async def test_patch_training_bit_exact(name: str, lr: float) -> None:
+async def test_patch_training_bit_exact(name: str, lr: float, compare: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every encoding config, through the host compare and the device compare (forced here
+    on CPU tensors: ``auto`` takes it on CUDA), with the codec the config chooses."""
+    import sender.patch
+
+    monkeypatch.setattr(sender.patch, "_requested", lambda config: compare)
     config = PATCH_CONFIGS[name]
     model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
     assert mismatches(cast_like(model.state_dict(), rmodel.state_dict()), rmodel.state_dict())  # really different
@@ -99,6 +105,7 @@ async def test_patch_training_bit_exact(name: str, lr: float) -> None:
     await handshake(s, r, model, rmodel, ch)
     assert r.version is None
     assert_synced(model, rmodel)
+    assert type(s.builder.compare).__name__ == {"host": "HostCompare", "device": "DeviceCompare"}[compare]
 
     trainer = Trainer(model, lr)
     dense_seen = 0
