@@ -9,6 +9,7 @@ tensors beyond a small constant each, and no numba.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -354,3 +355,17 @@ def test_on_cuda_the_same_changes_with_two_host_syncs(snapshot_device: str) -> N
     torch.cuda.synchronize()
     for key, w in host.snapshot.tensors.items():
         assert torch.equal(bits(device.snapshot.tensors[key].cpu()), bits(w)), key
+
+
+def test_the_benchmark_times_both_compares_on_a_small_model(tmp_path: Path) -> None:
+    """``python -m benchmarks.device_compare`` on a small model: both compares find the same changes."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import device_compare as bench
+
+    out = tmp_path / "compare.json"
+    assert bench.main(["--numel", "40000", "--tensors", "4", "--repeat", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["host"]["changed"] == result["device"]["changed"] > 0
+    assert result["read_floor_seconds"] > 0 and result["device"]["over_floor"] > 0
