@@ -4,7 +4,7 @@
 
     weight_syncer:            # optional wrapper, as in a Hydra config group
       type: patch             # or bucket
-      patch: {snapshot_device, transport_device, delta_encoding, compression,
+      patch: {snapshot_device, transport_device, delta_encoding, compression, codec,
               position_encoding, value_encoding, dense_above, part_bytes,
               encode_backlog_bytes, encode_threads, group_numel,
               init_sync: {enabled, prefixes, bucket_size}}
@@ -40,6 +40,7 @@ MiB = 1 << 20
 DEVICES = ("cpu", "cuda")
 POSITION_ENCODINGS = {"auto": None, "ans": Encoding.ANS_GAPS, "coo": Encoding.COO, "gaps": Encoding.GAPS, "bitmap": Encoding.BITMAP}
 VALUE_ENCODINGS = {"ulp": ValueEncoding.ULP, "raw": ValueEncoding.RAW, "xor": ValueEncoding.XOR}
+CODECS = {"auto": None, "host": False, "device": True}  # patch.codec -> PatchOptions.device_codec
 
 
 @dataclass
@@ -57,6 +58,10 @@ class PatchConfig:
     transport_device: str = "cpu"  # where patch buffers are packed: cuda for nvcomp_lz4
     delta_encoding: bool = True  # seed COO only: delta-encode rows/cols
     compression: str = "zstd"  # none | lz4 | zstd | nvcomp_lz4
+    # Which codec codes sparse changes: host (numba, entropy coded: the fewest bytes), device
+    # (batched torch ops on the tensors' device: protocol/codec/devicecodec.py), or auto: the
+    # device codec where the tracked tensors are on CUDA, else the host's. A receiver decodes either.
+    codec: str = "auto"
     position_encoding: str = "auto"  # auto | ans (entropy-coded gaps) | gaps | bitmap | coo (the seed's)
     value_encoding: str = "ulp"  # ulp (entropy-coded bit differences) | xor | raw (the seed's new values)
     # How each changed tensor travels: "auto" whole, coded or plain (raw gaps and values),
@@ -85,10 +90,13 @@ class PatchConfig:
         positions = POSITION_ENCODINGS[self.position_encoding]
         if positions is Encoding.COO and self.delta_encoding:
             positions = Encoding.COO_DELTA
-        return PatchOptions(positions, VALUE_ENCODINGS[self.value_encoding], self.codec, dense_rule(self.dense_above))
+        return PatchOptions(
+            positions, VALUE_ENCODINGS[self.value_encoding], self.compressor, dense_rule(self.dense_above), CODECS[self.codec]
+        )
 
     @property
-    def codec(self) -> Codec:
+    def compressor(self) -> Codec:
+        """``compression`` as the codec that compresses buffers."""
         return parse_compression(self.compression, self.transport_device)
 
 
@@ -125,6 +133,7 @@ class SyncConfig:
             ("patch.transport_device", p.transport_device, DEVICES),
             ("patch.position_encoding", p.position_encoding, tuple(POSITION_ENCODINGS)),
             ("patch.value_encoding", p.value_encoding, tuple(VALUE_ENCODINGS)),
+            ("patch.codec", p.codec, tuple(CODECS)),
             ("bucket.bucket_device", b.bucket_device, (*DEVICES, "auto")),
         ):
             if value not in allowed:
@@ -143,6 +152,11 @@ class SyncConfig:
                 "bucket.is_agent: true is RLinf's sender-side rename of 'model.language_model.<x>' to 'model.<x>' "
                 "(vision-language agents); weightsync renames on the receiver only, explicitly: leave is_agent false "
                 "and give the receiver name_mapping={'model.<x>': 'model.language_model.<x>', ...} (or a callable)"
+            )
+        if p.codec == "device" and (p.position_encoding != "auto" or p.value_encoding != "ulp"):
+            raise ConfigError(
+                "patch.codec: device codes positions and values itself: leave patch.position_encoding auto and "
+                f"patch.value_encoding ulp (got {p.position_encoding!r} and {p.value_encoding!r}), or use patch.codec: host"
             )
         dense_rule(p.dense_above)
         if type(p.part_bytes) is not int or p.part_bytes < 0:

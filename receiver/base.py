@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from protocol.codec.parallel import map_ordered
-from protocol.codec.tensorcodec import decode_entry, split_group
+from protocol.codec.tensorcodec import DecodedTensor, decode_entry, group_offsets, read_verdicts, split_group
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
 from protocol.state import StateLike, find_aliases, state_tensors
@@ -70,6 +70,21 @@ class PendingVersion:
     messages: list[Message] = field(default_factory=list)  # as received, when the receiver keeps them (a relay)
     written: bool = False  # written into the model as it arrived (bucket.load_instant): commit() only records it
     staged_bytes: int = 0  # of ``updates``
+
+
+@dataclass(frozen=True)
+class _Unread:
+    """A device-coded entry decoded, its verdict not yet read (``tensorcodec.read_verdicts``)."""
+
+    decoded: DecodedTensor
+    group: tuple[int, ...] = ()
+    shapes: list[tuple[int, ...]] | None = None  # a group's
+
+    def stage(self, targets: list[Target], cuts: list[int] | None) -> list[StagedUpdate]:
+        if self.shapes is None:
+            return [StagedUpdate.stage(self.decoded, targets[self.decoded.key])]
+        pieces = split_group(self.decoded, self.group, self.shapes, cuts)
+        return [StagedUpdate.stage(piece, targets[piece.key]) for piece in pieces]
 
 
 class ReceiverBase:
@@ -459,20 +474,36 @@ class ReceiverBase:
         metadata = self.metadata
         exact = msg.type is MessageType.PATCH  # buckets and bootstraps may carry a float dtype to convert
 
-        def one(entry: TensorEntry) -> list[StagedUpdate]:
+        def one(entry: TensorEntry) -> list[StagedUpdate] | _Unread:
+            """The entry's updates, or, for a device-coded one, its decode with the verdict unread."""
             if entry.values is not ValueEncoding.RAW and msg.type is not MessageType.PATCH:
                 raise ProtocolError(f"{msg.describe()}: {entry.values.name} values outside a patch")
             if not entry.group:
                 shape, dtype = metadata.shapes[entry.key], metadata.dtypes[entry.key]
                 target = targets[entry.key]
                 base = target if isinstance(target, torch.Tensor) else None  # read where the entry's values are relative
-                decoded = decode_entry(entry, msg.frames, shape, dtype, self.device, exact_dtype=exact, base=base)
+                decoded = decode_entry(
+                    entry, msg.frames, shape, dtype, self.device, exact_dtype=exact, base=base, target_device=target.device
+                )
+                if decoded.verdict is not None:
+                    return _Unread(decoded)
                 return [StagedUpdate.stage(decoded, target)]
             dtype = metadata.dtypes[entry.key]
             if msg.type is not MessageType.PATCH or any(metadata.dtypes[k] != dtype for k in entry.group):
                 raise ProtocolError(f"{msg.describe()}: tensor {entry.key}: a group outside a patch, or of tensors of several dtypes")
             shapes = [metadata.shapes[k] for k in entry.group]
-            decoded = decode_entry(entry, msg.frames, (sum(math.prod(s) for s in shapes),), dtype, self.device)
+            numel = sum(math.prod(s) for s in shapes)
+            decoded = decode_entry(entry, msg.frames, (numel,), dtype, self.device, target_device=targets[entry.key].device)
+            if decoded.verdict is not None:
+                return _Unread(decoded, entry.group, shapes)
             return [StagedUpdate.stage(piece, targets[piece.key]) for piece in split_group(decoded, entry.group, shapes)]
 
-        return [update for updates in map_ordered(one, msg.tensors) for update in updates]
+        done = map_ordered(one, msg.tensors)
+        unread = [d for d in done if isinstance(d, _Unread)]
+        if unread:
+            # Device-coded entries: every verdict (and every group's cut points) read at once,
+            # one host sync for the message, before anything of it is staged.
+            cuts = read_verdicts([(u.decoded, None if u.shapes is None else group_offsets(u.shapes)) for u in unread])
+            staged = iter(map_ordered(lambda uc: uc[0].stage(targets, uc[1]), list(zip(unread, cuts))))
+            done = [next(staged) if isinstance(d, _Unread) else d for d in done]
+        return [update for updates in done if not isinstance(updates, _Unread) for update in updates]

@@ -33,7 +33,11 @@ class StagedUpdate:
 
     @classmethod
     def stage(cls, decoded: DecodedTensor, target: Target) -> StagedUpdate:
-        """Resolve XOR and ulp values against ``target`` and move everything to its device."""
+        """Resolve XOR and ulp values against ``target`` and move everything to its device.
+        A device-coded update (its verdict already read: ``tensorcodec.read_verdicts``) is
+        resolved on the target's device, with no host sync."""
+        if decoded.verdict is not None and decoded.flat is not None:
+            return cls._stage_on_device(decoded, decoded.flat, target)
         raw = decoded.encoding is ValueEncoding.RAW  # final values: sent raw, or decoded onto the target
         if decoded.flat is None:
             update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
@@ -51,6 +55,14 @@ class StagedUpdate:
         if target.dtype == torch.bool and update.values.numel() and int(update.values.view(torch.uint8).max()) > 1:
             raise ProtocolError(f"tensor {decoded.key}: bool values other than 0 and 1")  # XOR/ulp bits, or raw bytes
         return update
+
+    @classmethod
+    def _stage_on_device(cls, decoded: DecodedTensor, flat: torch.Tensor, target: Target) -> StagedUpdate:
+        """New values = old + differences where the target is (a bool stays 0 or 1: no check needed)."""
+        if isinstance(target, Placed):  # it reads and writes by flat index itself
+            return cls(decoded.key, flat, decoded.new_values(target.read(flat)).to(target.device, non_blocking=True))
+        flat = flat.to(target.device, non_blocking=True)
+        return cls(decoded.key, flat, decoded.new_values(read_flat(target, flat)))
 
 
 def read_flat(target: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ class PatchReceiver(ReceiverBase):
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
         patch = self.config.patch
-        if patch.codec is Codec.NVCOMP_LZ4:  # decompressed where it was compressed: on the GPU
+        if patch.compressor is Codec.NVCOMP_LZ4:  # decompressed where it was compressed: on the GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     async def prepare(self) -> None:

@@ -25,10 +25,13 @@ class SyncPlan:
     metadata: ModelMetadata
     init_sync: InitSyncConfig
     tracked: list[str] = field(init=False)  # tracked keys without aliases: each storage travels once
+    on_cuda: bool = field(init=False)  # any tracked tensor is on a CUDA device
 
     def __post_init__(self) -> None:
         self.metadata.check_against(self.state.tensors)
         self.tracked = sync_keys(self.state)
+        # where the tracked tensors live: patch.codec auto codes on the device on CUDA (PatchOptions.resolved)
+        self.on_cuda = any(self.state.tensors[k].device.type == "cuda" for k in self.tracked)
         if self.init_sync.enabled:
             self.bootstrap_keys()  # a prefix that matches nothing is a configuration error: fail now
 

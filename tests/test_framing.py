@@ -273,7 +273,7 @@ def test_config_defaults():
     assert cfg.type == "patch"
     p = cfg.patch
     assert (p.snapshot_device, p.transport_device, p.delta_encoding) == ("cpu", "cpu", True)
-    assert p.compression in COMPRESSION_NAMES and p.codec is not Codec.NVCOMP_LZ4  # a default must work on CPU
+    assert p.compression in COMPRESSION_NAMES and p.compressor is not Codec.NVCOMP_LZ4  # a default must work on CPU
     assert cfg.init_sync is p.init_sync and p.init_sync.enabled and p.init_sync.prefixes is None
     assert p.init_sync.bucket_size == 128 << 20
     assert p.options() == PatchOptions(None, ValueEncoding.ULP, COMPRESSION_NAMES[p.compression])
@@ -306,7 +306,7 @@ def test_config_from_yaml_path(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("weight_syncer:\n  type: patch\n  patch:\n    compression: zstd\n    init_sync:\n      enabled: false\n")
     cfg = load_config(path)
-    assert cfg.patch.codec is Codec.ZSTD and not cfg.patch.init_sync.enabled
+    assert cfg.patch.compressor is Codec.ZSTD and not cfg.patch.init_sync.enabled
     assert load_config(str(path)) == cfg
     empty = tmp_path / "empty.yaml"
     empty.write_text("")

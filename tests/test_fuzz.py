@@ -3,15 +3,17 @@
 The corpus is captured from the real strategies (``sender.make_sender`` /
 ``receiver.make_receiver`` over ``channel.Channel``, the tiny transformer of
 ``models``): HELLO, WELCOME and BOOTSTRAP of the handshake, PATCH messages of every
-position encoding (ans, gaps, bitmap, coo plain and delta), value encoding (ulp, xor,
-raw) and compressor (none, lz4, zstd) with dense fallback entries, multi-part BUCKET
+position encoding (ans, gaps, bitmap, coo plain and delta, the device codec's blocks),
+value encoding (ulp, xor, raw) and compressor (none, lz4, zstd) with dense fallback entries, multi-part BUCKET
 versions, and the ACK / NACK / HEARTBEAT control messages the receiver daemon sends.
 
 Hypothesis mutates them: bit flips and byte overwrites in any frame, truncation and
 extension, dropped / duplicated / reordered / spliced frames and messages, and header
 fields rewritten through msgpack. Most cases are then *resealed*: frame checksums, sizes
 and the header checksum recomputed, so the corruption gets past framing and has to be
-caught by what is behind it (the entropy decoders, index bounds, size and dtype rules).
+caught by what is behind it (the entropy decoders, index bounds, size and dtype rules); a
+device-coded payload is also damaged with its own checksum recomputed, for the device
+decoder's structural checks to catch.
 
 The oracle feeds the mutated exchange to the side that consumes it (a receiver at the
 version's base, a receiver mid-handshake, a sender taking a HELLO) and requires:
@@ -56,7 +58,7 @@ from models import Trainer, make_model, mismatches, snapshot
 
 import receiver
 import sender
-from protocol.codec import entropy, tensorcodec
+from protocol.codec import devicecodec, entropy, tensorcodec
 from protocol.codec.compress import Codec
 from protocol.errors import ProtocolError, WeightSyncError
 from protocol.net.peers import Peer
@@ -114,6 +116,9 @@ PATCH_CONFIGS: dict[str, dict[str, Any]] = {
     "ans-raw-lz4": {"position_encoding": "ans", "value_encoding": "raw", "compression": "lz4"},
     # a version in several parts (patch.part_bytes): dropped, repeated, reordered parts
     "parts-auto-ulp-zstd": {"position_encoding": "auto", "value_encoding": "ulp", "compression": "zstd", "part_bytes": 2048},
+    # device-coded entries (Encoding.BLOCKS), grouped, and each tensor on its own in parts
+    "device-zstd": {"codec": "device", "compression": "zstd"},
+    "parts-device-ungrouped": {"codec": "device", "group_numel": 0, "part_bytes": 2048},
 }
 
 
@@ -508,7 +513,7 @@ def edit_anywhere(data: st.DataObject, header: dict[str, Any]) -> None:
 
 # buffer = [frame, role, dtype, shape, nbytes, codec, shuffle, wire_nbytes, checksum]
 ENTRY_FIELDS = {0: "key", 1: "encoding", 2: "values", 3: "nnz"}
-CODE_RANGES = {("entry", 1): 7, ("entry", 2): 4, ("buffer", 1): 10, ("buffer", 2): 17, ("buffer", 5): 5}
+CODE_RANGES = {("entry", 1): 8, ("entry", 2): 4, ("buffer", 1): 10, ("buffer", 2): 17, ("buffer", 5): 5}
 
 
 def edit_manifest(data: st.DataObject, header: dict[str, Any]) -> None:
@@ -598,18 +603,54 @@ def rewrite_table(data: st.DataObject, frames: Frames) -> Frames:
     old = np.frombuffer(raw, dtype=np.int64).tolist() if spec[5] == int(Codec.NONE) and len(raw) % 8 == 0 else []
     values = hostile_table(data, spec[1], entry[3] if 0 <= entry[3] < 2**62 else 0, old)
     table = np.array([(v + 2**63) % 2**64 - 2**63 for v in values], dtype=np.int64)  # as int64 bits
-    frame = table.tobytes()
-    spec[2:9] = [dtype_code(torch.int64), [len(table)], len(frame), int(Codec.NONE), False, len(frame), checksum(frame)]
+    return replaced(frames, header, spec, table.tobytes(), torch.int64)
+
+
+def replaced(frames: Frames, header: Any, spec: list[Any], frame: bytes, dtype: torch.dtype) -> Frames:
+    """``frames`` with ``spec``'s frame replaced by ``frame`` (1-D ``dtype`` elements,
+    uncompressed), described honestly in the header (whose checksum is stale until resealed)."""
+    spec[2:9] = [dtype_code(dtype), [len(frame) // dtype.itemsize], len(frame), int(Codec.NONE), False, len(frame), checksum(frame)]
     frames = list(frames)
     frames[spec[0]] = frame
     try:
-        frames[0] = pack(header)  # hsum stale until resealed
+        frames[0] = pack(header)
     except Exception:
         pass
     return frames
 
 
 TABLE_ROLES = {int(Role.POSITION_MODEL), int(Role.VALUE_MODEL), int(Role.POSITION_ESCAPES)}
+
+
+def rewrite_device_payload(data: st.DataObject, frames: Frames) -> Frames:
+    """Damage a device-coded entry's payload (its header, block table or bit stream; or cut
+    or extend it) and recompute the payload's own checksum, so that the decoder's other
+    checks (not the checksum) must refuse it; the frame is described honestly."""
+    header = unpack(frames[0])
+    payloads = []
+    for entry in header.get("tensors", ()) if isinstance(header, dict) and isinstance(header.get("tensors"), list) else ():
+        if isinstance(entry, list) and len(entry) >= 5 and entry[1] == int(Encoding.BLOCKS) and isinstance(entry[4], list):
+            for spec in entry[4]:
+                if isinstance(spec, list) and len(spec) == 9 and type(spec[0]) is int and 0 < spec[0] < len(frames) and len(frames[spec[0]]) > 8:
+                    payloads.append((entry[3], spec))
+    if not payloads:
+        return frames
+    nnz, spec = data.draw(st.sampled_from(payloads))
+    payload = bytearray(frames[spec[0]])
+    table = devicecodec.min_nbytes(nnz) if type(nnz) is int and 0 <= nnz < 2**40 else len(payload)  # where the bit stream starts
+    where = data.draw(st.sampled_from(["header", "table", "table", "stream", "stream", "cut", "extend"]))
+    if where == "cut":
+        payload = payload[: data.draw(st.integers(8, len(payload) - 1))] if len(payload) > 8 else payload
+    elif where == "extend":
+        payload += data.draw(st.binary(min_size=1, max_size=16))
+    else:  # one byte of a section, set to anything (a width of 0, 64, past 64...)
+        start, end = {"header": (8, devicecodec.HEADER), "table": (devicecodec.HEADER, table), "stream": (table, len(payload))}[where]
+        start = min(start, len(payload) - 1)
+        pos = data.draw(st.integers(start, max(start, min(end, len(payload)) - 1)))
+        payload[pos] = data.draw(st.one_of(st.integers(0, 255), st.sampled_from([0, 1, 64, 65, 128, 255])))
+    body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    devicecodec.seal(body)  # the payload's own checksum made right: its structure must give it away
+    return replaced(frames, header, spec, body.numpy().tobytes(), torch.uint8)
 
 
 def reseal(frames: Frames, resize: bool) -> Frames:
@@ -644,7 +685,7 @@ def reseal(frames: Frames, resize: bool) -> Frames:
 # where the decoders are. Frame-level structure is also covered exhaustively by test_hostile.
 PAYLOAD_KINDS = ["flip"] * 6 + ["overwrite"] * 3 + ["int64"] * 3 + ["truncate", "extend", "splice-frame"] * 2 + [
     "drop-frame", "dup-frame", "swap-frames", "insert-frame"]
-HEADER_KINDS = ["manifest"] * 3 + ["header-field"] * 2 + ["entropy-table"] * 4 + ["header-bytes", "splice-header"]
+HEADER_KINDS = ["manifest"] * 3 + ["header-field"] * 2 + ["entropy-table"] * 4 + ["device-payload"] * 3 + ["header-bytes", "splice-header"]
 
 
 def mutate_frames(data: st.DataObject, frames: Frames, pool: list[bytes], headers: list[bytes]) -> Frames:
@@ -696,6 +737,8 @@ def mutate_frames(data: st.DataObject, frames: Frames, pool: list[bytes], header
         return frames
     elif kind == "entropy-table":
         return rewrite_table(data, frames)
+    elif kind == "device-payload":
+        return rewrite_device_payload(data, frames)
     elif kind in ("header-field", "manifest"):
         header = unpack(frames[0])
         if not isinstance(header, dict):

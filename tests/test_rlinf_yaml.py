@@ -97,7 +97,7 @@ def test_rlinf_patch_file_loads_with_its_aliases_and_warns_once_per_nccl_option(
         config = load_config(path)
         again = load_config(path)  # both sides load the file: the warnings are not repeated
     for c in (config, again):
-        assert (c.type, c.patch.compression, c.patch.codec) == ("patch", "lz4", Codec.LZ4)
+        assert (c.type, c.patch.compression, c.patch.compressor) == ("patch", "lz4", Codec.LZ4)
         assert (c.patch.init_sync.enabled, c.patch.init_sync.prefixes, c.patch.init_sync.bucket_size) == (True, None, 65536)
         assert (c.patch.snapshot_device, c.patch.transport_device, c.patch.delta_encoding) == ("cpu", "cpu", True)
     messages = warned(caplog)
@@ -173,4 +173,4 @@ async def test_an_rlinf_patch_file_drives_a_real_sync(tmp_path: Path) -> None:
                 version = await trainer.step_and_sync(sender)
                 await receiver.wait_for_version(version, timeout=T)
                 await assert_matches(receiver, trainer, version)
-            assert sender.config.patch.codec is Codec.LZ4 and receiver.config.patch.codec is Codec.LZ4
+            assert sender.config.patch.compressor is Codec.LZ4 and receiver.config.patch.compressor is Codec.LZ4

@@ -316,11 +316,13 @@ class Decoded:
     differences (int64, sign-extended from W bits) for ``apply_differences``. ``ok`` is a
     0-dim bool tensor: False for any payload the encoder could not have produced for
     these ``nnz``, ``numel`` and dtype, or whose checksum is wrong. Read it once (one host
-    sync) before committing anything."""
+    sync) before committing anything. ``intact`` (0-dim bool) is the checksum's part of
+    that verdict alone: False says the bytes were damaged, not merely wrong."""
 
     flat: torch.Tensor
     diffs: torch.Tensor
     ok: torch.Tensor
+    intact: torch.Tensor
 
     def raise_unless_ok(self, what: str = "device payload") -> None:
         """``ProtocolError`` unless the verdict is True (one host sync)."""
@@ -362,8 +364,21 @@ def _values_fit(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _empty(device: torch.device) -> Decoded:
-    none = torch.zeros(0, dtype=torch.int64, device=device)
-    return Decoded(none, none, torch.zeros((), dtype=torch.bool, device=device))
+    none, no = torch.zeros(0, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.bool, device=device)
+    return Decoded(none, none, no, no)
+
+
+def min_nbytes(nnz: int, *, block: int = BLOCK) -> int:
+    """The fewest bytes a payload of ``nnz`` changes takes: its header and block table."""
+    return HEADER + PLANES * -(-nnz // block)
+
+
+def max_nbytes(nnz: int, numel: int, dtype: torch.dtype, *, block: int = BLOCK) -> int:
+    """The most bytes a payload of ``nnz`` changes to a target of ``numel`` elements of
+    ``dtype`` can take (every field at the widest width the decoder allows, each change
+    escaping): a bound on what a receiver copies before the decoder judges it."""
+    bits = 2 * nnz * (numel.bit_length() + value_width(dtype))
+    return min_nbytes(nnz, block=block) + -(-bits // 8)
 
 
 def decode(payload: torch.Tensor, nnz: int, numel: int, dtype: torch.dtype, *, block: int = BLOCK) -> Decoded:
@@ -376,7 +391,7 @@ def decode(payload: torch.Tensor, nnz: int, numel: int, dtype: torch.dtype, *, b
     if not 0 <= numel < 1 << 62:
         raise ValueError(f"a target of {numel} elements")
     device, width = payload.device, value_width(dtype)
-    body = HEADER + PLANES * -(-nnz // block)
+    body = min_nbytes(nnz, block=block)
     if not 0 <= nnz <= numel or payload.numel() < body:  # before allocating anything nnz long
         return _empty(device)
     blocks = _Blocks.of(nnz, block, device)
@@ -386,8 +401,9 @@ def decode(payload: torch.Tensor, nnz: int, numel: int, dtype: torch.dtype, *, b
     values, end = _read_stream(words, blocks, table[2], table[3], end)
     gaps, values = gaps.view(-1)[:nnz], values.view(-1)[:nnz]
     flat = torch.cumsum(gaps.clamp(1, max(numel, 1)), 0) - 1
+    intact = checksum(payload[8:]) == payload[:8].clone().view(torch.int64)[0]
     checks = [
-        checksum(payload[8:]) == payload[:8].clone().view(torch.int64)[0],
+        intact,
         (payload[8:HEADER] == _header(width, nnz, block, device)).all(),
         widths_fit,
         body + (end + 7) // 8 == payload.numel(),
@@ -397,7 +413,7 @@ def decode(payload: torch.Tensor, nnz: int, numel: int, dtype: torch.dtype, *, b
         _values_fit(values, dtype),
     ]
     diffs = ((values >> 1) & torch.iinfo(torch.int64).max) ^ -(values & 1)  # unzigzag
-    return Decoded(flat.clamp_(0, max(numel - 1, 0)), diffs, torch.stack(checks).all())
+    return Decoded(flat.clamp_(0, max(numel - 1, 0)), diffs, torch.stack(checks).all(), intact)
 
 
 def _table(planes: torch.Tensor, count: int, numel: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,15 +12,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from protocol.codec import devicecodec
 from protocol.codec.compress import Codec, compress, decompress, shuffle, unshuffle
 from protocol.codec.positions import decode_positions, downscale, encode_positions, gaps_and_top, positions_nbytes
-from protocol.errors import ProtocolError
+from protocol.errors import IntegrityError, ProtocolError
 from protocol.lazy import lazy_module
 from protocol.wire.buffers import Buffer, buffer_tensor, tensor_view
 from protocol.wire.checksum import checksum
@@ -40,6 +42,7 @@ _POSITION_ROLES = {
     Encoding.GAPS: frozenset({Role.POSITIONS}),
     Encoding.BITMAP: frozenset({Role.POSITIONS}),
     Encoding.ANS_GAPS: frozenset({Role.POSITIONS, Role.LOW_BITS, Role.POSITION_MODEL, Role.POSITION_ESCAPES}),
+    Encoding.BLOCKS: frozenset(),  # with ULP values: one uint8 VALUES buffer (``_is_blocks``)
 }
 _VALUE_ROLES = {
     ValueEncoding.RAW: frozenset({Role.VALUES}),
@@ -186,12 +189,39 @@ class PatchOptions:
     when there are enough changes, else the smaller of raw gaps and a bitmap.
     ``dense_above``: a ``DenseCost`` (the default) sends a tensor whole where that is
     estimated to be faster; a number sends whole, uncompressed, any tensor with more than
-    that share of its elements changed (1.0: only where coding would not be smaller)."""
+    that share of its elements changed (1.0: only where coding would not be smaller).
+    ``device_codec`` (``patch.codec``): True codes every sparse entry with the device codec
+    (``Encoding.BLOCKS``, protocol/codec/devicecodec.py) on the changes' own device, False
+    with the host codec; None (``auto``) with the device codec where the changes are on CUDA
+    and the encodings are the defaults (a sender resolves it by where its tracked tensors
+    live: ``resolved``)."""
 
     positions: Encoding | None = None
     values: ValueEncoding = ValueEncoding.ULP
     codec: Codec = Codec.NONE
     dense_above: float | DenseCost = DenseCost()
+    device_codec: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_codec and not self.default_encodings:
+            raise ValueError("the device codec codes positions and values itself: positions must be None (auto) and values ULP")
+
+    @property
+    def default_encodings(self) -> bool:
+        return self.positions is None and self.values is ValueEncoding.ULP
+
+    def resolved(self, on_cuda: bool) -> PatchOptions:
+        """These options with ``device_codec`` None (auto) decided: the device codec for
+        tensors on CUDA (``on_cuda``) where the encodings are the defaults, else the host's."""
+        if self.device_codec is not None:
+            return self
+        return dataclasses.replace(self, device_codec=on_cuda and self.default_encodings)
+
+    def codes_on_device(self, device: torch.device) -> bool:
+        """Whether sparse changes held on ``device`` are coded by the device codec."""
+        if self.device_codec is None:
+            return device.type == "cuda" and self.default_encodings
+        return self.device_codec
 
     def dense_candidate(self, itemsize: int) -> float:
         """The share of changed elements from which a tensor may go whole, whatever its
@@ -224,7 +254,7 @@ class PatchOptions:
         """The compression of an entry's buffers: none for plain changes (raw gaps and values
         where ``ulp`` was asked for: ``goes_plain``), chosen to save the CPU it costs."""
         plain = encoding is Encoding.GAPS and values is ValueEncoding.RAW and self.values is ValueEncoding.ULP
-        return Codec.NONE if plain else self.codec
+        return Codec.NONE if plain or encoding is Encoding.BLOCKS else self.codec  # device entries: nvCOMP later
 
     def goes_plain(self, nnz: int, numel: int, new: torch.Tensor, old: torch.Tensor) -> bool:
         """Whether ``nnz`` changes of a ``numel``-element tensor (``new`` and ``old`` values)
@@ -296,7 +326,9 @@ def sparse_buffers(
     options: PatchOptions,
 ) -> tuple[Encoding, ValueEncoding, dict[Role, torch.Tensor]]:
     """Position and value buffers of changes at sorted ``flat`` (int32 or int64: the same bytes), and the encodings
-    chosen. Raw and XOR buffers stay on ``flat``'s device; entropy-coded ones are on the host."""
+    chosen. Raw, XOR and device-coded buffers stay on ``flat``'s device; entropy-coded ones are on the host."""
+    if options.codes_on_device(flat.device):
+        return Encoding.BLOCKS, ValueEncoding.ULP, {Role.VALUES: device_payload(flat, new, old)}
     encoding = options.positions
     nnz = flat.numel()
     values = options.values
@@ -325,6 +357,12 @@ def sparse_buffers(
     return encoding, values, buffers
 
 
+def device_payload(flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """A ``BLOCKS`` entry's one buffer: the device codec's payload of the changes (uint8, on
+    their device; one host sync, for its size)."""
+    return devicecodec.encode(flat.long(), new, old).payload
+
+
 def _gaps_or_bitmap(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Encoding, dict[Role, torch.Tensor]]:
     """Raw gaps or a bitmap, whichever is smaller, the gaps computed once for both the choice and the buffer."""
     gaps, top = gaps_and_top(flat)
@@ -346,7 +384,7 @@ def _entropy_coded(role: Role, encoding: Encoding, values: ValueEncoding) -> boo
     return (
         role in _ENTROPY_CODED
         or (role is Role.POSITIONS and encoding is Encoding.ANS_GAPS)
-        or (role is Role.VALUES and values is ValueEncoding.ULP)
+        or (role is Role.VALUES and values is ValueEncoding.ULP)  # packed, rANS or BLOCKS
     )
 
 
@@ -403,17 +441,31 @@ def unpack_buffer(spec: BufferSpec, frame: Buffer, device: torch.device) -> torc
     return raw.view(dtype).reshape(spec.shape)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A device-coded entry's checks, unread: 0-dim bool tensors on its device
+    (``devicecodec.Decoded``): ``ok`` for all of them, ``intact`` for its checksum."""
+
+    ok: torch.Tensor
+    intact: torch.Tensor
+
+
 @dataclass
 class DecodedTensor:
-    """A validated tensor update: ``flat`` is None for a dense tensor."""
+    """A validated tensor update: ``flat`` is None for a dense tensor. A device-coded one
+    (``verdict`` set) is validated only once ``read_verdicts`` has read its verdict; its
+    positions always lie within the target, so reading the old values there is safe before."""
 
     key: int
     flat: torch.Tensor | None
-    values: torch.Tensor  # dense: the tensor; sparse: new values or XOR bits
+    values: torch.Tensor  # dense: the tensor; sparse: new values, XOR bits or ulp differences
     encoding: ValueEncoding
+    verdict: Verdict | None = None
 
     def new_values(self, old: torch.Tensor) -> torch.Tensor:
         """New values of a sparse update, given the old values at ``flat``."""
+        if self.verdict is not None:  # on ``old``'s device, without numba or a host sync
+            return devicecodec.apply_differences(old, self.values.to(old.device, non_blocking=True))
         if self.encoding is ValueEncoding.XOR:
             bits = _bits_of(old.dtype)
             return (old.view(bits) ^ self.values.to(old.device)).view(old.dtype)
@@ -431,6 +483,7 @@ def decode_entry(
     *,
     exact_dtype: bool = True,
     base: torch.Tensor | None = None,
+    target_device: torch.device | None = None,
 ) -> DecodedTensor:
     """Check ``entry`` against a target of ``shape``/``dtype``, then decode its buffers.
 
@@ -438,9 +491,13 @@ def decode_entry(
     mode converts floating tensors). ``frames`` are the message's payload frames. ``base``,
     the target's values now (only read), lets a packed entry decode straight to its new
     values (``packed.decode_onto``, where it takes ``base``): they come back RAW.
+    A device-coded entry (``Encoding.BLOCKS``) is decoded on ``target_device`` (default
+    ``device``) with no host sync; it comes back with its ``verdict`` unread (``read_verdicts``).
     """
     where = f"tensor {entry.key}"
     roles = {b.role for b in entry.buffers}
+    if entry.encoding is Encoding.BLOCKS and entry.values is not ValueEncoding.ULP:
+        raise ProtocolError(f"{where}: device-coded (BLOCKS) changes carry ULP values, not {entry.values.name}")
     wanted = _WANTED_ROLES[entry.encoding, entry.values]
     if roles != wanted:
         raise ProtocolError(f"{where}: {entry.encoding.name}/{entry.values.name} needs buffers {sorted(r.name for r in wanted)}")
@@ -465,6 +522,8 @@ def decode_entry(
             )
     if entry.values in (ValueEncoding.RAW, ValueEncoding.XOR) and vspec.shape != (nnz,):
         raise ProtocolError(f"{where}: {vspec.shape[0]} values for {nnz} changes")
+    if _is_blocks(entry.encoding, entry.values):
+        return _decode_blocks(entry, vspec, frames[vspec.frame - 1], numel, dtype, target_device or device)
     if _is_packed(entry.encoding, entry.values):
         buf = _host_bytes(vspec, frames[vspec.frame - 1])
         if base is not None and packed.decodes_onto(base):
@@ -489,25 +548,79 @@ def decode_entry(
     return DecodedTensor(entry.key, flat, values, entry.values)
 
 
-def split_group(decoded: DecodedTensor, group: tuple[int, ...], shapes: list[tuple[int, ...]]) -> list[DecodedTensor]:
+def _decode_blocks(entry: TensorEntry, spec: BufferSpec, frame: Buffer, numel: int, dtype: torch.dtype, device: torch.device) -> DecodedTensor:
+    """A device-coded entry: its payload to ``device`` in one copy, decoded there (no host sync)."""
+    if spec.shape[0] < devicecodec.min_nbytes(entry.nnz):
+        raise ProtocolError(f"tensor {entry.key}: a device payload of {spec.shape[0]} bytes is too short for {entry.nnz} changes")
+    payload = unpack_buffer(spec, frame, torch.device("cpu")).to(device, non_blocking=True)  # pageable: staged at once
+    decoded = devicecodec.decode(payload, entry.nnz, numel, dtype)
+    return DecodedTensor(entry.key, decoded.flat, decoded.diffs, ValueEncoding.ULP, Verdict(decoded.ok, decoded.intact))
+
+
+def group_offsets(shapes: Sequence[tuple[int, ...]]) -> np.ndarray:
+    """Where each tensor of a group starts in its run (the elements end to end), and the run's end."""
+    return np.cumsum([0, *(math.prod(s) for s in shapes)])
+
+
+def read_verdicts(unread: Sequence[tuple[DecodedTensor, np.ndarray | None]]) -> list[list[int] | None]:
+    """Read the verdicts of a message's device-coded entries with one host sync per device
+    (one copy to the host of them all), and with them the cut points of each grouped
+    entry's run at its ``group_offsets`` (for ``split_group``; None for a lone tensor).
+    ``IntegrityError`` for a payload whose checksum fails, else ``ProtocolError`` for any
+    other the decoder refused, naming the first; called before anything is staged from them."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (decoded, _) in enumerate(unread):
+        assert decoded.verdict is not None and decoded.flat is not None
+        by_device.setdefault(decoded.flat.device, []).append(i)
+    cuts: list[list[int] | None] = [None] * len(unread)
+    for device, members in by_device.items():
+        verdicts = [v for i in members if (v := unread[i][0].verdict) is not None]
+        read = [torch.stack([v.intact for v in verdicts]), torch.stack([v.ok for v in verdicts])]
+        grouped = [i for i in members if unread[i][1] is not None]
+        runs = [o for i in grouped if (o := unread[i][1]) is not None]
+        if grouped:  # every group's offsets in one copy to the device
+            bounds = torch.from_numpy(np.concatenate(runs)).to(device, non_blocking=True).split([len(o) for o in runs])
+            for i, at in zip(grouped, bounds):
+                flat = unread[i][0].flat
+                assert flat is not None
+                read.append(torch.searchsorted(flat, at))
+        host = torch.cat([t.to(torch.int64) for t in read]).to("cpu", copy=True).tolist()  # the sync
+        n = len(members)
+        for j, i in enumerate(members):
+            key = unread[i][0].key
+            if not host[j]:
+                raise IntegrityError(f"tensor {key}: device payload checksum mismatch")
+            if not host[n + j]:
+                raise ProtocolError(f"tensor {key}: device payload refused (block table, widths, sizes, positions or values)")
+        at = 2 * n
+        for i, offsets in zip(grouped, runs):
+            cuts[i], at = host[at : at + len(offsets)], at + len(offsets)
+    return cuts
+
+
+def split_group(
+    decoded: DecodedTensor, group: tuple[int, ...], shapes: list[tuple[int, ...]], cuts: list[int] | None = None
+) -> list[DecodedTensor]:
     """A grouped entry's decoded run (``decode_entry`` of a 1-D target of all the group's
     elements) as one update per tensor of ``group`` (of ``shapes``): every tensor for a
-    dense run, those with changes for a sparse one (whose positions are sorted)."""
-    offsets = np.cumsum([0, *(math.prod(s) for s in shapes)])
+    dense run, those with changes for a sparse one (whose positions are sorted). ``cuts``:
+    where each tensor's changes start in the run (``read_verdicts``), else found here."""
+    offsets = group_offsets(shapes)
     if decoded.flat is None:
         values = decoded.values.reshape(-1)
         return [
             DecodedTensor(k, None, values[offsets[i]:offsets[i + 1]].view(shapes[i]), decoded.encoding) for i, k in enumerate(group)
         ]
     flat, values = decoded.flat, decoded.values
-    host = flat.numpy() if flat.device.type == "cpu" else None  # numpy's calls cost a fraction of torch's, per member
-    cuts = (np.searchsorted(host, offsets) if host is not None else torch.searchsorted(flat, torch.from_numpy(offsets).to(flat.device))).tolist()
+    host = flat.numpy() if flat.device.type == "cpu" and cuts is None else None  # numpy's calls cost a fraction of torch's, per member
+    if cuts is None:
+        cuts = (np.searchsorted(host, offsets) if host is not None else torch.searchsorted(flat, torch.from_numpy(offsets).to(flat.device))).tolist()
     pieces = []
     for i, k in enumerate(group):
         start, end = cuts[i], cuts[i + 1]
         if end > start:
             local = torch.from_numpy(host[start:end] - offsets[i]) if host is not None else flat[start:end] - int(offsets[i])
-            pieces.append(DecodedTensor(k, local, values[start:end], decoded.encoding))
+            pieces.append(DecodedTensor(k, local, values[start:end], decoded.encoding, decoded.verdict))
     return pieces
 
 
@@ -516,8 +629,13 @@ def _is_packed(encoding: Encoding, values: ValueEncoding) -> bool:
     return encoding is Encoding.ANS_GAPS and values is ValueEncoding.ULP
 
 
+def _is_blocks(encoding: Encoding, values: ValueEncoding) -> bool:
+    """A device-coded entry: gaps and ULP values in one uint8 VALUES buffer (protocol/codec/devicecodec.py)."""
+    return encoding is Encoding.BLOCKS and values is ValueEncoding.ULP
+
+
 def _roles(encoding: Encoding, values: ValueEncoding) -> frozenset[Role]:
-    if _is_packed(encoding, values):
+    if _is_packed(encoding, values) or _is_blocks(encoding, values):
         return frozenset({Role.VALUES})
     return _POSITION_ROLES[encoding] | _VALUE_ROLES[values]
 
@@ -546,6 +664,8 @@ def _buffer_rule(role: Role, entry: TensorEntry, dtype: torch.dtype, numel: int)
     nnz = entry.nnz
     if role is Role.VALUES and _is_packed(entry.encoding, entry.values):
         return (torch.uint8,), packed.max_nbytes(nnz)  # the packed buffer
+    if role is Role.VALUES and _is_blocks(entry.encoding, entry.values):
+        return (torch.uint8,), devicecodec.max_nbytes(nnz, numel, dtype)  # the device payload
     if role is Role.VALUES:
         if entry.values is ValueEncoding.ULP:
             return (torch.uint16,), nnz + rans.FLUSH_WORDS  # rANS: at most one word a symbol, plus the states

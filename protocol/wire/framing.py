@@ -4,7 +4,7 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack map (the header);
 frames 1..n are raw buffers, each described by one ``BufferSpec`` in the header's
 manifest. Tensor bytes never travel inside msgpack.
 
-Header keys (protocol version 4)::
+Header keys (protocol version 5)::
 
     type     MessageType            proto    PROTOCOL_VERSION
     session  sender session id      seq      per-session message counter
@@ -44,8 +44,8 @@ from protocol.wire.dtypes import dtype_from_code
 from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits
 
 # 2: an ANS_GAPS + ULP tensor travels packed, one buffer (protocol/codec/packed.py);
-# 3: grouped entries (TensorEntry.group)
-PROTOCOL_VERSION = 4
+# 3: grouped entries (TensorEntry.group); 5: device-coded entries (Encoding.BLOCKS)
+PROTOCOL_VERSION = 5
 MAX_DIMS = 8
 
 
@@ -73,12 +73,13 @@ class Encoding(IntEnum):
     GAPS = 3  # flat-index gaps (zero-run lengths between changes)
     BITMAP = 4  # one bit per element
     ANS_GAPS = 5  # gaps, entropy coded (protocol/codec/entropy.py)
+    BLOCKS = 6  # gaps and ULP values bit-packed in blocks, one uint8 buffer (protocol/codec/devicecodec.py)
 
 
 class ValueEncoding(IntEnum):
     RAW = 0  # the new values
     XOR = 1  # new bits XOR old bits: valid only on top of exactly base_version
-    ULP = 2  # new bits - old bits, entropy coded: valid only on top of exactly base_version
+    ULP = 2  # new bits - old bits, coded (entropy or BLOCKS): valid only on top of exactly base_version
 
 
 class Role(IntEnum):
