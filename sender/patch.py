@@ -371,7 +371,8 @@ class PatchBuilder:
             whole = {Role.VALUES: dense.view(changes.shape)}
             return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), whole, Codec.NONE, changes.group)
         assert changes.flat is not None and changes.new is not None and changes.old is not None
-        encoding, values, buffers = sparse_buffers(changes.flat, changes.new, changes.old, changes.shape, self.options)
+        options = self.options.resolved(self.plan.on_cuda)  # patch.codec auto: the device codec for CUDA tensors
+        encoding, values, buffers = sparse_buffers(changes.flat, changes.new, changes.old, changes.shape, options)
         if dense is not None and raw_nbytes(buffers) >= dense.numel() * dense.element_size():
             encoding, values, buffers, nnz = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: dense.view(changes.shape)}, dense.numel()
         return pack_entry(changes.key, encoding, values, nnz, buffers, self.options.codec_for(encoding, values), changes.group)

@@ -39,6 +39,8 @@ DAEMON_KW: dict[str, Any] = {"heartbeat_interval": HEARTBEAT, "peer_timeout": PE
 CONFIGS: dict[str, dict[str, Any]] = {
     "patch": {"type": "patch", "patch": {"init_sync": {"bucket_size": 96 << 10}}},
     "bucket": {"type": "bucket", "bucket": {"bucket_size": 96 << 10}},
+    # patches coded by the device codec (Encoding.BLOCKS; on CPU tensors here, as auto does on CUDA)
+    "patch-device": {"type": "patch", "patch": {"codec": "device", "init_sync": {"bucket_size": 96 << 10}}},
 }
 YAML = {
     "patch": "weight_syncer:\n  type: patch\n  patch:\n    init_sync: {bucket_size: 98304}\n",

@@ -3,18 +3,33 @@ never allocates what a header merely claims, and never yields a silently differe
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import resource
 from collections.abc import Callable, Iterator
 
 import msgpack
 import pytest
 import torch
+from channel import Channel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import receiver
+import sender
+from protocol.codec import devicecodec
 from protocol.codec.compress import Codec, compress
-from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, decode_entry, encode_dense, encode_sparse, pack_entry
+from protocol.codec.tensorcodec import (
+    EncodedTensor,
+    PatchOptions,
+    assemble,
+    decode_entry,
+    encode_dense,
+    encode_sparse,
+    pack_entry,
+    read_verdicts,
+)
 from protocol.errors import IntegrityError, ProtocolError, WeightSyncError
 from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import dtype_code
@@ -51,7 +66,8 @@ def message(entries: list[EncodedTensor], mtype: MessageType = MessageType.PATCH
 
 
 def decode_all(frames: list[bytes], targets: Targets) -> list:
-    """What a receiver does with a message: parse and validate it, then decode every entry."""
+    """What a receiver does with a message: parse and validate it, then decode every entry
+    (and read the verdicts of the device-coded ones, all at once)."""
     msg = decode_message(frames)
     out = []
     for entry in msg.tensors:
@@ -59,6 +75,7 @@ def decode_all(frames: list[bytes], targets: Targets) -> list:
             raise AssertionError(f"decoded an entry for unknown key {entry.key}")
         shape, dtype = targets[entry.key]
         out.append(decode_entry(entry, msg.frames, shape, dtype, CPU))
+    read_verdicts([(d, None) for d in out if d.verdict is not None])
     return out
 
 
@@ -633,3 +650,114 @@ def test_bool_tensor_never_gets_bytes_other_than_0_and_1(values: ValueEncoding) 
     with pytest.raises(ProtocolError, match="bool"):
         StagedUpdate.stage(decoded, target)
     assert not target.any()
+
+
+# --------------------------------------------------------------------------- device-coded entries
+
+BF16 = torch.bfloat16
+DEVICE_TARGET = {0: ((50, 100), BF16)}
+
+
+def blocks(payload: torch.Tensor, nnz: int, values: ValueEncoding = ValueEncoding.ULP) -> list[bytes]:
+    """A message of one device-coded entry carrying ``payload`` as it is, framed by the real
+    packers: the frame's size and checksum are right, so the decoder must judge it."""
+    return message([pack_entry(0, Encoding.BLOCKS, values, nnz, {Role.VALUES: payload}, Codec.NONE)])
+
+
+def device_changes(flat: list[int], seed: int = 0) -> torch.Tensor:
+    """The device codec's payload of bf16 changes at ``flat`` (coded faithfully, valid or not)."""
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randn(len(flat), generator=gen).to(BF16)
+    new = (old.view(torch.int16) + torch.randint(1, 4, (len(flat),), generator=gen, dtype=torch.int16)).view(BF16)
+    return devicecodec.encode(torch.tensor(flat, dtype=torch.int64), new, old).payload
+
+
+VALID_FLAT = sorted(set(range(0, 5000, 7)) | {1, 2, 4999})
+
+
+def resealed(payload: torch.Tensor) -> torch.Tensor:
+    """``payload`` with its own checksum recomputed: what is wrong must be found by the rest."""
+    devicecodec.seal(payload)
+    return payload
+
+
+def lying_widths() -> torch.Tensor:
+    payload = device_changes(VALID_FLAT)
+    payload[devicecodec.HEADER + 1] = 64  # the second block's gap width: far past what 5000 elements need
+    return resealed(payload)
+
+
+def a_flipped_byte(at: int) -> torch.Tensor:
+    payload = device_changes(VALID_FLAT)
+    payload[at] ^= 0x5A
+    return payload
+
+
+VALID_NNZ = len(VALID_FLAT)
+DEVICE_HOSTILE: dict[str, tuple[Callable[[], list[bytes]], type[WeightSyncError]]] = {
+    "out-of-range": (lambda: blocks(device_changes([3, 70, 4999, 5000]), 4), ProtocolError),
+    "far-out-of-range": (lambda: blocks(device_changes([3, 70, 2**40]), 3), ProtocolError),
+    "repeated": (lambda: blocks(device_changes([3, 3, 70]), 3), ProtocolError),
+    "decreasing": (lambda: blocks(device_changes([70, 3, 1]), 3), ProtocolError),
+    "negative": (lambda: blocks(device_changes([-1, 3, 70]), 3), ProtocolError),
+    "truncated": (lambda: blocks(device_changes(VALID_FLAT)[:-3].clone(), VALID_NNZ), IntegrityError),
+    "truncated-resealed": (lambda: blocks(resealed(device_changes(VALID_FLAT)[:-3].clone()), VALID_NNZ), ProtocolError),
+    "truncated-to-its-table": (lambda: blocks(device_changes(VALID_FLAT)[: devicecodec.min_nbytes(VALID_NNZ) - 1].clone(), VALID_NNZ), ProtocolError),
+    "extended-resealed": (lambda: blocks(resealed(torch.cat([device_changes(VALID_FLAT), torch.zeros(9, dtype=U8)])), VALID_NNZ), ProtocolError),
+    "lying-widths": (lambda: blocks(lying_widths(), VALID_NNZ), ProtocolError),
+    "bad-checksum": (lambda: blocks(a_flipped_byte(3), VALID_NNZ), IntegrityError),
+    "a-stream-byte-unsealed": (lambda: blocks(a_flipped_byte(-5), VALID_NNZ), IntegrityError),
+    "lying-nnz": (lambda: blocks(device_changes(VALID_FLAT), VALID_NNZ + 1), ProtocolError),
+    "another-dtype": (lambda: blocks(devicecodec.encode(torch.tensor([1, 2]), torch.ones(2), torch.zeros(2)).payload, 2), ProtocolError),
+    "not-ulp": (lambda: blocks(device_changes(VALID_FLAT), VALID_NNZ, ValueEncoding.RAW), ProtocolError),
+    "past-the-bound": (lambda: blocks(torch.zeros(devicecodec.max_nbytes(1, 5000, BF16) + 1, dtype=U8), 1), ProtocolError),
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICE_HOSTILE))
+def test_hostile_device_coded_entries_are_typed_errors(name: str) -> None:
+    """Out-of-range and non-increasing positions, truncated or extended payloads, lying
+    widths or nnz, a bad checksum: framed with valid frame checksums, so the device
+    decoder's verdict (or the entry's size rules), not the framing, must refuse them."""
+    build, error = DEVICE_HOSTILE[name]
+    frames = build()
+    decode_message(frames)  # well-formed and checksummed as a frame
+    with bounded_memory(), pytest.raises(error) as caught:
+        decode_all(frames, DEVICE_TARGET)
+    assert type(caught.value) is error, repr(caught.value)  # exactly: a damaged checksum is not a refused structure
+    assert decode_all(blocks(device_changes(VALID_FLAT), VALID_NNZ), DEVICE_TARGET)[0].flat.tolist() == VALID_FLAT
+
+
+@pytest.mark.parametrize("name", ["out-of-range", "decreasing", "truncated", "lying-widths", "bad-checksum"])
+async def test_a_hostile_device_coded_patch_leaves_the_receiver_untouched(name: str) -> None:
+    """The same payloads in a PATCH to a real receiver at its base version, beside a valid
+    device-coded entry: a typed error, no tensor written, the version unchanged."""
+    config = {"type": "patch", "patch": {"codec": "device", "group_numel": 0}}
+    gen = torch.Generator().manual_seed(5)
+    state = {"a": torch.randn(50, 100, generator=gen).to(BF16), "b": torch.randn(300, generator=gen).to(BF16)}
+    model = {k: torch.zeros_like(v) for k, v in state.items()}
+    s, r = sender.make_sender(config), receiver.make_receiver(config)
+    ch = Channel()
+    await asyncio.wait_for(
+        asyncio.gather(s.init_sender(state, ch.to_receiver.send, ch.to_sender.recv, version=0),
+                       r.init_receiver(model, ch.to_receiver.recv, ch.to_sender.send)),
+        timeout=60,
+    )
+    before = {k: v.clone() for k, v in model.items()}
+    hostile = decode_message(DEVICE_HOSTILE[name][0]())
+    old = model["b"][::3].clone()
+    good = encode_sparse(1, torch.arange(0, 300, 3), (old.view(torch.int16) + 1).view(BF16), old, (300,), PatchOptions(device_codec=True))
+    specs, frames = assemble([good])
+    entries = [*specs, dataclasses.replace(hostile.tensors[0], buffers=tuple(
+        dataclasses.replace(b, frame=b.frame + len(frames)) for b in hostile.tensors[0].buffers))]
+    patch = Message(MessageType.PATCH, session=r.session, seq=99, version=1, base_version=0, tensors=entries,
+                        frames=[*frames, *hostile.frames])
+    wire = [bytes(f) for f in encode_message(patch)]
+
+    async def recv() -> list[bytes]:
+        return wire
+
+    with pytest.raises(DEVICE_HOSTILE[name][1]):
+        await r.apply(model, recv)
+    assert r.version == 0 and not r.torn
+    assert all(torch.equal(model[k].view(torch.int16), before[k].view(torch.int16)) for k in model)

@@ -5,6 +5,7 @@ never before. Real AdamW steps, real sockets, bf16 receivers checked bit for bit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,8 +14,8 @@ import pytest
 from daemon_helpers import DAEMON_KW, T, Trainer, assert_matches, receiver_model, wait_until
 
 from protocol.errors import ConfigError
-from protocol.wire.checksum import state_digest
-from protocol.wire.framing import Message, MessageType, decode_message
+from protocol.wire.checksum import checksum, state_digest
+from protocol.wire.framing import Encoding, Message, MessageType, Role, decode_message, encode_message
 from receiver import Receiver
 from sender import Sender
 from sender.patch import PatchBuilder
@@ -24,23 +25,26 @@ PARTS = {"type": "patch", "patch": {"part_bytes": 4096, "group_numel": 0, "init_
 
 
 class Fleet:
-    def __init__(self) -> None:
+    def __init__(self, codec: str = "auto") -> None:
         self.daemons: list[Any] = []
+        self.codec = codec  # patch.codec
+        self.config = {**PARTS, "patch": {**PARTS["patch"], "codec": codec}}
 
     async def sender(self, trainer: Trainer) -> Sender:
-        s = Sender("tcp://127.0.0.1:0", PARTS, **DAEMON_KW)
+        s = Sender("tcp://127.0.0.1:0", self.config, **DAEMON_KW)
         self.daemons.append(s)
         return await asyncio.wait_for(s.start(trainer.model, version=trainer.version), T)
 
     async def receiver(self, endpoint: str, identity: str, **kw: Any) -> Receiver:
-        r = Receiver(receiver_model(), endpoint, PARTS, identity=identity, **{**DAEMON_KW, **kw})
+        r = Receiver(receiver_model(), endpoint, self.config, identity=identity, **{**DAEMON_KW, **kw})
         self.daemons.insert(0, r)
         return await r.start(timeout=T)
 
 
 @pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    f = Fleet()
+async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    """``patch.codec`` auto (the host codec, on CPU), or as the test parametrizes it (indirect)."""
+    f = Fleet(getattr(request, "param", "auto"))
     try:
         yield f
     finally:
@@ -62,6 +66,7 @@ def published_versions_are_whole(r: Receiver, trainer: Trainer) -> list[int | No
     return seen
 
 
+@pytest.mark.parametrize("fleet", ["auto", "device"], indirect=True)
 async def test_parts_are_bit_exact_through_a_relay(fleet: Fleet) -> None:
     trainer = Trainer()
     s = await fleet.sender(trainer)
@@ -77,6 +82,8 @@ async def test_parts_are_bit_exact_through_a_relay(fleet: Fleet) -> None:
             await r.wait_for_version(version, timeout=T)
             await assert_matches(r, trainer, version)
             assert r.stats[version].kind == "patch" and r.stats[version].messages == s.stats[version].messages
+    sparse = {e.encoding for frames in s.server._ring[-1].messages for e in decode_message(frames).tensors} - {Encoding.DENSE}
+    assert sparse and (sparse == {Encoding.BLOCKS}) == (fleet.codec == "device"), sparse  # v3's sparse entries
     assert all(v == [1, 2, 3] for v in seen), seen  # each version once, none resynced
     assert all(info["resyncs"] == 0 for info in s.receivers.values())
 
@@ -109,17 +116,44 @@ async def test_a_part_is_served_before_the_next_is_encoded(fleet: Fleet, monkeyp
     assert seen == [version] and s.stats[version].messages > 2
 
 
+def damaged_device_payload(frames: list[Any]) -> list[Any] | None:
+    """``frames`` with a byte of a device-coded payload flipped and the message framed
+    again (frame and header checksums right): the device decoder's verdict must catch it.
+    None for a part without a device-coded entry (every tensor in it sent whole)."""
+    msg = decode_message(frames)
+    entry = next((e for e in msg.tensors if e.encoding is Encoding.BLOCKS), None)
+    if entry is None:
+        return None
+    spec = entry.buffer(Role.VALUES)
+    payload = bytearray(msg.frames[spec.frame - 1])
+    payload[len(payload) // 2] ^= 0x10
+    msg.frames[spec.frame - 1] = bytes(payload)
+    fixed = dataclasses.replace(spec, checksum=checksum(bytes(payload)))
+    msg.tensors = [dataclasses.replace(e, buffers=tuple(fixed if b is spec else b for b in e.buffers)) if e is entry else e for e in msg.tensors]
+    return list(encode_message(msg))
+
+
+@pytest.mark.parametrize("fleet", ["auto", "device"], indirect=True)
 async def test_a_damaged_part_publishes_nothing_and_is_resynced(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part damaged on its way (a frame's byte: its checksum fails; device-coded: a
+    payload byte under valid frame checksums, which the decoder refuses) is NACKed, nothing
+    of its version is published, and the receiver is resynced."""
     trainer = Trainer()
     s = await fleet.sender(trainer)
     r = await fleet.receiver(s.endpoint, "r0")
     seen = published_versions_are_whole(r, trainer)
     publish = s.server.publish_patch
     parts_seen: list[int] = []
+    damaged: list[int] = []
 
     def damage_the_second(base: int | None, version: int, frames: list[Any], *, last: bool = True) -> None:
         parts_seen.append(version)
-        if parts_seen.count(version) == 2 and version == 2:  # v2's second part: flip a payload byte
+        if fleet.codec == "device" and version == 2 and not damaged:  # v2's first part with a device-coded entry
+            bad = damaged_device_payload(frames)
+            if bad is not None:
+                frames = bad
+                damaged.append(version)
+        elif parts_seen.count(version) == 2 and version == 2:  # v2's second part: flip a payload byte
             payload = bytearray(frames[1])
             payload[len(payload) // 2] ^= 0x10
             frames = [frames[0], bytes(payload), *frames[2:]]
@@ -131,6 +165,7 @@ async def test_a_damaged_part_publishes_nothing_and_is_resynced(fleet: Fleet, mo
         await r.wait_for_version(version, timeout=T)
         await assert_matches(r, trainer, version)
     assert seen == [1, 2, 3]  # v2 came by resync, whole; its damaged parts were never published
+    assert damaged == ([2] if fleet.codec == "device" else [])
     assert r.stats[2].kind == "bootstrap" and s.receivers["r0"]["resyncs"] == 1
 
 

@@ -75,7 +75,7 @@ async def tree(mode: str) -> AsyncIterator[Tree]:
         await t.close()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, "patch-device"])
 async def test_two_level_tree_is_bit_identical_and_trainer_serves_each_version_once(mode):
     """trainer -> relay -> 2 leaves: every leaf bit-identical after each version; the
     trainer has one receiver, the relay two, and the relay acknowledges upstream."""
@@ -94,7 +94,7 @@ async def test_two_level_tree_is_bit_identical_and_trainer_serves_each_version_o
         assert list(sender.receivers) == ["relay"]
         assert relay.relay is not None and sorted(relay.relay.server.receivers) == ["leaf-0", "leaf-1"]
         assert relay.status()["relay_receivers"] == 2
-        if mode == "patch":  # leaves were caught up by the forwarded patches, not resynced
+        if mode.startswith("patch"):  # leaves were caught up by the forwarded patches, not resynced
             assert all(p["resyncs"] == 0 for p in relay.relay.server.receivers.values())
             assert all(leaf.stats[v].kind == "patch" for leaf in leaves for v in range(1, 5))
 
@@ -112,10 +112,11 @@ async def test_three_levels_deep():
             await t.step(top, middle, leaf)
 
 
-async def test_late_leaf_is_bootstrapped_by_the_relay_and_a_slow_one_caught_up_from_its_ring():
+@pytest.mark.parametrize("mode", ["patch", "patch-device"])
+async def test_late_leaf_is_bootstrapped_by_the_relay_and_a_slow_one_caught_up_from_its_ring(mode):
     """A leaf joining after several versions gets the relay's bootstrap; a leaf held back
     for two versions is caught up with the forwarded patches, one by one, no bootstrap."""
-    async with tree("patch") as t:
+    async with tree(mode) as t:
         sender = await t.start_sender()
         relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
         assert relay.relay_endpoint is not None and relay.relay is not None

@@ -76,6 +76,8 @@ PATCH_CONFIGS = {
     "lz4": patch_cfg(compression="lz4"),
     "zstd": patch_cfg(compression="zstd", position_encoding="coo", delta_encoding=True, value_encoding="raw"),
     "zstd-xor": patch_cfg(compression="zstd"),
+    "device": patch_cfg(codec="device"),  # the device codec (Encoding.BLOCKS) on CPU tensors, zstd on the dense entries only
+    "device-ungrouped": patch_cfg(codec="device", group_numel=0),
 }
 EXPECTED_ENCODING = {
     "seed-coo-delta": {Encoding.COO_DELTA},
@@ -84,6 +86,8 @@ EXPECTED_ENCODING = {
     "bitmap": {Encoding.BITMAP},
     "gaps-raw": {Encoding.GAPS},
     "zstd": {Encoding.COO_DELTA},
+    "device": {Encoding.BLOCKS},
+    "device-ungrouped": {Encoding.BLOCKS},
 }
 
 
