@@ -1,4 +1,5 @@
-"""nvCOMP LZ4 on the GPU (optional extra ``gpu``: ``nvidia-nvcomp-cu12``).
+"""nvCOMP LZ4 on the GPU (optional extra ``gpu``: ``nvidia-nvcomp-cu12`` for CUDA 12 builds of
+torch; ``gpu-cu13``: ``nvidia-nvcomp-cu13`` for CUDA 13 builds, such as torch 2.11+cu130).
 
 Buffers are compressed on the CUDA device that holds them, in nvCOMP's native
 bitstream (it carries its own sizes), and copied to the host for the frame; a host
@@ -25,8 +26,8 @@ def require() -> Any:
         from nvidia import nvcomp  # type: ignore[import-not-found, attr-defined, unused-ignore]
     except ImportError:
         raise ConfigError(
-            "compression 'nvcomp_lz4' needs the package nvidia-nvcomp-cu12 "
-            "(pip install 'weightsync[gpu]')"
+            "compression 'nvcomp_lz4' needs nvCOMP: the package nvidia-nvcomp-cu12 for a CUDA 12 torch "
+            "(pip install 'weightsync[gpu]') or nvidia-nvcomp-cu13 for a CUDA 13 torch (pip install 'weightsync[gpu-cu13]')"
         ) from None
     if not torch.cuda.is_available():
         raise ConfigError("compression 'nvcomp_lz4' needs a CUDA device, and torch sees none")
