@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol.codec.compress import Codec
-from protocol.codec.parallel import map_ordered
-from protocol.codec.tensorcodec import EncodedTensor, assemble, pack_entry, raw_nbytes, sampled_differences, sparse_buffers
+from protocol.codec.tensorcodec import EncodedTensor, assemble
 from protocol.config import PatchConfig
 from protocol.errors import WeightSyncError
 from protocol.lazy import lazy_module
 from protocol.state import ModelState, StateLike, is_dtensor, state_tensors
-from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding
+from protocol.wire.framing import Encoding, Message, MessageType
 
 from .backlog import Backlog
 from .base import Send, SenderBase, send_all
 from .changes import Changes, plan_groups
 from .compare import KINDS, make_compare
+from .encode import Encoder, HostEncoder
+from .encode_device import DeviceEncoder
 from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
@@ -140,6 +140,10 @@ class PatchBuilder:
         self.transport = torch.device(config.transport_device)
         # the seed's COO positions are 2-D: its format keeps each tensor to itself
         grouped = 0 if self.options.positions in (Encoding.COO, Encoding.COO_DELTA) else config.group_numel
+        # patch.codec auto: the device codec for tensors on CUDA. Its encoder codes a part at
+        # once where the changes live, so the compare leaves them there (no staging).
+        resolved = self.options.resolved(plan.on_cuda)
+        self.encoder: Encoder = DeviceEncoder(self.snapshot.stream) if resolved.device_codec else HostEncoder(resolved)
         # host or device (``compare``, else ``patch.codec``: auto compares on the device where the tensors are on CUDA)
         kind = compare or _requested(config)
         self.compare = make_compare(kind, plan, self.options, self.snapshot, plan_groups(plan, grouped), stage=self._stages())
@@ -162,8 +166,9 @@ class PatchBuilder:
 
     def _stages(self) -> bool:
         """Whether a compare copies changes on a CUDA device to pinned host memory: unless
-        they are packed on the device (``transport_device: cuda``)."""
-        return self.transport.type != "cuda"
+        they are packed on the device (``transport_device: cuda``) or the device encoder
+        codes them there."""
+        return self.transport.type != "cuda" and self.encoder.streams
 
     def capture(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the snapshot: what the receivers hold after the bootstrap."""
@@ -236,13 +241,15 @@ class PatchBuilder:
                 stream.close(e)
             raise
         self._diverged = True  # until the changes are handed over
-        if self._inline(tensors):
-            # Encoded with their part, after the compare: beside a compare on the event
-            # loop's thread, an encoder thread's Python would hold the GIL the loop needs.
-            captured = self._streamed(tensors, stats, lambda c: Captured(c.captured_nbytes(), None, c), stream)
+        if not self.encoder.streams or self._inline(tensors):
+            # Encoded with their part, after the compare: the device encoder codes a part at
+            # once; beside a compare on the event loop's thread, an encoder thread's Python
+            # would hold the GIL the loop needs.
+            def later(changes: Changes) -> Captured:
+                return Captured(changes.captured_nbytes(), None, changes)
+
+            captured = await self._compared(tensors, stats, later, stream)
         else:
-            # Shielded: a cancelled collect cannot stop its thread, which goes on moving the
-            # snapshot; the next collect waits for it (``_settle``) and finds it diverged.
             # Each tensor's changes go to the encoder threads; once they are on the stream, the
             # compare waits while too many bytes wait to be encoded ahead of them (``Backlog``).
             backlog = Backlog(self.backlog_limit)
@@ -254,17 +261,33 @@ class PatchBuilder:
             def pace() -> None:
                 stats.backlog_wait_seconds += backlog.wait()
 
-            self._comparing = asyncio.ensure_future(asyncio.to_thread(self._streamed, tensors, stats, submit, stream, pace))
-            try:
-                captured = await asyncio.shield(self._comparing)
-            except BaseException as e:  # cancelled: what the thread still streams comes after this end
-                if stream is not None:
-                    stream.close(e)
-                raise
-            self._comparing = None
+            captured = await self._compared(tensors, stats, submit, stream, pace)
         self._diverged = False
         stats.build_seconds = time.perf_counter() - started
         return captured, stats
+
+    async def _compared(
+        self,
+        tensors: dict[str, torch.Tensor],
+        stats: SyncStats,
+        emit: Callable[[Changes], Captured],
+        stream: CapturedStream | None,
+        pace: Callable[[], None] | None = None,
+    ) -> list[Captured]:
+        """``_streamed`` on the caller's thread for a small CPU state (``_inline``), else on
+        a worker thread, shielded: a cancelled collect cannot stop its thread, which goes on
+        moving the snapshot; the next collect waits for it (``_settle``) and finds it diverged."""
+        if self._inline(tensors):
+            return self._streamed(tensors, stats, emit, stream, pace)
+        self._comparing = asyncio.ensure_future(asyncio.to_thread(self._streamed, tensors, stats, emit, stream, pace))
+        try:
+            captured = await asyncio.shield(self._comparing)
+        except BaseException as e:  # cancelled: what the thread still streams comes after this end
+            if stream is not None:
+                stream.close(e)
+            raise
+        self._comparing = None
+        return captured
 
     def _streamed(
         self,
@@ -349,7 +372,7 @@ class PatchBuilder:
     ) -> Message:
         started = time.perf_counter()  # encoding the collect did not hide: waits for the encoder, and framing
         later = [c.changes for c in captured if c.changes is not None]
-        coded = iter(await asyncio.to_thread(map_ordered, self._encode, later) if later else [])
+        coded = iter(await asyncio.to_thread(self.encoder.encode, later) if later else [])
         encoded = [await asyncio.wrap_future(c.encoded) if c.encoded is not None else next(coded) for c in captured]
         stats.tensors_dense += sum(len(e.group) or 1 for e in encoded if e.encoding is Encoding.DENSE)
         specs, frames = assemble(encoded)
@@ -357,31 +380,8 @@ class PatchBuilder:
         return Message(MessageType.PATCH, version=version, base_version=base, tensors=specs, frames=frames, part=part, last=last)
 
     def _encode(self, changes: Changes) -> EncodedTensor:
-        changes.wait()
-        # Host buffers nvcomp_lz4 compresses (the entropy coder's side tables) go to the device
-        # of the tensor's other buffers: made current in this codec thread while it is packed.
-        held = changes.flat if changes.flat is not None else changes.dense
-        device = None if held is None else held.device
-        with torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
-            return self._pack(changes)
-
-    def _pack(self, changes: Changes) -> EncodedTensor:
-        dense, nnz = changes.dense, changes.nnz
-        if dense is not None and (changes.flat is None or self._goes_dense(changes, dense)):  # whole and fast
-            whole = {Role.VALUES: dense.view(changes.shape)}
-            return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), whole, Codec.NONE, changes.group)
-        assert changes.flat is not None and changes.new is not None and changes.old is not None
-        options = self.options.resolved(self.plan.on_cuda)  # patch.codec auto: the device codec for CUDA tensors
-        encoding, values, buffers = sparse_buffers(changes.flat, changes.new, changes.old, changes.shape, options)
-        if dense is not None and raw_nbytes(buffers) >= dense.numel() * dense.element_size():
-            encoding, values, buffers, nnz = Encoding.DENSE, ValueEncoding.RAW, {Role.VALUES: dense.view(changes.shape)}, dense.numel()
-        return pack_entry(changes.key, encoding, values, nnz, buffers, self.options.codec_for(encoding, values), changes.group)
-
-    def _goes_dense(self, changes: Changes, dense: torch.Tensor) -> bool:
-        diffs = None
-        if changes.new is not None and changes.old is not None:  # a sample of how far the values moved
-            diffs = sampled_differences(changes.new, changes.old)
-        return self.options.goes_dense(changes.nnz, dense.numel(), dense.element_size(), diffs)
+        """One tensor's entry, on an encoder thread (a streaming encoder's)."""
+        return self.encoder.encode_one(changes)
 
 
 class PatchSender(SenderBase):

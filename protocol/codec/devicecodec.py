@@ -241,9 +241,40 @@ def _symbols(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor,
     return gaps, values
 
 
-def encode(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, *, block: int = BLOCK) -> Encoded:
-    """The payload of changes at ascending int64 ``flat`` whose values go from ``old_bits``
-    to ``new_bits`` (any dtype: its bit patterns are coded). One host sync: the size."""
+@dataclass(frozen=True)
+class Prepared:
+    """Changes coded up to their size: every field and its bit offset on the device, and the
+    payload's bit count (``nbits``, a 0-dim device tensor) for the caller to read. Reading
+    the ``nbits`` of many ``Prepared`` at once is what makes ``encode_many`` one sync."""
+
+    nnz: int
+    block: int
+    width: int
+    body: int  # bytes before the bit stream: header and block table
+    table: torch.Tensor  # the four width planes, int64
+    fields: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (bit offsets, values)
+    nbits: torch.Tensor
+
+    def nbytes(self, nbits: int) -> int:
+        """The payload's size once ``nbits`` (``self.nbits``, read) is known."""
+        return self.body + (nbits + 7) // 8
+
+    def write(self, payload: torch.Tensor) -> torch.Tensor:
+        """Write the payload into uint8 ``payload`` (exactly ``nbytes`` long, any offset of a
+        larger buffer) and seal it; returns its checksum. No host sync."""
+        device, nbytes = payload.device, payload.numel()
+        # two words past the end, and a block of 64-bit fields: the padding's fields (zeros) land there
+        words = torch.zeros((nbytes - self.body) // 8 + 2 + self.block, dtype=torch.int64, device=device)
+        for at, value in self.fields:
+            _put_bits(words, at, value)
+        payload[8:HEADER] = _header(self.width, self.nnz, self.block, device)
+        payload[HEADER : self.body] = self.table.to(torch.uint8)
+        payload[self.body :] = words.view(torch.uint8)[: nbytes - self.body]
+        return seal(payload)
+
+
+def prepare(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, *, block: int = BLOCK) -> Prepared:
+    """``encode`` up to the payload's size, with no host sync (see ``Prepared``)."""
     if flat.dim() != 1 or new_bits.shape != flat.shape or old_bits.shape != flat.shape or new_bits.dtype != old_bits.dtype:
         raise ValueError(f"changes of {list(flat.shape)} positions, {list(new_bits.shape)} new and {list(old_bits.shape)} old values")
     if block < 1 or block & (block - 1):
@@ -259,17 +290,46 @@ def encode(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, *
         low_at, bit = _low_at(blocks, coded.b, bit)
         high_at, bit = _high_at(blocks, coded.h, coded.escaped, bit)
         fields += [(low_at, coded.low), (high_at, coded.high)]
-    body = HEADER + PLANES * blocks.count
-    nbytes = body + (int(bit) + 7) // 8  # the one host sync
-    # two words past the end, and a block of 64-bit fields: the padding's fields (zeros) land there
-    words = torch.zeros((nbytes - body) // 8 + 2 + block, dtype=torch.int64, device=device)
-    for at, value in fields:
-        _put_bits(words, at, value)
-    payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    payload[8:HEADER] = _header(width, nnz, block, device)
-    payload[HEADER:body] = torch.cat([gaps.b, gaps.h, values.b, values.h]).to(torch.uint8)
-    payload[body:] = words.view(torch.uint8)[: nbytes - body]
-    return Encoded(payload, seal(payload))
+    table = torch.cat([gaps.b, gaps.h, values.b, values.h])
+    return Prepared(nnz, block, width, HEADER + PLANES * blocks.count, table, tuple(fields), bit)
+
+
+def encode(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, *, block: int = BLOCK) -> Encoded:
+    """The payload of changes at ascending int64 ``flat`` whose values go from ``old_bits``
+    to ``new_bits`` (any dtype: its bit patterns are coded). One host sync: the size."""
+    prepared = prepare(flat, new_bits, old_bits, block=block)
+    payload = torch.empty(prepared.nbytes(int(prepared.nbits)), dtype=torch.uint8, device=flat.device)  # the one host sync
+    return Encoded(payload, prepared.write(payload))
+
+
+ALIGN = 8  # ``encode_many`` starts each payload at a multiple of this many bytes
+
+
+def sizes(prepared: list[Prepared]) -> list[int]:
+    """The payload sizes of ``prepared`` (all on one device), read in one host sync."""
+    if not prepared:
+        return []
+    bits = torch.stack([p.nbits for p in prepared]).to("cpu", copy=True).tolist()  # the one host sync
+    return [p.nbytes(n) for p, n in zip(prepared, bits)]
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def encode_many(changes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, block: int = BLOCK) -> tuple[torch.Tensor, list[slice]]:
+    """The payloads of several tensors' changes (``(flat, new_bits, old_bits)``, all on one
+    device) in one uint8 buffer, each at its slice (``ALIGN``-ed): one host sync for all."""
+    prepared = [prepare(f, n, o, block=block) for f, n, o in changes]
+    device = changes[0][0].device if changes else torch.device("cpu")
+    at, slices = 0, []
+    for n in sizes(prepared):
+        slices.append(slice(at, at + n))
+        at += aligned(n)
+    buffer = torch.empty(at, dtype=torch.uint8, device=device)
+    for p, s in zip(prepared, slices):
+        p.write(buffer[s])
+    return buffer, slices
 
 
 # -- checksum ---------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""The device encoder: a part's changes coded where they live, moved to the host in one copy.
+
+Coded one by one, each sparse tensor costs a host sync (its payload's size) and a copy to
+the host of its own (issue 35: 993 copies a version of a 1.78B model). Here a part's
+sparse changes are coded by the device codec together (``devicecodec.prepare`` each, then
+ONE host sync reads every payload's size), written with the part's whole tensors into one
+device buffer, and that buffer goes to host memory in ONE copy on the copy stream
+(``CopyStream.to_host``: pinned memory from torch's caching host allocator, so a version's
+buffers are the blocks the versions before it freed once their frames were sent). Each
+entry's frame is a view of that host buffer: nothing is copied again before the socket.
+
+On CPU tensors (the tests, and a forced ``patch.codec: device``) the same code runs: the
+buffer is host memory already and the copy is skipped. The dense decision is the
+compare's (``changes.dense_rule``, applied as it counted); the one made here is that a
+payload no smaller than its tensor sends the tensor whole instead, as the host encoder does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from protocol.codec import devicecodec
+from protocol.codec.compress import Codec
+from protocol.codec.tensorcodec import EncodedTensor, pack_entry
+from protocol.wire.framing import Encoding, Role, ValueEncoding
+
+from .changes import Changes
+from .encode import whole
+from .streams import CopyStream
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where one entry's bytes lie in its part's buffer, and how they are made."""
+
+    at: slice
+    prepared: devicecodec.Prepared | None  # a device-coded payload, else the whole tensor
+    dense: torch.Tensor | None
+
+
+def to_host(stream: CopyStream, buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` in host memory, waited for: a part's one copy from the device (none on CPU)."""
+    host, event = stream.to_host(buffer)
+    if event is not None:
+        event.synchronize()
+    return host
+
+
+class DeviceEncoder:
+    """Codes every sparse entry of a part with the device codec (``Encoding.BLOCKS``), a
+    part at once: one host sync for the sizes and one copy to the host a part and device."""
+
+    streams = False
+
+    def __init__(self, stream: Callable[[torch.device], CopyStream]) -> None:
+        self._stream = stream  # the snapshot's copy stream of a device
+
+    def encode_one(self, changes: Changes) -> EncodedTensor:
+        return self.encode([changes])[0]
+
+    def encode(self, changes: list[Changes]) -> list[EncodedTensor]:
+        entries: list[EncodedTensor | None] = [None] * len(changes)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, c in enumerate(changes):
+            c.wait()
+            held = c.flat if c.flat is not None else c.dense
+            if held is None:
+                raise ValueError(f"tensor {c.key}: changes with neither positions nor a whole copy")
+            by_device.setdefault(held.device, []).append(i)
+        for device, ids in by_device.items():
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                for i, entry in zip(ids, self._encode_on(device, [changes[i] for i in ids])):
+                    entries[i] = entry
+        return [e for e in entries if e is not None]
+
+    def _encode_on(self, device: torch.device, changes: list[Changes]) -> list[EncodedTensor]:
+        prepared = {}
+        for c in changes:
+            if c.flat is not None:
+                assert c.new is not None and c.old is not None
+                prepared[id(c)] = devicecodec.prepare(c.flat.long(), c.new, c.old)
+        sizes = dict(zip(prepared, devicecodec.sizes(list(prepared.values()))))  # the part's one host sync
+        staged = device.type == "cuda"  # whole tensors join the part's one copy (on CPU they are host memory already)
+        placed: list[_Placed] = []
+        at = 0
+        for c in changes:
+            nbytes = sizes.get(id(c))
+            dense = c.dense
+            if nbytes is not None and (dense is None or nbytes < dense.numel() * dense.element_size()):
+                placed.append(_Placed(slice(at, at + nbytes), prepared[id(c)], None))
+                at += devicecodec.aligned(nbytes)
+            else:
+                assert dense is not None
+                size = dense.numel() * dense.element_size() if staged else 0
+                placed.append(_Placed(slice(at, at + size), None, dense))
+                at += devicecodec.aligned(size)
+        buffer = torch.empty(at, dtype=torch.uint8, device=device)
+        for p in placed:
+            if p.prepared is not None:
+                p.prepared.write(buffer[p.at])
+            elif staged and p.dense is not None and p.dense.numel():
+                buffer[p.at].view(p.dense.dtype).copy_(p.dense.reshape(-1))
+        host = to_host(self._stream(device), buffer) if at else buffer
+        entries = []
+        for c, p in zip(changes, placed):
+            if p.prepared is not None:
+                entries.append(pack_entry(c.key, Encoding.BLOCKS, ValueEncoding.ULP, c.nnz, {Role.VALUES: host[p.at]}, Codec.NONE, c.group))
+            elif staged and p.dense is not None:
+                entries.append(whole(c, host[p.at].view(p.dense.dtype)))
+            else:
+                assert p.dense is not None
+                entries.append(whole(c, p.dense))
+        return entries
