@@ -4,8 +4,14 @@ Each worker builds its state from a JSON spec (``Workload.receiver_spec``), runs
 ``Receiver`` against the harness's sender and talks to the harness in JSON lines:
 it reports ``ready`` after the handshake and ``applied`` (with the version's stats)
 after each commit; on ``digest`` it replies with the digest of its state (``peers.digest``,
-taken under the reading lock), on ``stop`` it closes and reports its peak RSS.
-The harness times syncs by the sender's acknowledgements, so nothing on this pipe is timed.
+taken under the reading lock), on ``state_digest`` with ``protocol.wire.checksum.state_digest``
+of it (xxh3, CUDA tensors too: ``benchmarks/gpu_check.py e2e``), on ``stop`` it closes and
+reports its peak RSS. The harness times syncs by the sender's acknowledgements, so nothing
+on this pipe is timed; ``ready`` carries ``started_ns`` (``time.monotonic_ns()`` as
+``Receiver.start`` was called, after the strategy's ``prepare``: kernels compiled or loaded,
+``prepare_s``) and ``applied`` carries ``applied_ns`` (as its hook ran, after
+a ``torch.cuda.synchronize()`` where the model is on CUDA) and the whole ``ApplyStats`` as
+``stats``, for harnesses that time by the receivers' own reports (one clock: CLOCK_MONOTONIC).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from protocol.state import resolve_state
@@ -34,6 +41,7 @@ class RemoteReceivers:
         self.reconnects = [0] * len(procs)
         self._replies: list[asyncio.Queue[dict[str, Any]]] = [asyncio.Queue() for _ in procs]
         self._readers = [asyncio.ensure_future(self._read(i)) for i in range(len(procs))]
+        self.ready: list[dict[str, Any]] = []
 
     @classmethod
     async def start(cls, spec: dict[str, Any], endpoint: str, config: dict[str, Any], name: str, count: int = 2,
@@ -49,8 +57,7 @@ class RemoteReceivers:
             for i in range(count)
         ]
         self = cls(procs)
-        for i in range(count):
-            await self._reply(i, "ready")
+        self.ready = [await self._reply(i, "ready") for i in range(count)]  # each with its started_ns
         return self
 
     async def _read(self, i: int) -> None:
@@ -89,6 +96,10 @@ class RemoteReceivers:
     async def digests(self) -> list[str]:
         return [r["digest"] for r in await self._ask("digest")]
 
+    async def state_digests(self) -> list[dict[str, Any]]:
+        """Each worker's ``state_digest`` reply: ``version`` and ``digest``."""
+        return await self._ask("state_digest")
+
     async def stop(self) -> list[int]:
         """Close the workers; their peak RSS."""
         try:
@@ -116,18 +127,29 @@ async def serve(args: argparse.Namespace) -> None:
     from . import phases
 
     phases.install_receiver()
-    state = build_receiver_state(json.loads(args.spec))
+    spec = json.loads(args.spec)
+    state = build_receiver_state(spec)
     receiver = Receiver(state, args.endpoint, json.loads(args.config), identity=args.identity, peer_timeout=TIMEOUT)
+    on_cuda = str(spec.get("device", "cpu")).startswith("cuda")
 
     def on_update(version: int | None) -> None:
+        if on_cuda:
+            import torch
+
+            torch.cuda.synchronize()  # the commit's queued kernels count as applying it
+        applied_ns = time.monotonic_ns()
         stats = receiver.stats.get(version) if version is not None else None
         emit(event="applied", version=version, kind=stats.kind if stats else None,
              decode_s=stats.decode_seconds if stats else None, apply_s=stats.apply_seconds if stats else None,
-             reconnects=receiver.reconnects, phases=phases.RECORDER.take())
+             reconnects=receiver.reconnects, phases=phases.RECORDER.take(), applied_ns=applied_ns,
+             stats=stats.as_dict() if stats else None)
 
     receiver.on_update(on_update)
+    prepared_ns = time.monotonic_ns()
+    await receiver.strategy.prepare()  # kernels compiled or loaded from numba's cache: start() would do it first
+    started_ns = time.monotonic_ns()
     await receiver.start(timeout=TIMEOUT)
-    emit(event="ready")
+    emit(event="ready", started_ns=started_ns, prepare_s=(started_ns - prepared_ns) / 1e9)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -139,6 +161,14 @@ async def serve(args: argparse.Namespace) -> None:
                     unique = {k: tensors.tensors[k] for k in tensors.tracked if k not in tensors.aliases}
                     emit(event="digest", version=receiver.version, digest=await asyncio.to_thread(digest, unique))
                 phases.RECORDER.skip_cpu()  # the harness's check, not the next version's work
+            elif op == "state_digest":
+                from protocol.wire.checksum import state_digest
+
+                async with receiver.reading():
+                    tensors = resolve_state(receiver.model)
+                    unique = {k: tensors.tensors[k] for k in tensors.tracked if k not in tensors.aliases}
+                    emit(event="state_digest", version=receiver.version, digest=await asyncio.to_thread(state_digest, unique))
+                phases.RECORDER.skip_cpu()
             elif op == "stop":
                 break
     finally:

@@ -152,6 +152,10 @@ def build_receiver_state(spec: dict[str, Any]) -> StateLike:
     dtype = getattr(torch, spec["dtype"])
     if spec["kind"] == "real":
         return TinyLM(**spec["model"]).to(dtype)
+    if spec["kind"] == "qwen2":  # benchmarks/gpu_check.py e2e: built at its dtype on its device
+        from .qwen2 import Qwen2Shaped, Shape
+
+        return Qwen2Shaped(Shape(**spec["shape"]), device=spec.get("device", "cpu"), dtype=dtype)
     return {k: torch.zeros(shape, dtype=dtype) for k, shape in spec["shapes"].items()}
 
 

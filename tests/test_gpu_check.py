@@ -1,0 +1,111 @@
+"""``benchmarks/gpu_check.py e2e`` on CPU, tiny: the end-to-end daemon scenario (a
+Qwen2-shaped fp32 model trained by AdamW, the Sender in the trainer's process, 2 bf16
+receivers in their own processes over TCP loopback) runs, every receiver matches the trainer
+bit for bit, and its JSON holds every figure it promises; the GPU run is the same command
+without the size options."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import gpu_check, qwen2  # noqa: E402
+from receiver.stats import ApplyStats  # noqa: E402
+from sender.stats import SyncStats  # noqa: E402
+
+TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "512"]
+VERSION_KEYS = ("version", "loss", "sync_s", "e2e_s", "e2e_acked_s", "decode_s", "commit_s", "receive_s", "wire_bytes",
+                "dense_bytes", "changed_fraction", "applied_as", "incidents", "sender", "receivers", "digests")
+
+
+def test_the_default_shape_is_qwen2_1_5b() -> None:
+    s = qwen2.Shape()
+    assert (s.layers, s.hidden, s.intermediate, s.heads, s.kv_heads, s.vocab, s.head_dim) == (28, 1536, 8960, 12, 2, 151936, 128)
+    assert s.parameters() == 1_543_714_304  # Qwen2-1.5B, embeddings tied
+    model = qwen2.Qwen2Shaped(qwen2.Shape(layers=1, hidden=32, intermediate=48, heads=4, kv_heads=2, vocab=64))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == model.shape.parameters()
+    assert "model.layers.0.self_attn.k_proj.bias" in model.state_dict() and "lm_head.weight" in model.state_dict()
+
+
+@pytest.mark.timeout(180)
+def test_e2e_on_cpu_tiny_patch_and_bucket_device_and_host_codec(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "e2e", "--device", "cpu", *TINY, "--versions", "2", "--lrs", "1e-5",
+         "--strategies", "patch", "bucket", "--codec", "device", "host", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    for key in ("device", "torch", "command", "argv", "config", "library", "runs", "first_bootstrap", "digests_equal", "notes", "wall_s"):
+        assert key in doc, key
+    assert doc["device"]["device"] == "cpu" and doc["device"]["name"].startswith("cpu") and doc["device"]["platform"]
+    assert doc["command"].startswith("python benchmarks/gpu_check.py e2e --device cpu")
+    assert doc["config"]["model"]["layers"] == 2 and doc["config"]["model"]["vocab"] == 512 and doc["config"]["receivers"] == 2
+    assert doc["digests_equal"] is True
+    runs = {(r["strategy"], r["codec"]): r for r in doc["runs"]}
+    assert set(runs) == {("patch", "device"), ("patch", "host"), ("bucket", None)}
+    assert runs["patch", "device"]["config"]["patch"]["codec"] == "device"
+    dense = 2 * qwen2.Shape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512).parameters()
+    sync_fields = {f.name for f in dataclasses.fields(SyncStats)}
+    apply_fields = {f.name for f in dataclasses.fields(ApplyStats)}
+    for (strategy, _), run in runs.items():
+        assert run["digests_equal"] is True and run["incidents"] == 0
+        boot = run["bootstrap"]
+        assert boot["s"] > 0 and boot["wall_s"] >= boot["s"] and len(boot["per_receiver_s"]) == 2 and boot["digests"]["equal"]
+        assert [b["kind"] for b in boot["receivers"]] == ["bootstrap", "bootstrap"]
+        assert len(run["warmup"]) == 1 and [v["version"] for v in run["versions"]] == [2, 3]
+        for v in run["warmup"] + run["versions"]:
+            assert set(VERSION_KEYS) <= set(v)
+            assert v["sync_s"] > 0 and v["e2e_s"] > 0 and v["e2e_acked_s"] >= v["sync_s"]
+            assert v["decode_s"] > 0 and v["commit_s"] > 0
+            assert v["dense_bytes"] == dense and 0 < v["changed_fraction"] <= 1
+            assert v["applied_as"] == [strategy] and v["incidents"] == 0
+            d = v["digests"]
+            assert d["equal"] and d["receivers"] == [d["trainer"]] * 2 and d["receiver_versions"] == [v["version"]] * 2
+            assert sync_fields <= set(v["sender"])  # every SyncStats field, new ones included
+            assert all(apply_fields <= set(r) and r["kind"] == strategy for r in v["receivers"])
+        if strategy == "patch":
+            assert all(0 < v["wire_bytes"] < dense / 2 for v in run["versions"])
+        m = run["median"]
+        assert all(m[k] is not None for k in ("sync_s", "e2e_s", "decode_s", "commit_s", "wire_bytes", "dense_bytes", "changed_fraction"))
+        assert sync_fields - {"version", "strategy"} <= set(run["median_sender_stats"])
+        assert apply_fields - {"version", "kind"} <= set(run["median_receiver_stats"])
+
+    # Every run trained the same trajectory from the same seed: the trainer's digests agree
+    # across runs, and both codecs found the same changes.
+    def trainer(run: dict[str, Any]) -> list[str]:
+        return [v["digests"]["trainer"] for v in run["warmup"] + run["versions"]]
+
+    assert trainer(runs["patch", "device"]) == trainer(runs["patch", "host"]) == trainer(runs["bucket", None])
+    changed = [[v["sender"]["changed_elements"] for v in runs["patch", codec]["versions"]] for codec in ("device", "host")]
+    assert changed[0] == changed[1]
+    assert "lr1e-05-patch-device" in done.stdout and "digests equal" in done.stdout
+
+
+async def test_a_differing_digest_fails_the_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The exit status follows the digests: 1 when any receiver differed."""
+    args = gpu_check.parser().parse_args(["e2e", "--device", "cpu", *TINY, "--lrs", "1e-5", "--strategies", "bucket"])
+
+    async def fake_run(args: argparse.Namespace, shape: Any, lr: float, strategy: str, codec: str | None) -> dict[str, Any]:
+        median = dict.fromkeys(("sync_s", "e2e_s", "decode_s", "commit_s", "wire_bytes", "dense_bytes", "changed_fraction"))
+        return {"name": "fake", "strategy": strategy, "codec": codec, "bootstrap": {"s": None}, "median": median, "digests_equal": equal}
+
+    monkeypatch.setattr(gpu_check, "e2e_run", fake_run)
+    equal = True
+    assert await gpu_check.e2e(args) == 0
+    equal = False
+    assert await gpu_check.e2e(args) == 1
+    assert "DIFFER" in capsys.readouterr().out
