@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -14,9 +13,11 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from protocol.codec.parallel import map_ordered
+from protocol.codec.staging import StagingPool
 from protocol.codec.tensorcodec import DecodedTensor, decode_entry, group_offsets, read_verdicts, split_group
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
@@ -28,6 +29,7 @@ from protocol.wire.metadata import ModelMetadata
 
 from .commit import StagedUpdate, Target, commit
 from .stats import ApplyStats
+from .transfer import Placement, transfer_part
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class _Unread:
     decoded: DecodedTensor
     group: tuple[int, ...] = ()
     shapes: list[tuple[int, ...]] | None = None  # a group's
+    offsets: np.ndarray | torch.Tensor | None = None  # a group's ``group_offsets``: on its device when its part's transfer moved them
 
     def stage(self, targets: list[Target], cuts: list[int] | None) -> list[StagedUpdate]:
         if self.shapes is None:
@@ -121,6 +124,9 @@ class ReceiverBase:
         self.last_stats: ApplyStats | None = None
         self._turn = asyncio.Lock()  # one apply() at a time, in the order they were called
         self.device = torch.device("cpu")  # where buffers are decoded
+        # Reused host buffers (pinned where CUDA is available) through which each part's
+        # device-coded payloads reach a GPU target in one copy (receiver/transfer.py).
+        self.staging = StagingPool()
         # Held while a version is written; the daemon makes it its model lock's write side.
         self.write_guard: Callable[[], AbstractAsyncContextManager[Any]] = contextlib.nullcontext
         # A relay keeps each version's messages and is told of each commit, inside the guard.
@@ -474,36 +480,49 @@ class ReceiverBase:
         metadata = self.metadata
         exact = msg.type is MessageType.PATCH  # buckets and bootstraps may carry a float dtype to convert
 
-        def one(entry: TensorEntry) -> list[StagedUpdate] | _Unread:
-            """The entry's updates, or, for a device-coded one, its decode with the verdict unread."""
+        def place(entry: TensorEntry) -> Placement:
+            """Where the entry decodes (checked: values and groups only in a patch, a group of one dtype)."""
             if entry.values is not ValueEncoding.RAW and msg.type is not MessageType.PATCH:
                 raise ProtocolError(f"{msg.describe()}: {entry.values.name} values outside a patch")
+            device = targets[entry.key].device
             if not entry.group:
-                shape, dtype = metadata.shapes[entry.key], metadata.dtypes[entry.key]
+                return Placement(metadata.shapes[entry.key], metadata.dtypes[entry.key], device)
+            dtype = metadata.dtypes[entry.key]
+            if msg.type is not MessageType.PATCH or any(metadata.dtypes[k] != dtype for k in entry.group):
+                raise ProtocolError(f"{msg.describe()}: tensor {entry.key}: a group outside a patch, or of tensors of several dtypes")
+            offsets = group_offsets([metadata.shapes[k] for k in entry.group])
+            return Placement((int(offsets[-1]),), dtype, device, offsets)
+
+        placements = [place(entry) for entry in msg.tensors]
+        # Device-coded payloads bound for a GPU (and their groups' offsets): one copy to it for the part.
+        moved = transfer_part(msg.tensors, msg.frames, placements, self.staging)
+
+        def one(i: int) -> list[StagedUpdate] | _Unread:
+            """The entry's updates, or, for a device-coded one, its decode with the verdict unread."""
+            entry, where = msg.tensors[i], placements[i]
+            payload = moved.payloads.get(i)
+            if not entry.group:
                 target = targets[entry.key]
                 base = target if isinstance(target, torch.Tensor) else None  # read where the entry's values are relative
                 decoded = decode_entry(
-                    entry, msg.frames, shape, dtype, self.device, exact_dtype=exact, base=base, target_device=target.device
+                    entry, msg.frames, where.shape, where.dtype, self.device, exact_dtype=exact, base=base,
+                    target_device=where.device, payload=payload,
                 )
                 if decoded.verdict is not None:
                     return _Unread(decoded)
                 return [StagedUpdate.stage(decoded, target)]
-            dtype = metadata.dtypes[entry.key]
-            if msg.type is not MessageType.PATCH or any(metadata.dtypes[k] != dtype for k in entry.group):
-                raise ProtocolError(f"{msg.describe()}: tensor {entry.key}: a group outside a patch, or of tensors of several dtypes")
             shapes = [metadata.shapes[k] for k in entry.group]
-            numel = sum(math.prod(s) for s in shapes)
-            decoded = decode_entry(entry, msg.frames, (numel,), dtype, self.device, target_device=targets[entry.key].device)
+            decoded = decode_entry(entry, msg.frames, where.shape, where.dtype, self.device, target_device=where.device, payload=payload)
             if decoded.verdict is not None:
-                return _Unread(decoded, entry.group, shapes)
+                return _Unread(decoded, entry.group, shapes, moved.offsets.get(i, where.offsets))
             return [StagedUpdate.stage(piece, targets[piece.key]) for piece in split_group(decoded, entry.group, shapes)]
 
-        done = map_ordered(one, msg.tensors)
+        done = map_ordered(one, range(len(msg.tensors)))
         unread = [d for d in done if isinstance(d, _Unread)]
         if unread:
             # Device-coded entries: every verdict (and every group's cut points) read at once,
             # one host sync for the message, before anything of it is staged.
-            cuts = read_verdicts([(u.decoded, None if u.shapes is None else group_offsets(u.shapes)) for u in unread])
+            cuts = read_verdicts([(u.decoded, u.offsets) for u in unread])
             staged = iter(map_ordered(lambda uc: uc[0].stage(targets, uc[1]), list(zip(unread, cuts))))
             done = [next(staged) if isinstance(d, _Unread) else d for d in done]
         return [update for updates in done if not isinstance(updates, _Unread) for update in updates]

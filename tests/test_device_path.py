@@ -24,6 +24,7 @@ import receiver
 import sender
 from protocol.codec import parallel
 from protocol.codec.compress import Codec
+from protocol.codec.staging import StagingPool
 from protocol.codec.tensorcodec import (
     DecodedTensor,
     EncodedTensor,
@@ -40,6 +41,7 @@ from protocol.errors import ConfigError, ProtocolError
 from protocol.wire.framing import Encoding, Role, ValueEncoding, decode_message
 from protocol.wire.framing import Message as WireMessage
 from receiver.commit import commit
+from receiver.transfer import Placement, transfer_part
 
 CPU = torch.device("cpu")
 HOST = PatchOptions(dense_above=1.0, device_codec=False)  # coded, never whole: the host codec's changes
@@ -49,14 +51,20 @@ DEVICE = PatchOptions(dense_above=1.0, device_codec=True)
 Changes = list[tuple[torch.Tensor, torch.Tensor]]  # (positions, new bits), of a tensor or of each of a group's
 
 
-def decoded_changes(entry: EncodedTensor, numel: int, dtype: torch.dtype, old: torch.Tensor, members: list[int] | None = None) -> Changes:
+def decoded_changes(
+    entry: EncodedTensor, numel: int, dtype: torch.dtype, old: torch.Tensor, members: list[int] | None = None, staged: bool = False
+) -> Changes:
     """What a receiver takes from ``entry`` (a 1-D target of ``numel``, whose values are
     ``old``): (positions, new bits) of the whole target, or of each of the group's
-    ``members`` (their element counts), each against its own slice of ``old``."""
+    ``members`` (their element counts), each against its own slice of ``old``. ``staged``:
+    through a part's transfer (receiver/transfer.py), as a GPU target's payload and group
+    offsets go (a CPU target's decode from the frame otherwise)."""
     specs, frames = assemble([entry])
-    decoded = decode_entry(specs[0], frames, (numel,), dtype, CPU)
     offsets = None if members is None else group_offsets([(n,) for n in members])
-    cuts = read_verdicts([(decoded, offsets)])[0] if decoded.verdict is not None else None
+    moved = transfer_part(specs, frames, [Placement((numel,), dtype, CPU, offsets)], StagingPool(cpu_too=staged))
+    assert len(moved.payloads) == int(staged and entry.encoding is Encoding.BLOCKS)
+    decoded = decode_entry(specs[0], frames, (numel,), dtype, CPU, payload=moved.payloads.get(0))
+    cuts = read_verdicts([(decoded, moved.offsets.get(0, offsets))])[0] if decoded.verdict is not None else None
     if members is None:
         pieces = [decoded]
     else:
@@ -84,13 +92,16 @@ def as_one(pieces: Changes) -> tuple[list[int], list[int]]:
     lr=st.sampled_from([1e-6, 1e-5, 1e-3]),
     members=st.integers(1, 3),
     seed=st.integers(0, 2**16),
+    staged=st.booleans(),
 )
 def test_device_entries_decode_to_exactly_the_host_codecs_changes(
-    dtype: torch.dtype, numel: int, density: float, lr: float, members: int, seed: int
+    dtype: torch.dtype, numel: int, density: float, lr: float, members: int, seed: int, staged: bool
 ) -> None:
     """bf16/fp16/fp32 receivers of an fp32 master (NaN, -0.0, infinities, subnormals among
     the values) and integer buffers, from no change to every element changed, alone or as a
-    group of up to three tensors: the same positions and new bits as the host codec's."""
+    group of up to three tensors: the same positions and new bits as the host codec's,
+    decoded from the frame (a CPU target) or ``staged`` (a GPU target's path: the payload
+    and group offsets moved in the part's one transfer, ``receiver/transfer.py``)."""
     old, new = float_pair(dtype, numel, density, lr, seed) if dtype.is_floating_point else integer_pair(dtype, numel, density, seed)
     flat, new_at, old_at = bitwise_changes(old, new)
     sizes = None if members == 1 else [numel // members] * (members - 1) + [numel - numel // members * (members - 1)]
@@ -100,9 +111,9 @@ def test_device_entries_decode_to_exactly_the_host_codecs_changes(
     if flat.numel() == 0:  # nothing changed: such an entry is never sent, and refused by both alike
         for entry in entries.values():
             with pytest.raises(ProtocolError, match="0 changes"):
-                decoded_changes(entry, numel, dtype, old, sizes)
+                decoded_changes(entry, numel, dtype, old, sizes, staged)
         return
-    host, device = (as_one(decoded_changes(e, numel, dtype, old, sizes)) for e in (entries["host"], entries["device"]))
+    host, device = (as_one(decoded_changes(e, numel, dtype, old, sizes, staged)) for e in (entries["host"], entries["device"]))
     assert device == host
     assert device == (flat.tolist(), bits(new_at).tolist())  # and both are what a bitwise compare finds
 

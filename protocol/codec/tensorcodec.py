@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -484,6 +484,7 @@ def decode_entry(
     exact_dtype: bool = True,
     base: torch.Tensor | None = None,
     target_device: torch.device | None = None,
+    payload: torch.Tensor | None = None,
 ) -> DecodedTensor:
     """Check ``entry`` against a target of ``shape``/``dtype``, then decode its buffers.
 
@@ -493,42 +494,21 @@ def decode_entry(
     values (``packed.decode_onto``, where it takes ``base``): they come back RAW.
     A device-coded entry (``Encoding.BLOCKS``) is decoded on ``target_device`` (default
     ``device``) with no host sync; it comes back with its ``verdict`` unread (``read_verdicts``).
+    ``payload``: such an entry's payload (``blocks_payload``) already on that device, moved
+    there with the rest of its message (``receiver/transfer.py``); without it the payload is
+    copied there on its own (a CPU target decodes it from its frame).
     """
-    where = f"tensor {entry.key}"
-    roles = {b.role for b in entry.buffers}
-    if entry.encoding is Encoding.BLOCKS and entry.values is not ValueEncoding.ULP:
-        raise ProtocolError(f"{where}: device-coded (BLOCKS) changes carry ULP values, not {entry.values.name}")
-    wanted = _WANTED_ROLES[entry.encoding, entry.values]
-    if roles != wanted:
-        raise ProtocolError(f"{where}: {entry.encoding.name}/{entry.values.name} needs buffers {sorted(r.name for r in wanted)}")
-    numel = math.prod(shape)
-    vspec = entry.buffer(Role.VALUES)
-    vdtype = dtype_from_code(vspec.dtype)
+    numel, vspec = _checked(entry, shape, dtype, exact_dtype)
     if entry.encoding is Encoding.DENSE:
-        if entry.values is not ValueEncoding.RAW or entry.nnz != numel or vspec.shape != tuple(shape):
-            raise ProtocolError(f"{where}: dense values of shape {list(vspec.shape)}, target has {list(shape)}")
-        convertible = not exact_dtype and vdtype.is_floating_point and dtype.is_floating_point
-        if vdtype != dtype and not convertible:
-            raise ProtocolError(f"{where}: values of dtype {vdtype} cannot load into {dtype}")
         return DecodedTensor(entry.key, None, unpack_buffer(vspec, frames[vspec.frame - 1], device), entry.values)
     nnz = entry.nnz
-    if not 0 < nnz <= numel:
-        raise ProtocolError(f"{where}: {nnz} changes for a tensor of {numel} elements")
-    for b in entry.buffers:  # bound every buffer by the target before decompressing anything
-        allowed, limit = _buffer_rule(b.role, entry, dtype, numel)
-        if dtype_from_code(b.dtype) not in allowed or len(b.shape) != 1 or b.shape[0] > limit:
-            raise ProtocolError(
-                f"{where}: {b.role.name.lower()} buffer {dtype_from_code(b.dtype)}{list(b.shape)}, expected {allowed} of at most {limit}"
-            )
-    if entry.values in (ValueEncoding.RAW, ValueEncoding.XOR) and vspec.shape != (nnz,):
-        raise ProtocolError(f"{where}: {vspec.shape[0]} values for {nnz} changes")
     if _is_blocks(entry.encoding, entry.values):
-        return _decode_blocks(entry, vspec, frames[vspec.frame - 1], numel, dtype, target_device or device)
+        return _decode_blocks(entry, vspec, frames[vspec.frame - 1], numel, dtype, target_device or device, payload)
     if _is_packed(entry.encoding, entry.values):
         buf = _host_bytes(vspec, frames[vspec.frame - 1])
         if base is not None and packed.decodes_onto(base):
             if base.dtype != dtype or base.numel() != numel:
-                raise ValueError(f"{where}: base of {base.dtype}[{base.numel()}] for a target of {dtype}[{numel}]")
+                raise ValueError(f"tensor {entry.key}: base of {base.dtype}[{base.numel()}] for a target of {dtype}[{numel}]")
             flat, values = packed.decode_onto(buf, nnz, base)
             return DecodedTensor(entry.key, flat, values, ValueEncoding.RAW)
         flat, diffs = packed.decode(buf, nnz, numel)
@@ -548,11 +528,63 @@ def decode_entry(
     return DecodedTensor(entry.key, flat, values, entry.values)
 
 
-def _decode_blocks(entry: TensorEntry, spec: BufferSpec, frame: Buffer, numel: int, dtype: torch.dtype, device: torch.device) -> DecodedTensor:
-    """A device-coded entry: its payload to ``device`` in one copy, decoded there (no host sync)."""
-    if spec.shape[0] < devicecodec.min_nbytes(entry.nnz):
-        raise ProtocolError(f"tensor {entry.key}: a device payload of {spec.shape[0]} bytes is too short for {entry.nnz} changes")
-    payload = unpack_buffer(spec, frame, torch.device("cpu")).to(device, non_blocking=True)  # pageable: staged at once
+def blocks_payload(entry: TensorEntry, frames: list[Buffer], shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray | None:
+    """A device-coded entry's payload as host bytes (a view of its frame), once the entry
+    passes every check ``decode_entry`` makes before decoding (so a payload is bounded by
+    its target before anything copies it); None for an entry of any other encoding."""
+    if not _is_blocks(entry.encoding, entry.values):
+        return None
+    _, vspec = _checked(entry, shape, dtype)
+    return _host_bytes(vspec, frames[vspec.frame - 1])
+
+
+def _checked(entry: TensorEntry, shape: tuple[int, ...], dtype: torch.dtype, exact_dtype: bool = True) -> tuple[int, BufferSpec]:
+    """``decode_entry``'s checks of ``entry`` against its target, before anything is
+    decoded: the target's element count and the entry's VALUES buffer."""
+    where = f"tensor {entry.key}"
+    roles = {b.role for b in entry.buffers}
+    if entry.encoding is Encoding.BLOCKS and entry.values is not ValueEncoding.ULP:
+        raise ProtocolError(f"{where}: device-coded (BLOCKS) changes carry ULP values, not {entry.values.name}")
+    wanted = _WANTED_ROLES[entry.encoding, entry.values]
+    if roles != wanted:
+        raise ProtocolError(f"{where}: {entry.encoding.name}/{entry.values.name} needs buffers {sorted(r.name for r in wanted)}")
+    numel = math.prod(shape)
+    vspec = entry.buffer(Role.VALUES)
+    vdtype = dtype_from_code(vspec.dtype)
+    if entry.encoding is Encoding.DENSE:
+        if entry.values is not ValueEncoding.RAW or entry.nnz != numel or vspec.shape != tuple(shape):
+            raise ProtocolError(f"{where}: dense values of shape {list(vspec.shape)}, target has {list(shape)}")
+        convertible = not exact_dtype and vdtype.is_floating_point and dtype.is_floating_point
+        if vdtype != dtype and not convertible:
+            raise ProtocolError(f"{where}: values of dtype {vdtype} cannot load into {dtype}")
+        return numel, vspec
+    nnz = entry.nnz
+    if not 0 < nnz <= numel:
+        raise ProtocolError(f"{where}: {nnz} changes for a tensor of {numel} elements")
+    for b in entry.buffers:  # bound every buffer by the target before decompressing anything
+        allowed, limit = _buffer_rule(b.role, entry, dtype, numel)
+        if dtype_from_code(b.dtype) not in allowed or len(b.shape) != 1 or b.shape[0] > limit:
+            raise ProtocolError(
+                f"{where}: {b.role.name.lower()} buffer {dtype_from_code(b.dtype)}{list(b.shape)}, expected {allowed} of at most {limit}"
+            )
+    if entry.values in (ValueEncoding.RAW, ValueEncoding.XOR) and vspec.shape != (nnz,):
+        raise ProtocolError(f"{where}: {vspec.shape[0]} values for {nnz} changes")
+    if _is_blocks(entry.encoding, entry.values) and vspec.shape[0] < devicecodec.min_nbytes(nnz):
+        raise ProtocolError(f"{where}: a device payload of {vspec.shape[0]} bytes is too short for {nnz} changes")
+    return numel, vspec
+
+
+def _decode_blocks(
+    entry: TensorEntry, spec: BufferSpec, frame: Buffer, numel: int, dtype: torch.dtype, device: torch.device, payload: torch.Tensor | None
+) -> DecodedTensor:
+    """A device-coded entry, decoded on ``device`` (no host sync): from ``payload`` when its
+    message's transfer brought it there, else copied there alone (from pageable memory,
+    staged at once; a CPU target reads its frame)."""
+    if payload is None:
+        payload = unpack_buffer(spec, frame, torch.device("cpu")).to(device, non_blocking=True)
+    elif payload.device != device or payload.dtype != torch.uint8 or tuple(payload.shape) != spec.shape:
+        raise ValueError(f"tensor {entry.key}: a staged payload of {payload.dtype}{list(payload.shape)} on {payload.device}, "
+                         f"expected uint8{list(spec.shape)} on {device}")
     decoded = devicecodec.decode(payload, entry.nnz, numel, dtype)
     return DecodedTensor(entry.key, decoded.flat, decoded.diffs, ValueEncoding.ULP, Verdict(decoded.ok, decoded.intact))
 
@@ -562,12 +594,15 @@ def group_offsets(shapes: Sequence[tuple[int, ...]]) -> np.ndarray:
     return np.cumsum([0, *(math.prod(s) for s in shapes)])
 
 
-def read_verdicts(unread: Sequence[tuple[DecodedTensor, np.ndarray | None]]) -> list[list[int] | None]:
+def read_verdicts(unread: Sequence[tuple[DecodedTensor, np.ndarray | torch.Tensor | None]]) -> list[list[int] | None]:
     """Read the verdicts of a message's device-coded entries with one host sync per device
     (one copy to the host of them all), and with them the cut points of each grouped
-    entry's run at its ``group_offsets`` (for ``split_group``; None for a lone tensor).
-    ``IntegrityError`` for a payload whose checksum fails, else ``ProtocolError`` for any
-    other the decoder refused, naming the first; called before anything is staged from them."""
+    entry's run at its ``group_offsets`` (for ``split_group``; None for a lone tensor):
+    host offsets go to the device in one copy for all of them, offsets already there (a
+    tensor on the entry's device: its message's transfer brought them, ``receiver/transfer.py``)
+    are used where they are. ``IntegrityError`` for a payload whose checksum fails, else
+    ``ProtocolError`` for any other the decoder refused, naming the first; called before
+    anything is staged from them."""
     by_device: dict[torch.device, list[int]] = {}
     for i, (decoded, _) in enumerate(unread):
         assert decoded.verdict is not None and decoded.flat is not None
@@ -578,12 +613,15 @@ def read_verdicts(unread: Sequence[tuple[DecodedTensor, np.ndarray | None]]) -> 
         read = [torch.stack([v.intact for v in verdicts]), torch.stack([v.ok for v in verdicts])]
         grouped = [i for i in members if unread[i][1] is not None]
         runs = [o for i in grouped if (o := unread[i][1]) is not None]
-        if grouped:  # every group's offsets in one copy to the device
-            bounds = torch.from_numpy(np.concatenate(runs)).to(device, non_blocking=True).split([len(o) for o in runs])
-            for i, at in zip(grouped, bounds):
-                flat = unread[i][0].flat
-                assert flat is not None
-                read.append(torch.searchsorted(flat, at))
+        on_host = [o for o in runs if not isinstance(o, torch.Tensor)]
+        moved: Iterator[torch.Tensor] = iter(())
+        if on_host:  # the groups' host offsets in one copy to the device
+            moved = iter(torch.from_numpy(np.concatenate(on_host)).to(device, non_blocking=True).split([len(o) for o in on_host]))
+        bounds = [o.to(device, non_blocking=True) if isinstance(o, torch.Tensor) else next(moved) for o in runs]
+        for i, sought in zip(grouped, bounds):
+            flat = unread[i][0].flat
+            assert flat is not None
+            read.append(torch.searchsorted(flat, sought))
         host = torch.cat([t.to(torch.int64) for t in read]).to("cpu", copy=True).tolist()  # the sync
         n = len(members)
         for j, i in enumerate(members):
