@@ -21,6 +21,8 @@ bit. Prints one JSON line per batch and a summary.
     # tensors travel whole (lr 1e-3 changes most bf16 elements):
     python examples/vllm_rollout.py --tp 2 --untied --layers 3 --hidden 192 --heads 6 --kv-heads 2 \
         --start-from other --lr 2e-6 1e-3 2e-6 --check
+    # the device codec forced on the trainer (patch.codec: device), decoded by the engine:
+    python examples/vllm_rollout.py --steps 3 --codec device --check
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ CONFIG = str(Path(__file__).resolve().parent / "config" / "weight_syncer" / "pat
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [42, 43, 44, 45, 46]]
 
 
+def sender_config(codec: str | None) -> Any:
+    """The trainer's config: ``CONFIG``, with ``patch.codec`` set when ``codec`` is given
+    (``device`` forces the device codec on CPU tensors; the receiver needs no setting)."""
+    if codec is None:
+        return CONFIG
+    import yaml
+
+    data = yaml.safe_load(Path(CONFIG).read_text())
+    data["weight_syncer"]["patch"]["codec"] = codec
+    return data
+
+
 def tiny_config(tie: bool, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2) -> Any:
     """A Qwen2 with grouped-query attention (by default 4 query heads, 2 kv heads), qkv bias
     and a vocabulary vLLM pads (500 -> 512); head_dim 32 (hidden / heads), the smallest
@@ -64,7 +78,9 @@ def tiny_config(tie: bool, layers: int = 2, hidden: int = 128, heads: int = 4, k
 class Trainer:
     """The model, its optimizer and the Sender, on an event loop of their own."""
 
-    def __init__(self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0") -> None:
+    def __init__(
+        self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0", codec: str | None = None
+    ) -> None:
         from transformers import Qwen2ForCausalLM
 
         torch.manual_seed(seed)
@@ -75,7 +91,8 @@ class Trainer:
         self.last_stats: Any = None  # the SyncStats of the last step (wire_bytes once flushed)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.sender = Sender(endpoint, CONFIG)
+        self.sender_config = sender_config(codec)
+        self.sender = Sender(endpoint, self.sender_config)
         self.version = 0
         self.run(self._start())
 
@@ -90,7 +107,7 @@ class Trainer:
         """Close the Sender and bind a new one (a new session) at the same address."""
         endpoint = self.sender.endpoint
         self.run(self.sender.close())
-        self.sender = Sender(endpoint, CONFIG)
+        self.sender = Sender(endpoint, self.sender_config)
         self.run(self._start())
 
     def step(self, lr: float | None = None) -> dict[str, Any]:
@@ -104,6 +121,16 @@ class Trainer:
         self.version += 1
         stats = self.last_stats = self.run(self.sender.sync(self.model, version=self.version))
         return {"version": self.version, "loss": round(float(loss.detach()), 4), "changed_fraction": round(stats.changed_fraction, 4)}
+
+    def encodings(self) -> list[str]:
+        """How the sparse tensors of the patches still in the sender's ring travelled
+        (``BLOCKS``: the device codec; ``ANS_GAPS``: the host codec), once all are encoded."""
+        from protocol.wire.framing import Encoding, decode_message
+
+        self.run(self.sender.flush())
+        ring = self.sender.server._ring
+        found = {e.encoding for entry in ring for frames in entry.messages for e in decode_message(frames).tensors}
+        return sorted(e.name for e in found - {Encoding.DENSE})
 
     def save(self, directory: str) -> None:
         """The weights as vLLM would load them: a bf16 checkpoint with this config."""
@@ -212,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4, help="query heads (head_dim = hidden / heads: 32 or more on CPU)")
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--codec", choices=("auto", "host", "device"), default=None,
+                        help="the trainer's patch.codec (default: the config's, auto: the host codec for this CPU trainer)")
     parser.add_argument("--start-from", choices=("dummy", "other"), default="dummy",
                         help="the engine's weights before weightsync bootstraps it: vLLM's dummy ones, or another model's checkpoint")
     args = parser.parse_args(argv)
@@ -219,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads)
-    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config)
+    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec)
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
     if args.start_from == "other":  # a checkpoint of other weights: the bootstrap writes over a loaded model
         from transformers import Qwen2ForCausalLM
@@ -270,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "weight_version": llm.get_weight_version(), "outputs_changed": len(distinct) > 1,
     }
     if args.check:
+        summary["encodings"] = trainer.encodings()
         ours = checksums(llm)
         summary["engine_totals"] = llm.collective_rpc(engine_totals)
         reference_dir = tempfile.mkdtemp(prefix="weightsync-vllm-ref-")

@@ -106,6 +106,16 @@ def test_engine_follows_the_trainer_and_equals_a_fresh_engine() -> None:
     assert updates and updates[-1]["now_at"] == 4
 
 
+def test_engine_follows_the_trainer_through_the_device_codec() -> None:
+    """The TP=1 case with the device path forced on the trainer (``patch.codec: device``,
+    ``--codec device``): every sparse tensor of every patch travels device coded (BLOCKS),
+    and the engine's receivers decode it (here on the CPU, from its frames), still bit for
+    bit the checkpoint's weights, with the same tokens, logprobs and checksums as a fresh engine."""
+    summary, _ = run_example("--steps", "3", "--check", "--codec", "device")
+    check_summary(summary, 3)
+    assert summary["encodings"] == ["BLOCKS"], summary["encodings"]
+
+
 def test_tensor_parallel_two_with_untied_embeddings_and_whole_tensors() -> None:
     """TP=2 on vLLM's CPU backend: each rank's receiver writes only its shards (q/k/v and
     gate/up rows with their biases, o_proj/down_proj columns, half the vocabulary); untied
