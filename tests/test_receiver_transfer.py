@@ -139,6 +139,8 @@ def test_the_pool_reuses_its_buffer_and_grows_for_a_larger_part() -> None:
     pool.stage(CPU, second)
     assert pool.buffer(CPU) is bigger and pool.allocations == 2  # and kept at its new size
     assert pool.stage(CPU, []) == [] and pool.allocations == 2
+    pool.clear()
+    assert pool.buffer(CPU) is None
     with pytest.raises(ValueError):
         pool.stage(CPU, [np.zeros((2, 2), dtype=np.uint8)])
 

@@ -63,18 +63,25 @@ class _Slot:
 class StagingPool:
     """Reused host buffers, one per device, for ``stage``.
 
-    ``pin`` (default: whether CUDA is available) allocates them in pinned memory.
+    ``pin`` (default: whether CUDA is available) allocates a CUDA device's in pinned memory.
     ``cpu_too`` stages pieces bound for a CPU device as well (``stages``): a receiver never
     needs that, since a CPU target decodes straight from its frames, but it lets a test run
     the path a GPU takes on CPU tensors. Thread-safe: ``stage`` holds a lock while it fills
     the buffer and starts the copy, so two callers never write one buffer at once."""
 
     def __init__(self, *, pin: bool | None = None, cpu_too: bool = False) -> None:
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._pin = pin  # None: asked of torch at the first buffer, not when a receiver is made
         self.cpu_too = cpu_too
         self.allocations = 0  # host buffers allocated so far (a new device, or one grown)
         self._slots: dict[torch.device, _Slot] = {}
         self._lock = threading.Lock()
+
+    @property
+    def pin(self) -> bool:
+        """Whether buffers for a CUDA device are pinned (default: whether CUDA is available)."""
+        if self._pin is None:
+            self._pin = torch.cuda.is_available()
+        return self._pin
 
     def stages(self, device: torch.device) -> bool:
         """Whether pieces bound for ``device`` go through this pool (any device but the CPU,
@@ -126,7 +133,7 @@ class StagingPool:
         if slot is None or slot.host.numel() < nbytes:
             size = nbytes if slot is None else max(nbytes, 2 * slot.host.numel())
             size = -(-size // GROW_GRANULE) * GROW_GRANULE
-            pin = self.pin and device.type == "cuda"
+            pin = device.type == "cuda" and self.pin
             slot = self._slots[device] = _Slot(torch.empty(size, dtype=torch.uint8, pin_memory=pin), pin)
             self.allocations += 1
         return slot.host
