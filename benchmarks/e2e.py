@@ -44,8 +44,10 @@ EMPTY_SYNCS = 3  # per workload, after the measured steps: the state synced agai
 PATCH_OPTIONS: dict[str, Any] = {}  # python -m benchmarks --dense-above sets one
 
 
-def patch_config() -> dict[str, Any]:
-    return {"type": "patch", "patch": dict(PATCH_OPTIONS)}  # every other patch option at the library's default
+def patch_config(workload: Workload | None = None) -> dict[str, Any]:
+    """The run's patch options (``PATCH_OPTIONS``) and the workload's over them (its ``patch``:
+    the quick suite's device-codec row); every other option at the library's default."""
+    return {"type": "patch", "patch": {**PATCH_OPTIONS, **(workload.patch if workload is not None else {})}}
 
 
 def bucket_config(dtype: torch.dtype) -> dict[str, Any]:
@@ -165,7 +167,7 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
     described = workload.describe()
     rdtype = workload.receiver_dtype
     prev = workload.receiver_view()
-    patch = await Rig.open(workload, patch_config(), f"{workload.name}-patch")
+    patch = await Rig.open(workload, patch_config(workload), f"{workload.name}-patch")
     bucket = await Rig.open(workload, bucket_config(rdtype), f"{workload.name}-bucket")
     peers.setup(prev)
     tracked = workload.tracked()
@@ -257,7 +259,7 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
             memory.dump_state(workload.tracked(), post_path)
             await patch.close()
             await bucket.close()
-            mem = await asyncio.to_thread(memory.measure, pre_path, post_path, rdtype, patch_config())
+            mem = await asyncio.to_thread(memory.measure, pre_path, post_path, rdtype, patch_config(workload))
     finally:
         await patch.close()
         await bucket.close()
@@ -269,6 +271,7 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
         "workload": workload.name, "kind": workload.kind, "config": described,
         "steps": steps, "warmup": warmup, "empty": empty, "read_bytes": read_bytes, "memory": mem, "verified": verified,
         "receivers": RECEIVERS, "model_bytes": sum(t.numel() * t.element_size() for t in tracked.values()),
+        "patch_options": dict(workload.patch), "targets_counted": workload.counted,
     }
 
 
@@ -353,6 +356,8 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "incidents": sum(s["patch_incidents"] + s["bucket_incidents"] for s in steps),
         "measured_steps": len(steps),
         "wall_s": run.get("wall_s"),
+        "patch_options": run.get("patch_options", {}),  # the workload's own, over the run's (library_info: patch_options)
+        "targets_counted": run.get("targets_counted", True),
         "config": run["config"],
         "steps": steps,
         "warmup": run.get("warmup", []),
@@ -361,6 +366,8 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
             "e2e_empty_patch_s / build_empty_patch_s: median of the state synced again unchanged (EMPTY_SYNCS times, after "
             "the measured steps): the whole model is still compared, nothing is sent but the (empty) PATCH",
             "bytes: mean over the measured steps; times: median over them",
+            "patch_options: this workload's patch options over the run's (real-bf16-lr1e-6-device: patch.codec device, the "
+            "device compare and codec on CPU tensors); targets_counted false: its targets are reported apart, not counted",
             "e2e_patch_s / e2e_bucket_s: the Sender in the trainer's process, 2 Receivers in 2 processes, tcp loopback; "
             "from sync() until both acknowledged the version",
             "e2e_safetensors_s: write to tmpfs (/dev/shm where present) then 2 worker processes load_file + load_state_dict in parallel",

@@ -9,6 +9,10 @@ receiver-side states of the same keys and shapes, and advances one step in place
   first update moves every weight by about ``lr``).
   Every workload syncs one unmeasured step first (it also pays one-time costs such as
   JIT compilation); those figures are kept under ``warmup`` in the result.
+  A workload's ``patch`` options go over the run's for its patch path: the quick suite's
+  ``real-bf16-lr1e-6-device`` is ``real-bf16-lr1e-6`` with ``patch.codec: device`` (the
+  device compare and codec on CPU tensors, beside the host codec's row; it need not win, so
+  its targets are reported but not counted: ``counted``).
 * ``SyntheticWorkload``: a state dict of bf16 tensors (the trainer's dtype equals the
   receivers'); each step moves a random fraction ``density`` of the elements by +-1..3
   ulp (random sign; magnitudes 1/2/3 with probabilities 0.7/0.2/0.1), by adding to the
@@ -42,6 +46,8 @@ class Workload:
     warmup_steps: int  # steps synced but not measured
     measured_steps: int
     params: dict[str, Any] = field(default_factory=dict)
+    patch: dict[str, Any] = field(default_factory=dict)  # patch options for this workload, over the run's
+    counted: bool = True  # its targets count in the suite's passed/failed (else reported apart)
 
     # -- implemented by subclasses -----------------------------------------------------
     def setup(self) -> None:
@@ -91,8 +97,10 @@ class Workload:
 
 
 class RealWorkload(Workload):
-    def __init__(self, name: str, receiver_dtype: torch.dtype, lr: float, model: dict[str, int], measured_steps: int, batch: int = 8):
-        super().__init__(name, "real", receiver_dtype, 1, measured_steps, {"lr": lr, "model": dict(model), "batch": batch, "optimizer": "AdamW"})
+    def __init__(self, name: str, receiver_dtype: torch.dtype, lr: float, model: dict[str, int], measured_steps: int, batch: int = 8,
+                 patch: dict[str, Any] | None = None, counted: bool = True):
+        params = {"lr": lr, "model": dict(model), "batch": batch, "optimizer": "AdamW", **({"patch": dict(patch)} if patch else {})}
+        super().__init__(name, "real", receiver_dtype, 1, measured_steps, params, dict(patch or {}), counted)
         self.model_kw = dict(model)
         self.lr, self.batch = lr, batch
         self.last_loss: float | None = None
@@ -192,6 +200,7 @@ class Suite:
     zmq_bytes: int = 64 << 20
     zmq_frame: int = 4 << 20
     memory_pass: bool = True
+    device_codec_row: bool = False  # real-bf16-lr1e-6 again with patch.codec: device
 
 
 SUITES = {
@@ -204,6 +213,7 @@ SUITES = {
         synthetic_shapes=[(1024, 2048)] * 4 + [(2048,)],
         synthetic_measured_steps=3,
         copy_bytes=128 << 20,
+        device_codec_row=True,
     ),
     # ~69M parameters (139 MB in bf16); 64M synthetic bf16 elements.
     "full": Suite(
@@ -221,6 +231,8 @@ SUITES = {
 def workloads(suite: Suite) -> list[Workload]:
     out: list[Workload] = [
         RealWorkload("real-bf16-lr1e-6", torch.bfloat16, 1e-6, suite.model, suite.real_measured_steps),
+        *([RealWorkload("real-bf16-lr1e-6-device", torch.bfloat16, 1e-6, suite.model, suite.real_measured_steps,
+                        patch={"codec": "device"}, counted=False)] if suite.device_codec_row else []),
         RealWorkload("real-bf16-lr1e-5", torch.bfloat16, 1e-5, suite.model, suite.real_measured_steps),
         RealWorkload("real-fp32-lr1e-5", torch.float32, 1e-5, suite.model, suite.fp32_measured_steps or suite.real_measured_steps),
     ]

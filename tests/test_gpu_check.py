@@ -109,3 +109,33 @@ async def test_a_differing_digest_fails_the_run(monkeypatch: pytest.MonkeyPatch,
     equal = False
     assert await gpu_check.e2e(args) == 1
     assert "DIFFER" in capsys.readouterr().out
+
+
+# -- the quick suite's device-codec row --------------------------------------------------------
+def test_the_quick_suite_has_a_device_codec_row_beside_the_host_one() -> None:
+    """``real-bf16-lr1e-6-device``: the host row's workload with ``patch.codec: device``, right
+    after it, its targets reported but not counted; the full suite is unchanged."""
+    from benchmarks.e2e import patch_config
+    from benchmarks.workloads import SUITES, workloads
+
+    quick = workloads(SUITES["quick"])
+    names = [w.name for w in quick]
+    assert names.index("real-bf16-lr1e-6-device") == names.index("real-bf16-lr1e-6") + 1
+    host, device = quick[names.index("real-bf16-lr1e-6")], quick[names.index("real-bf16-lr1e-6-device")]
+    assert patch_config(device)["patch"]["codec"] == "device" and "codec" not in patch_config(host)["patch"]
+    assert (host.counted, device.counted) == (True, False)
+    assert {k: v for k, v in device.params.items() if k != "patch"} == host.params and device.params["patch"] == {"codec": "device"}
+    assert "real-bf16-lr1e-6-device" not in [w.name for w in workloads(SUITES["full"])]
+
+
+def test_targets_of_a_row_not_counted_are_reported_apart() -> None:
+    from benchmarks.report import evaluate_targets
+
+    row = {"workload": "w", "kind": "real", "density": 0.02, "wire_bytes": 130.0, "entropy_floor_bytes": 100.0, "seed_format_bytes": 1000.0,
+           "dense_bytes": 10_000, "build_s": 1.0, "read_floor_s": 1.0, "e2e_patch_s": 1.0, "e2e_bucket_s": 1.0,
+           "e2e_safetensors_s": 1.0, "e2e_gloo_s": 1.0, "bucket_Bps": 1.0, "zmq_raw_Bps": 1.0}
+    counted = evaluate_targets([row])
+    apart = evaluate_targets([{**row, "workload": "w-device", "targets_counted": False}])
+    assert counted["failed"] > 0 and counted["not_counted"] == {}
+    assert (apart["passed"], apart["failed"], apart["workloads"]) == (0, 0, {})
+    assert apart["not_counted"]["w-device"] == counted["workloads"]["w"]
