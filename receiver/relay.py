@@ -126,7 +126,7 @@ class Relay:
         tensors = state_tensors(self._state())
         buckets = plan_buckets(keys, lambda k: tensors[k].numel() * tensors[k].element_size(), self._bucket_size)
         messages = bucket_messages(
-            MessageType.BOOTSTRAP, buckets, tensors.__getitem__, metadata.ordinal, lambda _, t: t, None,
+            MessageType.BOOTSTRAP, buckets, tensors.__getitem__, metadata.ordinal, lambda _, t: t.dtype, None,
             version=version, copy=True,  # copies: the model moves on while frames are queued
         )
         async with self._model_lock.reading():

@@ -10,9 +10,10 @@ from typing import Any
 import torch
 
 from protocol.codec.buckets import bucket_messages, plan_buckets
+from protocol.codec.tohost import to_host
 from protocol.config import BucketConfig
 from protocol.errors import ConfigError
-from protocol.state import StateLike, materialize, state_tensors
+from protocol.state import StateLike, state_tensors
 from protocol.wire.framing import Message, MessageType
 
 from .base import Send, SenderBase
@@ -63,7 +64,7 @@ class BucketBuilder:
         buckets = plan_buckets(keys, lambda k: tensors[k].numel() * self.wire_dtype(tensors[k]).itemsize, self.bucket_size)
         messages = bucket_messages(
             MessageType.BUCKET, buckets or [[]], tensors.__getitem__, self.plan.ordinal,
-            lambda _, t: t.to(self.wire_dtype(t)), self.device, version=version, copy=copy,
+            lambda _, t: self.wire_dtype(t), self.device, version=version, copy=copy,
         )
         stats = SyncStats(version, "bucket")
         for key in keys:
@@ -76,15 +77,15 @@ class BucketBuilder:
 
     def retain(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host copies of the tracked tensors at their wire dtypes: a consistent version
-        that frames can share and resyncs can be built from after the model moves on."""
+        that frames can share and resyncs can be built from after the model moves on.
+        Bucket by bucket: a bucket's CUDA tensors in one copy to pinned memory (``tohost``;
+        a gathered FSDP2 weight is dropped before the next is gathered)."""
         self.plan.check_tensors(tensors)
-        out = {}
-        for key in self.plan.tracked:
-            src = materialize(tensors[key]).detach()
-            t = src if self.device is None else src.to(self.device)
-            host = t.to(self.wire_dtype(t)).cpu()
-            out[key] = host.clone() if host.data_ptr() == src.data_ptr() else host
-            del src, t, host  # a gathered (FSDP2) weight is dropped before the next gather
+        out: dict[str, torch.Tensor] = {}
+        keys = self.plan.tracked
+        for bucket in plan_buckets(keys, lambda k: tensors[k].numel() * self.wire_dtype(tensors[k]).itemsize, self.bucket_size):
+            hosts = to_host([tensors[k] for k in bucket], [self.wire_dtype(tensors[k]) for k in bucket], self.device)
+            out.update(zip(bucket, hosts))
         return out
 
 

@@ -90,7 +90,7 @@ class SyncPlan:
             buckets,
             source or self.state.tensors.__getitem__,
             self.ordinal,
-            lambda k, t: t.to(self.receiver_dtype(k)),
+            lambda k, _: self.receiver_dtype(k),
             None,
             version=version,
         )

@@ -8,7 +8,7 @@ import torch
 
 from protocol.codec.compress import Codec
 from protocol.codec.tensorcodec import assemble, encode_dense
-from protocol.state import materialize
+from protocol.codec.tohost import to_host
 from protocol.wire.framing import Message, MessageType
 
 
@@ -37,7 +37,7 @@ def bucket_messages(
     buckets: list[list[str]],
     source: Callable[[str], torch.Tensor],
     ordinal: Callable[[str], int],
-    cast: Callable[[str, torch.Tensor], torch.Tensor],
+    dtype: Callable[[str, torch.Tensor], torch.dtype],
     device: torch.device | None,
     *,
     version: int | None,
@@ -45,19 +45,16 @@ def bucket_messages(
 ) -> Iterator[Message]:
     """One message per bucket, built lazily so at most one bucket is materialized at a time.
 
-    ``cast`` gives a tensor its wire dtype; ``device`` (None: where it is) is where the
-    cast happens before the bytes are copied to the host. Frames reference their
-    tensors without copying, so ``copy`` must stay True unless ``source`` gives tensors
-    that are never written again: a frame still queued must not change under the checksum.
+    ``dtype`` gives a tensor its wire dtype; ``device`` (None: where it is) is where the
+    cast happens before the bytes are copied to the host: a bucket's CUDA tensors in one
+    copy to pinned memory (``tohost``). Frames reference their host tensors without
+    copying, so ``copy`` must stay True unless ``source`` gives tensors that are never
+    written again: a frame still queued must not change under the checksum.
     """
     for part, keys in enumerate(buckets):
-        entries = []
-        for key in keys:
-            src = materialize(source(key)).detach()
-            t = src if device is None else src.to(device, non_blocking=True)
-            host = cast(key, t).cpu()
-            if copy and host.data_ptr() == src.data_ptr():  # neither the cast nor a move copied it
-                host = host.clone()
-            entries.append(encode_dense(ordinal(key), host, Codec.NONE))
+        tensors = [source(key) for key in keys]
+        hosts = to_host(tensors, [dtype(key, t) for key, t in zip(keys, tensors)], device, copy=copy)
+        entries = [encode_dense(ordinal(key), host, Codec.NONE) for key, host in zip(keys, hosts)]
+        del tensors, hosts
         specs, frames = assemble(entries)
         yield Message(mtype, version=version, part=part, last=part == len(buckets) - 1, tensors=specs, frames=frames)
