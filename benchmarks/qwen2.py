@@ -118,8 +118,8 @@ class Qwen2Shaped(nn.Module):
             for m in self.modules():
                 if isinstance(m, (nn.Linear, nn.Embedding)):
                     m.weight.normal_(0.0, 0.02)
-                    if getattr(m, "bias", None) is not None:
-                        m.bias.zero_()
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    m.bias.zero_()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model(tokens))
