@@ -36,10 +36,15 @@ class BucketBuilder:
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("bucket_device: cuda, but torch sees no CUDA device (use cpu or auto)")
         self.retained: dict[str, torch.Tensor] = {}  # the current version (``hold``)
+        self.held_d2h_seconds = 0.0  # the device time of ``hold``'s copies to the host (CUDA events)
 
     async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
         """Keep ``tensors``' version (``retain``): resyncs are built from it."""
-        self.retained = await asyncio.to_thread(self.retain, tensors)
+        self.retained, self.held_d2h_seconds = await asyncio.to_thread(self._timed_retain, tensors)
+
+    def _timed_retain(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+        spent = [0.0]
+        return self.retain(tensors, spent), spent[0]
 
     def held(self) -> dict[str, torch.Tensor]:
         """The tracked tensors of the current version, as retained."""
@@ -62,11 +67,13 @@ class BucketBuilder:
         keys = self.plan.tracked
         # A version always has at least one message, even with nothing tracked.
         buckets = plan_buckets(keys, lambda k: tensors[k].numel() * self.wire_dtype(tensors[k]).itemsize, self.bucket_size)
+        spent: list[float] = []  # device seconds of each bucket's copy to the host, as built
         messages = bucket_messages(
             MessageType.BUCKET, buckets or [[]], tensors.__getitem__, self.plan.ordinal,
-            lambda _, t: self.wire_dtype(t), self.device, version=version, copy=copy,
+            lambda _, t: self.wire_dtype(t), self.device, version=version, copy=copy, copied=spent.append,
         )
         stats = SyncStats(version, "bucket")
+        messages = _timed(messages, stats, spent)
         for key in keys:
             n = tensors[key].numel()
             stats.total_elements += n
@@ -75,18 +82,32 @@ class BucketBuilder:
         stats.tensors_changed = stats.tensors_dense = len(keys)
         return messages, stats
 
-    def retain(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def retain(self, tensors: dict[str, torch.Tensor], spent: list[float] | None = None) -> dict[str, torch.Tensor]:
         """Host copies of the tracked tensors at their wire dtypes: a consistent version
         that frames can share and resyncs can be built from after the model moves on.
         Bucket by bucket: a bucket's CUDA tensors in one copy to pinned memory (``tohost``;
-        a gathered FSDP2 weight is dropped before the next is gathered)."""
+        a gathered FSDP2 weight is dropped before the next is gathered); ``spent[0]`` adds
+        up their device seconds."""
         self.plan.check_tensors(tensors)
         out: dict[str, torch.Tensor] = {}
+
+        def add(seconds: float) -> None:
+            if spent is not None:
+                spent[0] += seconds
+
         keys = self.plan.tracked
         for bucket in plan_buckets(keys, lambda k: tensors[k].numel() * self.wire_dtype(tensors[k]).itemsize, self.bucket_size):
-            hosts = to_host([tensors[k] for k in bucket], [self.wire_dtype(tensors[k]) for k in bucket], self.device)
+            hosts = to_host([tensors[k] for k in bucket], [self.wire_dtype(tensors[k]) for k in bucket], self.device, copied=add)
             out.update(zip(bucket, hosts))
         return out
+
+
+def _timed(messages: Iterator[Message], stats: SyncStats, spent: list[float]) -> Iterator[Message]:
+    """``messages``, each bucket's copy time (``spent``, filled as it is built) added to ``stats.d2h_seconds``."""
+    for msg in messages:
+        stats.d2h_seconds += sum(spent)
+        spent.clear()
+        yield msg
 
 
 class BucketSender(SenderBase):

@@ -21,6 +21,7 @@ from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, pack_entry, 
 from protocol.wire.framing import Encoding, Role, ValueEncoding
 
 from .changes import Changes
+from .stats import SyncStats
 
 
 class Encoder(Protocol):
@@ -35,8 +36,8 @@ class Encoder(Protocol):
         """One tensor's (or group's) entry."""
         ...
 
-    def encode(self, changes: list[Changes]) -> list[EncodedTensor]:
-        """A part's entries, in order."""
+    def encode(self, changes: list[Changes], stats: SyncStats | None = None) -> list[EncodedTensor]:
+        """A part's entries, in order (``stats``: the version's, for the phases it times)."""
         ...
 
 
@@ -55,7 +56,7 @@ class HostEncoder:
     def __init__(self, options: PatchOptions) -> None:
         self.options = options
 
-    def encode(self, changes: list[Changes]) -> list[EncodedTensor]:
+    def encode(self, changes: list[Changes], stats: SyncStats | None = None) -> list[EncodedTensor]:
         return map_ordered(self.encode_one, changes)
 
     def encode_one(self, changes: Changes) -> EncodedTensor:

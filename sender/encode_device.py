@@ -26,10 +26,12 @@ import torch
 from protocol.codec import devicecodec
 from protocol.codec.compress import Codec
 from protocol.codec.tensorcodec import EncodedTensor, pack_entry
+from protocol.timing import DeviceSpan
 from protocol.wire.framing import Encoding, Role, ValueEncoding
 
 from .changes import Changes
 from .encode import whole
+from .stats import SyncStats
 from .streams import CopyStream
 
 
@@ -42,11 +44,15 @@ class _Placed:
     dense: torch.Tensor | None
 
 
-def to_host(stream: CopyStream, buffer: torch.Tensor) -> torch.Tensor:
-    """``buffer`` in host memory, waited for: a part's one copy from the device (none on CPU)."""
-    host, event = stream.to_host(buffer)
+def to_host(stream: CopyStream, buffer: torch.Tensor, stats: SyncStats | None = None) -> torch.Tensor:
+    """``buffer`` in host memory, waited for: a part's one copy from the device (none on
+    CPU), its device time added to ``stats.d2h_seconds``."""
+    span = DeviceSpan(buffer.device) if buffer.device.type == "cuda" else None
+    host, event = stream.to_host(buffer, span=span)
     if event is not None:
         event.synchronize()
+    if stats is not None and span is not None:
+        stats.d2h_seconds += span.seconds()
     return host
 
 
@@ -62,7 +68,7 @@ class DeviceEncoder:
     def encode_one(self, changes: Changes) -> EncodedTensor:
         return self.encode([changes])[0]
 
-    def encode(self, changes: list[Changes]) -> list[EncodedTensor]:
+    def encode(self, changes: list[Changes], stats: SyncStats | None = None) -> list[EncodedTensor]:
         entries: list[EncodedTensor | None] = [None] * len(changes)
         by_device: dict[torch.device, list[int]] = {}
         for i, c in enumerate(changes):
@@ -73,11 +79,11 @@ class DeviceEncoder:
             by_device.setdefault(held.device, []).append(i)
         for device, ids in by_device.items():
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                for i, entry in zip(ids, self._encode_on(device, [changes[i] for i in ids])):
+                for i, entry in zip(ids, self._encode_on(device, [changes[i] for i in ids], stats)):
                     entries[i] = entry
         return [e for e in entries if e is not None]
 
-    def _encode_on(self, device: torch.device, changes: list[Changes]) -> list[EncodedTensor]:
+    def _encode_on(self, device: torch.device, changes: list[Changes], stats: SyncStats | None) -> list[EncodedTensor]:
         prepared = {}
         for c in changes:
             if c.flat is not None:
@@ -104,7 +110,7 @@ class DeviceEncoder:
                 p.prepared.write(buffer[p.at])
             elif staged and p.dense is not None and p.dense.numel():
                 buffer[p.at].view(p.dense.dtype).copy_(p.dense.reshape(-1))
-        host = to_host(self._stream(device), buffer) if at else buffer
+        host = to_host(self._stream(device), buffer, stats) if at else buffer
         entries = []
         for c, p in zip(changes, placed):
             if p.prepared is not None:

@@ -372,7 +372,7 @@ class PatchBuilder:
     ) -> Message:
         started = time.perf_counter()  # encoding the collect did not hide: waits for the encoder, and framing
         later = [c.changes for c in captured if c.changes is not None]
-        coded = iter(await asyncio.to_thread(self.encoder.encode, later) if later else [])
+        coded = iter(await asyncio.to_thread(self.encoder.encode, later, stats) if later else [])
         encoded = [await asyncio.wrap_future(c.encoded) if c.encoded is not None else next(coded) for c in captured]
         stats.tensors_dense += sum(len(e.group) or 1 for e in encoded if e.encoding is Encoding.DENSE)
         specs, frames = assemble(encoded)

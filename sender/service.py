@@ -233,6 +233,7 @@ class Sender:
         started = time.perf_counter()
         await builder.hold(tensors)
         messages, stats = builder.build(builder.held(), version, copy=False)
+        stats.d2h_seconds = builder.held_d2h_seconds
         frames_list = [self.server.stamp(m) for m in await asyncio.to_thread(list, messages)]
         self.server.publish_buckets(version, frames_list)
         stats.messages, stats.wire_bytes = len(frames_list), sum(len(f) for fr in frames_list for f in fr)

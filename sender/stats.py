@@ -22,6 +22,9 @@ class SyncStats:
     # entropy coding and packing after the compare (what encoding beside it did not hide; the daemon does it in the background)
     encode_seconds: float = 0.0
     send_seconds: float = 0.0  # time spent in the injected send()
+    # copies of the version's changes (device encoder) or whole tensors (buckets) from a CUDA
+    # device to host memory, timed on the device (CUDA events); 0 where they are host memory
+    d2h_seconds: float = 0.0
 
     @property
     def changed_fraction(self) -> float:

@@ -6,7 +6,11 @@ is already complete, so the CPU tests exercise the same build loop the GPU runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from protocol.timing import DeviceSpan
 
 
 def cuda_present() -> bool:
@@ -55,8 +59,11 @@ class CopyStream:
             t.record_stream(current)  # allocated on the copy stream, used on this one
         return t
 
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Copy ``src`` into (pinned) host memory after the current stream's work on it."""
+    def to_host(
+        self, src: torch.Tensor, dst: torch.Tensor | None = None, span: DeviceSpan | None = None
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Copy ``src`` into (pinned) host memory after the current stream's work on it
+        (``span``: timed on the copy stream, the copy alone)."""
         if src.device.type == "cpu":
             if dst is None:
                 return src, None
@@ -66,7 +73,8 @@ class CopyStream:
         dst = host_empty_like(src) if dst is None else dst
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
+            with span or contextlib.nullcontext():
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         src.record_stream(self.stream)

@@ -62,7 +62,7 @@ def counted_version(tensors: int, patch: dict[str, Any], monkeypatch: pytest.Mon
     structure_step(state)
     copies: list[int] = []
 
-    def counted(stream: Any, buffer: torch.Tensor) -> torch.Tensor:
+    def counted(stream: Any, buffer: torch.Tensor, stats: Any = None) -> torch.Tensor:
         copies[-1] += 1
         return buffer
 
@@ -150,8 +150,8 @@ def test_on_cuda_a_part_is_the_same_bytes_and_one_copy_to_pinned_memory(monkeypa
     copies = []
     real = encode_device.to_host
 
-    def counted(stream: Any, buffer: torch.Tensor) -> torch.Tensor:
-        out = real(stream, buffer)
+    def counted(stream: Any, buffer: torch.Tensor, stats: Any = None) -> torch.Tensor:
+        out = real(stream, buffer, stats)
         copies.append(out.is_pinned())
         return out
 

@@ -62,3 +62,20 @@ def test_on_cuda_a_bucket_is_one_copy_to_pinned_memory_whatever_its_tensors() ->
         for t, dtype, host in zip(tensors, dtypes, hosts):
             assert host.is_pinned() or host.numel() == 0
             assert torch.equal(bits(host.contiguous()), bits(t.cpu().to(dtype).contiguous()))
+
+
+def test_a_device_span_is_wall_time_on_cpu() -> None:
+    import time
+
+    from protocol.timing import DeviceSpan
+
+    with DeviceSpan(torch.device("cpu")) as span:
+        time.sleep(0.01)
+    assert 0.005 < span.seconds() < 5.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_copies_report_their_device_time() -> None:
+    spent: list[float] = []
+    to_host([torch.randn(1 << 20, device="cuda")], [torch.bfloat16], copied=spent.append)
+    assert len(spent) == 1 and spent[0] > 0

@@ -42,6 +42,7 @@ def bucket_messages(
     *,
     version: int | None,
     copy: bool = True,
+    copied: Callable[[float], None] | None = None,
 ) -> Iterator[Message]:
     """One message per bucket, built lazily so at most one bucket is materialized at a time.
 
@@ -49,11 +50,12 @@ def bucket_messages(
     cast happens before the bytes are copied to the host: a bucket's CUDA tensors in one
     copy to pinned memory (``tohost``). Frames reference their host tensors without
     copying, so ``copy`` must stay True unless ``source`` gives tensors that are never
-    written again: a frame still queued must not change under the checksum.
+    written again: a frame still queued must not change under the checksum. ``copied``
+    gets the device seconds of each copy to the host.
     """
     for part, keys in enumerate(buckets):
         tensors = [source(key) for key in keys]
-        hosts = to_host(tensors, [dtype(key, t) for key, t in zip(keys, tensors)], device, copy=copy)
+        hosts = to_host(tensors, [dtype(key, t) for key, t in zip(keys, tensors)], device, copy=copy, copied=copied)
         entries = [encode_dense(ordinal(key), host, Codec.NONE) for key, host in zip(keys, hosts)]
         del tensors, hosts
         specs, frames = assemble(entries)

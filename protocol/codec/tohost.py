@@ -10,11 +10,12 @@ reuses what an earlier one freed once its frames were sent. CPU tensors are only
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from protocol.state import materialize
+from protocol.timing import DeviceSpan
 
 ALIGN = 64  # each tensor's bytes start at a multiple of this in the buffer (any dtype's view)
 
@@ -24,7 +25,8 @@ def _aligned(n: int) -> int:
 
 
 def to_host(
-    tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], device: torch.device | None = None, *, copy: bool = True
+    tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], device: torch.device | None = None, *, copy: bool = True,
+    copied: Callable[[float], None] | None = None,
 ) -> list[torch.Tensor]:
     """``tensors`` cast to ``dtypes`` (on ``device`` first, if given), in host memory.
 
@@ -32,7 +34,8 @@ def to_host(
     block. CPU tensors: ``t.to(dtype)``, cloned where that is ``t`` itself and ``copy``
     (frames must not change under their checksum while queued). DTensors are gathered
     (``materialize``) one at a time, each dropped once it is in the buffer or cast: never
-    two gathered full tensors alive at once (sender/fsdp.py counts them)."""
+    two gathered full tensors alive at once (sender/fsdp.py counts them). ``copied`` gets
+    each device's copy to the host as device seconds (CUDA events)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     on_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -56,8 +59,11 @@ def to_host(
                 _slot(buffer, start, src.shape, dtypes[i]).copy_(src, non_blocking=True)  # the cast (and a move), on the device
                 del src
             host = torch.empty(at, dtype=torch.uint8, pin_memory=True)
-            host.copy_(buffer, non_blocking=True)
+            with DeviceSpan(where) as span:
+                host.copy_(buffer, non_blocking=True)
             torch.cuda.current_stream(where).synchronize()  # the one wait, for the copy
+            if copied is not None:
+                copied(span.seconds())
         for i, start in zip(ids, starts):
             out[i] = _slot(host, start, tensors[i].shape, dtypes[i])
     return [t for t in out if t is not None]
