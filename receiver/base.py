@@ -22,6 +22,7 @@ from protocol.codec.tensorcodec import DecodedTensor, decode_entry, group_offset
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
 from protocol.state import StateLike, find_aliases, state_tensors
+from protocol.timing import DeviceSpan
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, TensorEntry, ValueEncoding, decode_message, encode_message
 from protocol.wire.messages import ErrorReport, Hello, Welcome
@@ -351,15 +352,25 @@ class ReceiverBase:
 
     async def _write_staged(self, targets: list[Target], pending: PendingVersion) -> None:
         started = time.perf_counter()
-        await self._write(targets, pending.updates)
+        await self._write(targets, pending.updates, pending.stats)
         pending.updates, pending.staged_bytes = [], 0  # one message's worth staged at a time
         pending.stats.apply_seconds += time.perf_counter() - started
 
-    async def _write(self, targets: list[Target], updates: list[StagedUpdate]) -> None:
+    def _commit_timed(self, targets: list[Target], updates: list[StagedUpdate], stats: ApplyStats | None) -> None:
+        """``commit``, its device time added to ``stats.apply_device_seconds`` (CUDA events
+        on each target device; this waits for the writes to be done there)."""
+        devices = {t.device for t in targets if t.device.type == "cuda"} or {torch.device("cpu")}
+        with contextlib.ExitStack() as stack:
+            spans = [stack.enter_context(DeviceSpan(d)) for d in devices]
+            commit(targets, updates, self.aliases)
+        if stats is not None:
+            stats.apply_device_seconds += max(span.seconds() for span in spans)
+
+    async def _write(self, targets: list[Target], updates: list[StagedUpdate], stats: ApplyStats | None = None) -> None:
         """Write ``updates`` off the event loop. A thread cannot be stopped, so a caller
         cancelled meanwhile waits for it before the cancellation goes on: the failure is
         recorded (``torn``) and the write side handed on only once nothing writes."""
-        thread = asyncio.ensure_future(asyncio.to_thread(commit, targets, updates, self.aliases))
+        thread = asyncio.ensure_future(asyncio.to_thread(self._commit_timed, targets, updates, stats))
         cancelled = False
         while not thread.done():
             try:
@@ -403,7 +414,7 @@ class ReceiverBase:
         held = await self._take_write_side(pending, None)
         try:
             started = time.perf_counter()
-            await self._write(targets, pending.updates)
+            await self._write(targets, pending.updates, pending.stats)
             pending.stats.apply_seconds = time.perf_counter() - started
             self._publish_written(pending)
         except BaseException:
@@ -473,6 +484,7 @@ class ReceiverBase:
         pending.stats.staged_bytes_peak = max(pending.stats.staged_bytes_peak, pending.staged_bytes)
         pending.stats.tensors += len(updates)
         pending.stats.changed_elements += sum(u.values.numel() for u in updates)
+        pending.stats.h2d_seconds += self.staging.transfer_seconds()
         pending.stats.decode_seconds += time.perf_counter() - started
 
     def _decode(self, msg: Message, targets: list[Target]) -> list[StagedUpdate]:

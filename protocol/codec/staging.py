@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from protocol.timing import DeviceSpan
+
 ALIGN = 64  # every piece starts at a multiple of this in the buffer: any dtype's view of it is aligned
 GROW_GRANULE = 1 << 20  # a buffer grows to at least twice its size, rounded up to this
 
@@ -75,6 +77,7 @@ class StagingPool:
         self.allocations = 0  # host buffers allocated so far (a new device, or one grown)
         self._slots: dict[torch.device, _Slot] = {}
         self._lock = threading.Lock()
+        self._spans: list[DeviceSpan] = []  # the transfers since ``transfer_seconds`` last read them
 
     @property
     def pin(self) -> bool:
@@ -113,9 +116,18 @@ class StagingPool:
             view = host.numpy()
             for piece, start in zip(pieces, starts):
                 view[start : start + piece.nbytes] = piece.view(np.uint8)
-            moved = host_to_device(host[:total], device)
+            with DeviceSpan(device) as span:
+                moved = host_to_device(host[:total], device)
+            self._spans.append(span)
             self._copied(device)
         return [moved[start : start + piece.nbytes].view(_DTYPES[piece.dtype]) for piece, start in zip(pieces, starts)]
+
+    def transfer_seconds(self) -> float:
+        """The device time of the transfers since the last call (CUDA events, read once
+        the transfers are done: after the part's verdicts are read; wall time on CPU)."""
+        with self._lock:
+            spans, self._spans = self._spans, []
+        return sum(span.seconds() for span in spans)
 
     def clear(self) -> None:
         """Drop every buffer (once their copies have finished)."""
