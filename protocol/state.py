@@ -61,6 +61,12 @@ class Placed:
         held, values = self.read_held(torch.tensor(list(flat), dtype=torch.int64))
         return [b if h else None for b, h in zip(bit_view(values).tolist(), held.tolist())]
 
+    def places(self, flat: Sequence[int]) -> list[tuple[torch.Tensor, list[int], list[int]]] | None:
+        """Where a few elements at these flat indices lie: (a 1-D tensor holding some of
+        them, their positions in ``flat``, their offsets in it) each; those not held here
+        are in none. None where a state cannot say (then ``peek`` reads them)."""
+        return None
+
     def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
         """Set the elements at the flat indices; those not held here are dropped."""
         raise NotImplementedError

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from protocol.errors import MetadataMismatchError, PlacementError
 from protocol.state import Placed
-from protocol.wire.dtypes import bit_view, bits_at
+from protocol.wire.dtypes import bit_view, bits_at, bits_dtype
 
 from ..commit import StagedUpdate, write
 
@@ -128,11 +128,15 @@ class Segment:
         return self.dst_offset + sum(c * s for c, s in zip(coords, self.dst_strides))
 
     def locate(self, flat: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mask of ``flat`` held by this segment, their offsets in ``storage``)."""
+        """(mask of ``flat`` held by this segment, an offset in ``storage`` for every index).
+
+        Nothing is compacted, so no step waits for the device (a boolean index would: it
+        must learn how many are held): the offset of an index not held is this segment's
+        first (``dst_offset``), a valid place the caller masks out. Indices on any device."""
         if self.kind == "range":
             k = flat - self.src_offset
             held = (k >= 0) & (k < self.numel)
-            k = k[held]
+            k = torch.where(held, k, 0)
             if self.dst_strides == _contiguous_strides(self.sizes):
                 return held, k + self.dst_offset
             coords = _unravel(k, self.sizes)
@@ -148,8 +152,8 @@ class Segment:
                 v = base[b] - self.start[b]
                 held &= (v >= 0) & (v < self.sizes[j])
                 coords.append(v)
-            coords = [c[held] for c in coords]
-        dst = torch.full_like(coords[0], self.dst_offset) if coords else flat[held] * 0 + self.dst_offset
+            coords = [torch.where(held, c, 0) for c in coords]
+        dst = torch.full_like(flat, self.dst_offset)
         for c, stride in zip(coords, self.dst_strides):
             dst += c * stride
         return held, dst
@@ -195,9 +199,9 @@ class MappedTensor(Placed):
     def read(self, flat: torch.Tensor) -> torch.Tensor:
         return self.read_held(flat)[1]
 
-    def peek(self, flat: Sequence[int]) -> list[int | None]:
-        """The bits of a few elements (``offset_of``: plain integers, one read per storage)."""
-        out: list[int | None] = [None] * len(flat)
+    def places(self, flat: Sequence[int]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        """Where a few elements lie (``offset_of``: plain integers, independent of the
+        vectorised ``locate``): (a storage, their positions in ``flat``, their offsets in it)."""
         wanted: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # storage -> (it, positions in flat, offsets)
         for i, f in enumerate(flat):
             for seg in self.segments:
@@ -207,7 +211,12 @@ class MappedTensor(Placed):
                     at.append(i)
                     offsets.append(offset)
                     break
-        for storage, at, offsets in wanted.values():
+        return list(wanted.values())
+
+    def peek(self, flat: Sequence[int]) -> list[int | None]:
+        """The bits of a few elements (``places``; one read per storage)."""
+        out: list[int | None] = [None] * len(flat)
+        for storage, at, offsets in self.places(flat):
             if storage.dtype == self.dtype:
                 read = bits_at(storage, offsets)
             else:
@@ -217,20 +226,31 @@ class MappedTensor(Placed):
         return out
 
     def read_held(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which of checkpoint indices ``flat`` this rank holds, their values; 0 where not
+        held), gathered segment by segment where the storage is: no host sync."""
+        flat = flat.to(self.device)
         held = torch.zeros(flat.numel(), dtype=torch.bool, device=self.device)
         out = torch.zeros(flat.numel(), dtype=self.dtype, device=self.device)
         for seg in self.segments:
             mask, dst = seg.locate(flat, self.shape)
-            mask = mask.to(self.device)
-            out[mask] = seg.storage[dst.to(self.device)].to(self.dtype)
+            out = torch.where(mask, seg.storage[dst].to(self.dtype), out)
             held |= mask
         return held, out
 
     @torch.no_grad()
     def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Checkpoint indices ``flat`` (ascending, no repeats) get ``values``, each written
+        where a segment holds it; with no host sync. Unmasked, every index writes: as the
+        difference of its new bits from the held ones, wrapping, added at its offset
+        (``index_put_`` accumulating), which is 0 for an index a segment does not hold
+        (its offset is a valid place, shared by many: adding 0s there changes nothing)."""
         for seg in self.segments:
-            held, dst = seg.locate(flat.cpu(), self.shape)
-            seg.storage[dst.to(seg.storage.device)] = values[held.to(values.device)].to(seg.storage.device, seg.storage.dtype)
+            storage = seg.storage
+            mask, dst = seg.locate(flat.to(storage.device), self.shape)
+            bits = bits_dtype(storage.dtype)
+            new = values.to(storage.device, storage.dtype).reshape(-1).view(bits)
+            moved = torch.where(mask, new - storage.view(bits)[dst], 0).to(bits)
+            storage.view(bits).index_put_((dst,), moved, accumulate=True)
 
     @torch.no_grad()
     def assign(self, values: torch.Tensor) -> None:
