@@ -37,6 +37,8 @@ WORLD = 2
 VERSIONS = 4
 CONFIGS: dict[str, dict[str, Any]] = {
     "patch": {"weight_syncer": {"type": "patch"}},
+    # the device path (issue 35) on gathered DTensors: compared one by one, coded by the device codec a part at once
+    "patch-device": {"weight_syncer": {"type": "patch", "patch": {"codec": "device"}}},
     "bucket": {"weight_syncer": {"type": "bucket", "bucket": {"init_sync": {"enabled": True}}}},
 }
 DEADLINE = 150.0  # seconds for the whole spawn; a hang fails the tests instead of blocking them
