@@ -506,11 +506,13 @@ class ReceiverBase:
             return Placement((int(offsets[-1]),), dtype, device, offsets)
 
         placements = [place(entry) for entry in msg.tensors]
-        # Device-coded payloads bound for a GPU (and their groups' offsets): one copy to it for the part.
-        moved = transfer_part(msg.tensors, msg.frames, placements, self.staging)
+        # Device-coded payloads bound for a GPU (and their groups' offsets) and whole tensors'
+        # bytes: one copy to it for the message, everything checked before it.
+        moved = transfer_part(msg.tensors, msg.frames, placements, self.staging, exact_dtype=exact)
 
         def one(i: int) -> list[StagedUpdate] | _Unread:
-            """The entry's updates, or, for a device-coded one, its decode with the verdict unread."""
+            """The entry's updates, or, for a device-coded one, its decode with the verdict unread
+            (``payload``: what the transfer moved for it, a device-coded payload or dense bytes)."""
             entry, where = msg.tensors[i], placements[i]
             payload = moved.payloads.get(i)
             if not entry.group:

@@ -35,12 +35,15 @@ class StagedUpdate:
     def stage(cls, decoded: DecodedTensor, target: Target) -> StagedUpdate:
         """Resolve XOR and ulp values against ``target`` and move everything to its device.
         A device-coded update (its verdict already read: ``tensorcodec.read_verdicts``) is
-        resolved on the target's device, with no host sync."""
+        resolved on the target's device, with no host sync; so is a dense one already there
+        (moved with its message: ``receiver/transfer.py``), cast there to the target's dtype."""
         if decoded.verdict is not None and decoded.flat is not None:
             return cls._stage_on_device(decoded, decoded.flat, target)
         raw = decoded.encoding is ValueEncoding.RAW  # final values: sent raw, or decoded onto the target
         if decoded.flat is None:
             update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
+            if decoded.checked:  # moved with its message, its bytes checked on the host first: cast on the device, if at all
+                return update
         elif isinstance(target, Placed):  # it reads and writes by flat index itself
             values = decoded.values if raw else decoded.new_values(target.read(decoded.flat).cpu())
             update = cls(decoded.key, decoded.flat, values.to(target.device))

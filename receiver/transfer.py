@@ -1,8 +1,12 @@
 """A part's host-to-device transfer: every device-coded payload of one message (and the
 offsets of its grouped entries, which the verdict read needs there) moved to the target's
 device in one copy, through the receiver's reused staging buffer (``StagingPool``: pinned
-where CUDA is available). A CPU target needs no transfer: its entries decode from their
-frames as they are, and nothing is staged for them."""
+where CUDA is available). Tensors sent whole (``Encoding.DENSE``: every entry of a BUCKET or
+BOOTSTRAP message, and dense entries of a PATCH part) go in that same one copy a message and
+device: their values' bytes as the host decodes them (a view of an uncompressed frame, or
+decompressed and unshuffled), checked first, then viewed at the wire's dtype on the device
+and cast there to the target's (``StagedUpdate.stage``). A CPU target needs no transfer: its
+entries decode from their frames as they are, and nothing is staged for them."""
 
 from __future__ import annotations
 
@@ -13,10 +17,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from protocol.codec.compress import Codec
+from protocol.codec.parallel import map_ordered
 from protocol.codec.staging import StagingPool
-from protocol.codec.tensorcodec import blocks_payload
+from protocol.codec.tensorcodec import blocks_payload, dense_bytes, dense_spec
 from protocol.wire.buffers import Buffer
-from protocol.wire.framing import TensorEntry
+from protocol.wire.framing import BufferSpec, TensorEntry
 
 
 class Placement(NamedTuple):
@@ -31,31 +37,56 @@ class Placement(NamedTuple):
 
 @dataclass
 class Moved:
-    """What a part's transfer brought to the devices, by the entry's index in its message."""
+    """What a part's transfer brought to the devices, by the entry's index in its message:
+    ``payloads`` a device-coded entry's payload or a dense entry's bytes (uint8 both),
+    ``offsets`` a device-coded group's ``group_offsets``."""
 
     payloads: dict[int, torch.Tensor] = field(default_factory=dict)
     offsets: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def transfer_part(entries: Sequence[TensorEntry], frames: list[Buffer], placements: Sequence[Placement], pool: StagingPool) -> Moved:
-    """Move the device-coded payloads of ``entries`` whose targets are on a device ``pool``
-    stages (any but the CPU), and their groups' offsets, with one ``pool.stage`` a device:
-    one host-to-device copy a part. Each payload is checked against its target first
-    (``blocks_payload``: a ``ProtocolError`` before anything is copied). Nothing is moved,
-    and nothing of the pool touched, for a part without such an entry."""
-    pieces: dict[torch.device, list[tuple[int, bool, np.ndarray]]] = {}
+def transfer_part(
+    entries: Sequence[TensorEntry], frames: list[Buffer], placements: Sequence[Placement], pool: StagingPool, *, exact_dtype: bool = True
+) -> Moved:
+    """Move what of ``entries`` is bound for a device ``pool`` stages (any but the CPU):
+    device-coded payloads and their groups' offsets, and dense entries' values (their bytes:
+    ``dense_bytes``), with one ``pool.stage`` a device: one host-to-device copy a message.
+    Every entry moved is checked against its target first (``dense_spec``, ``blocks_payload``,
+    with ``exact_dtype`` as ``decode_entry`` takes it): a ``ProtocolError`` before its bytes
+    are decompressed, and before anything is copied; a compressed dense frame that does not
+    decompress to its size (``IntegrityError``), or bool bytes other than 0 and 1, fail before
+    anything is copied too: a bad entry moves nothing of its message. Nothing is moved, and
+    nothing of the pool touched, for a message without such an entry (nor for a dense buffer
+    nvCOMP compressed: it decompresses on the GPU, ``decode_entry``)."""
+    pieces: dict[int, np.ndarray] = {}
+    dense: dict[int, BufferSpec] = {}
     for i, (entry, where) in enumerate(zip(entries, placements)):
         if not pool.stages(where.device):
             continue
-        payload = blocks_payload(entry, frames, where.shape, where.dtype)
-        if payload is None:
+        spec = dense_spec(entry, where.shape, where.dtype, exact_dtype)
+        if spec is not None:
+            dense[i] = spec
             continue
-        mine = pieces.setdefault(where.device, [])
-        mine.append((i, False, payload))
-        if where.offsets is not None:
+        payload = blocks_payload(entry, frames, where.shape, where.dtype)
+        if payload is not None:
+            pieces[i] = payload
+    # The host's decode of dense values (a compressed one's decompression) in parallel, as
+    # decode_entry's would be; an uncompressed frame is a view, taken here.
+    compressed = [i for i, spec in dense.items() if spec.codec is not Codec.NONE]
+    host = map_ordered(lambda i: dense_bytes(entries[i].key, dense[i], frames, placements[i].dtype), compressed)
+    pieces.update(zip(compressed, host))
+    for i, spec in dense.items():
+        if i not in pieces:
+            pieces[i] = dense_bytes(entries[i].key, spec, frames, placements[i].dtype)
+    by_device: dict[torch.device, list[tuple[int, bool, np.ndarray]]] = {}
+    for i in sorted(pieces):
+        where = placements[i]
+        mine = by_device.setdefault(where.device, [])
+        mine.append((i, False, pieces[i]))
+        if i not in dense and where.offsets is not None:  # a device-coded group's cut points are read there
             mine.append((i, True, where.offsets))
     moved = Moved()
-    for device, mine in pieces.items():
+    for device, mine in by_device.items():
         views = pool.stage(device, [array for _, _, array in mine])
         for (i, is_offsets, _), view in zip(mine, views):
             (moved.offsets if is_offsets else moved.payloads)[i] = view

@@ -435,10 +435,15 @@ def unpack_buffer(spec: BufferSpec, frame: Buffer, device: torch.device) -> torc
     dtype = dtype_from_code(spec.dtype)
     if spec.codec is Codec.NONE:
         return _frame_tensor(frame, dtype, spec.shape).to(device)
+    return _decompressed(spec, frame, device).view(dtype).reshape(spec.shape)
+
+
+def _decompressed(spec: BufferSpec, frame: Buffer, device: torch.device) -> torch.Tensor:
+    """A compressed buffer's bytes (1-D uint8), decompressed and unshuffled."""
     raw = decompress(frame, spec.codec, spec.nbytes, device)
     if spec.shuffle:
-        raw = unshuffle(raw, itemsize(dtype))
-    return raw.view(dtype).reshape(spec.shape)
+        raw = unshuffle(raw, itemsize(dtype_from_code(spec.dtype)))
+    return raw
 
 
 @dataclass(frozen=True)
@@ -461,6 +466,10 @@ class DecodedTensor:
     values: torch.Tensor  # dense: the tensor; sparse: new values, XOR bits or ulp differences
     encoding: ValueEncoding
     verdict: Verdict | None = None
+    # Dense values moved with the rest of their message (``decode_entry``'s ``payload``), their
+    # bytes checked on the host before they moved (``dense_bytes``): nothing is left to check
+    # where they are now (which, on a GPU, would be a host sync a tensor).
+    checked: bool = False
 
     def new_values(self, old: torch.Tensor) -> torch.Tensor:
         """New values of a sparse update, given the old values at ``flat``."""
@@ -496,10 +505,15 @@ def decode_entry(
     ``device``) with no host sync; it comes back with its ``verdict`` unread (``read_verdicts``).
     ``payload``: such an entry's payload (``blocks_payload``) already on that device, moved
     there with the rest of its message (``receiver/transfer.py``); without it the payload is
-    copied there on its own (a CPU target decodes it from its frame).
+    copied there on its own (a CPU target decodes it from its frame). A dense entry's
+    ``payload`` is its values' bytes (``dense_bytes``) moved the same way: its values come
+    back as a view of them, at the wire's dtype, on that device (``checked``); without it
+    they are decoded on ``device``.
     """
     numel, vspec = _checked(entry, shape, dtype, exact_dtype)
     if entry.encoding is Encoding.DENSE:
+        if payload is not None:
+            return DecodedTensor(entry.key, None, _staged_dense(entry, vspec, payload, target_device or device), entry.values, checked=True)
         return DecodedTensor(entry.key, None, unpack_buffer(vspec, frames[vspec.frame - 1], device), entry.values)
     nnz = entry.nnz
     if _is_blocks(entry.encoding, entry.values):
@@ -536,6 +550,39 @@ def blocks_payload(entry: TensorEntry, frames: list[Buffer], shape: tuple[int, .
         return None
     _, vspec = _checked(entry, shape, dtype)
     return _host_bytes(vspec, frames[vspec.frame - 1])
+
+
+def dense_spec(entry: TensorEntry, shape: tuple[int, ...], dtype: torch.dtype, exact_dtype: bool = True) -> BufferSpec | None:
+    """A dense entry's VALUES buffer, once the entry passes every check ``decode_entry``
+    makes before decoding (``exact_dtype`` as there); None for an entry of any other
+    encoding, and for a buffer nvCOMP compressed (it decompresses on a GPU already)."""
+    if entry.encoding is not Encoding.DENSE:
+        return None
+    _, vspec = _checked(entry, shape, dtype, exact_dtype)
+    return None if vspec.codec is Codec.NVCOMP_LZ4 else vspec
+
+
+def dense_bytes(key: int, spec: BufferSpec, frames: list[Buffer], dtype: torch.dtype) -> np.ndarray:
+    """The bytes of a dense entry's values (``spec``: its ``dense_spec``) on the host, as
+    ``decode_entry`` decodes them: a view of the frame when it is uncompressed, else
+    decompressed and unshuffled (``IntegrityError`` for a frame that does not decompress
+    to its announced size). For a bool target (``dtype``) the bytes are checked here, before
+    they move: ``ProtocolError`` for any other than 0 and 1 (``StagedUpdate.stage``'s check
+    of values it is given on the host)."""
+    frame = frames[spec.frame - 1]
+    raw = np.frombuffer(frame, dtype=np.uint8) if spec.codec is Codec.NONE else _decompressed(spec, frame, torch.device("cpu")).numpy()
+    if dtype == torch.bool and raw.size and int(raw.max()) > 1:
+        raise ProtocolError(f"tensor {key}: bool values other than 0 and 1")
+    return raw
+
+
+def _staged_dense(entry: TensorEntry, spec: BufferSpec, payload: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A dense entry's values from its bytes already on ``device`` (``dense_bytes``, moved
+    with its message): a view of them at the wire's dtype and shape."""
+    if payload.device != device or payload.dtype != torch.uint8 or tuple(payload.shape) != (spec.nbytes,):
+        raise ValueError(f"tensor {entry.key}: staged dense bytes of {payload.dtype}{list(payload.shape)} on {payload.device}, "
+                         f"expected uint8[{spec.nbytes}] on {device}")
+    return payload.view(dtype_from_code(spec.dtype)).reshape(spec.shape)
 
 
 def _checked(entry: TensorEntry, shape: tuple[int, ...], dtype: torch.dtype, exact_dtype: bool = True) -> tuple[int, BufferSpec]:
@@ -647,7 +694,8 @@ def split_group(
     if decoded.flat is None:
         values = decoded.values.reshape(-1)
         return [
-            DecodedTensor(k, None, values[offsets[i]:offsets[i + 1]].view(shapes[i]), decoded.encoding) for i, k in enumerate(group)
+            DecodedTensor(k, None, values[offsets[i]:offsets[i + 1]].view(shapes[i]), decoded.encoding, checked=decoded.checked)
+            for i, k in enumerate(group)
         ]
     flat, values = decoded.flat, decoded.values
     host = flat.numpy() if flat.device.type == "cpu" and cuts is None else None  # numpy's calls cost a fraction of torch's, per member
