@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -18,7 +19,7 @@ import torch
 
 from protocol.codec.parallel import map_ordered
 from protocol.codec.staging import StagingPool
-from protocol.codec.tensorcodec import DecodedTensor, decode_entry, group_offsets, read_verdicts, split_group
+from protocol.codec.tensorcodec import DecodedTensor, at_span, decode_entry, group_offsets, read_verdicts, split_group
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, StaleVersionError, WeightSyncError
 from protocol.state import StateLike, find_aliases, state_tensors
@@ -36,6 +37,18 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[Sequence[Buffer]], Awaitable[Any]]
 Recv = Callable[[], Awaitable[Sequence[Buffer]]]
+
+_WHOLE = -1  # ``ReceiverBase._claim``: a tensor written by an entry without a span
+
+
+def _check_span(msg: Message, key: int, span: tuple[int, int], numel: int) -> None:
+    """A span entry's rules that need the model: only in a patch, 0 <= lo < hi <= numel."""
+    lo, hi = span
+    if msg.type is not MessageType.PATCH:
+        raise ProtocolError(f"{msg.describe()}: tensor {key}: a span entry outside a patch")
+    if not 0 <= lo < hi <= numel:
+        raise ProtocolError(f"{msg.describe()}: tensor {key}: span [{lo}, {hi}) is not within its {numel} elements")
+
 
 class _Superseded(Exception):
     """A resync's first message arrived while a patch was incomplete: it replaces the patch."""
@@ -245,7 +258,7 @@ class ReceiverBase:
         kind = "bootstrap" if first.type is MessageType.BOOTSTRAP else self.strategy
         pending = PendingVersion(first.type, first.version, first.base_version, stats=ApplyStats(first.version, kind))
         received = 0
-        seen_keys: set[int] = set()
+        seen_keys: dict[int, int] = {}  # ordinal -> _WHOLE, or the end of its last span so far (``_claim``)
         raw: list[Message] = []
         msg = first
         instant = self.writes_on_arrival and self.commit_gate is None  # a held receiver stages, to commit when asked
@@ -267,10 +280,7 @@ class ReceiverBase:
                     raise ProtocolError(f"{msg.describe()}: a part before the last with no tensors")
                 received += 1
                 for entry in msg.tensors:
-                    for key in entry.covers:
-                        if key >= len(targets) or key in seen_keys:
-                            raise ProtocolError(f"{msg.describe()}: tensor ordinal {key} out of range or repeated")
-                        seen_keys.add(key)
+                    self._claim(msg, entry, len(targets), seen_keys)
                 pending.stats.messages += 1
                 pending.stats.wire_bytes += msg.payload_nbytes
                 if self.keep_messages:
@@ -471,6 +481,36 @@ class ReceiverBase:
         elif not bootstrap and msg.version is not None and current is not None and msg.version < current:
             raise StaleVersionError(f"bootstrap v{msg.version} is older than v{current}", current=current, got=msg.version)
 
+    def _claim(self, msg: Message, entry: TensorEntry, count: int, seen: dict[int, int]) -> None:
+        """Check that ``entry`` writes what no earlier entry of its version wrote (``seen``:
+        ordinal -> ``_WHOLE``, or the end of the last span of it so far), and record it: a
+        tensor travels in one entry, or in span entries only (``TensorEntry.span``), in a
+        patch, each within the tensor and after the one before (across parts too). So every
+        entry covers something new, and a version's entries are bounded by its elements."""
+        span = entry.span
+        for key in entry.covers:
+            if key >= count:
+                raise ProtocolError(f"{msg.describe()}: tensor ordinal {key} out of range or repeated")
+            last = seen.get(key)
+            if span is None:
+                if last is not None:
+                    raise ProtocolError(f"{msg.describe()}: tensor ordinal {key} out of range or repeated"
+                                        + ("" if last == _WHOLE else " (a whole entry after span entries of it)"))
+                seen[key] = _WHOLE
+                continue
+            lo, hi = span
+            _check_span(msg, key, span, self._numel(key))
+            if last == _WHOLE:
+                raise ProtocolError(f"{msg.describe()}: tensor {key}: a span entry [{lo}, {hi}) beside a whole entry of it")
+            if last is not None and lo < last:
+                raise ProtocolError(f"{msg.describe()}: tensor {key}: span [{lo}, {hi}) overlaps or precedes one ending at {last} "
+                                    "(a tensor's spans are disjoint and ascending)")
+            seen[key] = hi
+
+    def _numel(self, key: int) -> int:
+        assert self.metadata is not None
+        return math.prod(self.metadata.shapes[key])
+
     @staticmethod
     def _check_same_version(first: Message, msg: Message) -> None:
         if (msg.type, msg.version, msg.base_version) != (first.type, first.version, first.base_version):
@@ -497,6 +537,9 @@ class ReceiverBase:
             if entry.values is not ValueEncoding.RAW and msg.type is not MessageType.PATCH:
                 raise ProtocolError(f"{msg.describe()}: {entry.values.name} values outside a patch")
             device = targets[entry.key].device
+            if entry.span is not None:  # a 1-D tensor of its hi - lo elements
+                _check_span(msg, entry.key, entry.span, self._numel(entry.key))
+                return Placement((entry.span[1] - entry.span[0],), metadata.dtypes[entry.key], device)
             if not entry.group:
                 return Placement(metadata.shapes[entry.key], metadata.dtypes[entry.key], device)
             dtype = metadata.dtypes[entry.key]
@@ -518,10 +561,14 @@ class ReceiverBase:
             if not entry.group:
                 target = targets[entry.key]
                 base = target if isinstance(target, torch.Tensor) else None  # read where the entry's values are relative
+                if entry.span is not None and base is not None:  # a span's values are relative to its range
+                    base = base.view(-1)[entry.span[0]:entry.span[1]] if base.is_contiguous() else None
                 decoded = decode_entry(
                     entry, msg.frames, where.shape, where.dtype, self.device, exact_dtype=exact, base=base,
                     target_device=where.device, payload=payload,
                 )
+                if entry.span is not None:  # its positions in the tensor's flat coordinates, before anything reads there
+                    decoded = at_span(decoded, entry.span)
                 if decoded.verdict is not None:
                     return _Unread(decoded)
                 return [StagedUpdate.stage(decoded, target)]

@@ -42,8 +42,6 @@ class StagedUpdate:
         raw = decoded.encoding is ValueEncoding.RAW  # final values: sent raw, or decoded onto the target
         if decoded.flat is None:
             update = cls(decoded.key, None, decoded.values.to(target.device, target.dtype))
-            if decoded.checked:  # moved with its message, its bytes checked on the host first: cast on the device, if at all
-                return update
         elif isinstance(target, Placed):  # it reads and writes by flat index itself
             values = decoded.values if raw else decoded.new_values(target.read(decoded.flat).cpu())
             update = cls(decoded.key, decoded.flat, values.to(target.device))
@@ -55,6 +53,8 @@ class StagedUpdate:
                 update = cls(decoded.key, flat, kernels.gather_add(target, flat, decoded.values.cpu()))
             else:
                 update = cls(decoded.key, flat, decoded.new_values(read_flat(target, flat)).to(target.device))
+        if decoded.checked:  # dense values (a dense span's too) moved with their message, their bytes checked on the host first
+            return update
         if target.dtype == torch.bool and update.values.numel() and int(update.values.view(torch.uint8).max()) > 1:
             raise ProtocolError(f"tensor {decoded.key}: bool values other than 0 and 1")  # XOR/ulp bits, or raw bytes
         return update

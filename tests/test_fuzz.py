@@ -9,8 +9,8 @@ versions, and the ACK / NACK / HEARTBEAT control messages the receiver daemon se
 
 Hypothesis mutates them: bit flips and byte overwrites in any frame, truncation and
 extension, dropped / duplicated / reordered / spliced frames and messages, and header
-fields rewritten through msgpack. Most cases are then *resealed*: frame checksums, sizes
-and the header checksum recomputed, so the corruption gets past framing and has to be
+fields rewritten through msgpack, spans given to entries (protocol 6). Most cases are then
+*resealed*: frame checksums, sizes and the header checksum recomputed, so the corruption gets past framing and has to be
 caught by what is behind it (the entropy decoders, index bounds, size and dtype rules); a
 device-coded payload is also damaged with its own checksum recomputed, for the device
 decoder's structural checks to catch.
@@ -551,6 +551,28 @@ def edit_manifest(data: st.DataObject, header: dict[str, Any]) -> None:
     return None
 
 
+def edit_span(data: st.DataObject, header: dict[str, Any]) -> None:
+    """Give a tensor entry a span (protocol 6: a last item {"s": [lo, hi]}, flat elements
+    [lo, hi) of its tensor, coded as a tensor of hi - lo elements), or rewrite the one it
+    has: around its nnz (a dense entry's [0, nnz) is its whole tensor, and valid), empty,
+    reversed, past the tensor, or not a span at all."""
+    tensors = header.get("tensors")
+    if not isinstance(tensors, list) or not tensors:
+        return edit_anywhere(data, header)
+    entry = data.draw(st.sampled_from(tensors))
+    if not (isinstance(entry, list) and len(entry) >= 5):
+        return edit_anywhere(data, header)
+    nnz = entry[3] if type(entry[3]) is int else 0
+    lo = data.draw(st.one_of(st.integers(0, 64), st.sampled_from(INTERESTING_INTS), st.just(nnz)))
+    hi = data.draw(st.one_of(st.just(lo + nnz), near(lo + nnz), st.integers(-2, 2**20), st.just(lo)))
+    span: Any = {"s": [lo, hi]} if data.draw(st.integers(0, 5)) else data.draw(st.one_of(st.just({}), near(None)))
+    if isinstance(entry[-1], dict):
+        entry[-1] = span
+    else:
+        entry.append(span)
+    return None
+
+
 # Kinds of table mutation left out while a bug they find is open (none now: "wrapping-counts",
 # counts whose int64 sum wraps to the symbol count, found the bug that
 # test_wrapping_counts_table_is_rejected_before_allocating now guards).
@@ -685,7 +707,8 @@ def reseal(frames: Frames, resize: bool) -> Frames:
 # where the decoders are. Frame-level structure is also covered exhaustively by test_hostile.
 PAYLOAD_KINDS = ["flip"] * 6 + ["overwrite"] * 3 + ["int64"] * 3 + ["truncate", "extend", "splice-frame"] * 2 + [
     "drop-frame", "dup-frame", "swap-frames", "insert-frame"]
-HEADER_KINDS = ["manifest"] * 3 + ["header-field"] * 2 + ["entropy-table"] * 4 + ["device-payload"] * 3 + ["header-bytes", "splice-header"]
+HEADER_KINDS = ["manifest"] * 3 + ["header-field"] * 2 + ["entropy-table"] * 4 + ["device-payload"] * 3 + ["span"] * 2 + [
+    "header-bytes", "splice-header"]
 
 
 def mutate_frames(data: st.DataObject, frames: Frames, pool: list[bytes], headers: list[bytes]) -> Frames:
@@ -739,11 +762,12 @@ def mutate_frames(data: st.DataObject, frames: Frames, pool: list[bytes], header
         return rewrite_table(data, frames)
     elif kind == "device-payload":
         return rewrite_device_payload(data, frames)
-    elif kind in ("header-field", "manifest"):
+    elif kind in ("header-field", "manifest", "span"):
         header = unpack(frames[0])
         if not isinstance(header, dict):
             return frames
-        (edit_anywhere if kind == "header-field" else edit_manifest)(data, header)  # hsum stays stale unless resealed
+        edit = {"header-field": edit_anywhere, "manifest": edit_manifest, "span": edit_span}[kind]
+        edit(data, header)  # hsum stays stale unless resealed
         try:
             frames[0] = pack(header)  # resealed below, or rejected for its stale checksum
         except Exception:

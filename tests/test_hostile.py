@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import resource
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -20,6 +21,8 @@ import receiver
 import sender
 from protocol.codec import devicecodec
 from protocol.codec.compress import Codec, compress
+from protocol.codec.spans import encode_dense_span, encode_span
+from protocol.codec.staging import StagingPool
 from protocol.codec.tensorcodec import (
     EncodedTensor,
     PatchOptions,
@@ -430,6 +433,22 @@ HOSTILE_EDITS = {
     "group-str-ordinal": lambda h: h["tensors"][0].append([0, "1"]),
     "group-bool-ordinal": lambda h: h["tensors"][0].append([0, True]),
     "entry-of-seven": lambda h: h["tensors"][0].extend([[0, 1], [2]]),
+    # span entries (a last item {"s": [lo, hi]})
+    "span-empty": lambda h: h["tensors"][0].append({"s": [3, 3]}),
+    "span-reversed": lambda h: h["tensors"][0].append({"s": [9, 3]}),
+    "span-negative": lambda h: h["tensors"][0].append({"s": [-1, 3]}),
+    "span-str": lambda h: h["tensors"][0].append({"s": ["0", 3]}),
+    "span-bool": lambda h: h["tensors"][0].append({"s": [False, 3]}),
+    "span-float": lambda h: h["tensors"][0].append({"s": [0, 3.0]}),
+    "span-of-three": lambda h: h["tensors"][0].append({"s": [0, 1, 2]}),
+    "span-of-one": lambda h: h["tensors"][0].append({"s": [3]}),
+    "span-nil": lambda h: h["tensors"][0].append({"s": None}),
+    "span-under-another-key": lambda h: h["tensors"][0].append({"t": [0, 3]}),
+    "span-with-another-key": lambda h: h["tensors"][0].append({"s": [0, 3], "x": 1}),
+    "span-map-empty": lambda h: h["tensors"][0].append({}),
+    "span-on-a-group": lambda h: h["tensors"][0].extend([[0, 1], {"s": [0, 3]}]),
+    "span-before-a-group": lambda h: h["tensors"][0].extend([{"s": [0, 3]}, [0, 1]]),
+    "two-spans": lambda h: h["tensors"][0].extend([{"s": [0, 3]}, {"s": [3, 6]}]),
 }
 
 
@@ -761,3 +780,142 @@ async def test_a_hostile_device_coded_patch_leaves_the_receiver_untouched(name: 
         await r.apply(model, recv)
     assert r.version == 0 and not r.torn
     assert all(torch.equal(model[k].view(torch.int16), before[k].view(torch.int16)) for k in model)
+
+
+# --------------------------------------------------------------------------- span entries (protocol 6)
+
+SPAN_NUMEL = 5000  # tensor 0: bf16 (50, 100); tensor 1: bf16 (300,)
+
+
+def span_of(lo: int, hi: int, options: PatchOptions | None = None, key: int = 0, every: int = 7) -> EncodedTensor:
+    """Changes at every ``every``-th element of [lo, hi) of tensor ``key``, a span entry of
+    them (one-ulp moves of made-up old values: what they are relative to is not the point)."""
+    local = torch.arange(0, hi - lo, every)
+    gen = torch.Generator().manual_seed(lo)
+    old = torch.randn(local.numel(), generator=gen).to(BF16)
+    new = (old.view(torch.int16) + 1).view(BF16)
+    return encode_span(key, (lo, hi), local, new, old, options or PatchOptions(dense_above=1.0, device_codec=False))
+
+
+def whole_of(key: int = 0, numel: int = SPAN_NUMEL) -> EncodedTensor:
+    flat = torch.arange(0, numel, 11)
+    old = torch.zeros(flat.numel(), dtype=BF16)
+    shape = (numel,) if key else (50, 100)
+    return encode_sparse(key, flat, torch.ones(flat.numel(), dtype=BF16), old, shape, PatchOptions(Encoding.GAPS, ValueEncoding.RAW))
+
+
+def spanned(entry: EncodedTensor, **change: Any) -> EncodedTensor:
+    return dataclasses.replace(entry, **change)
+
+
+def flipped_device_span() -> EncodedTensor:
+    entry = span_of(1000, 3000, PatchOptions(dense_above=1.0, device_codec=True))
+    (spec, wire), = entry.buffers
+    payload = bytearray(wire)
+    payload[3] ^= 0x5A  # inside the device payload's own checksum: the frame's is recomputed
+    data = bytes(payload)
+    return spanned(entry, buffers=[(dataclasses.replace(spec, checksum=checksum(data)), data)])
+
+
+GAPS_RAW = PatchOptions(Encoding.GAPS, ValueEncoding.RAW, dense_above=1.0)
+DEVICE_SPAN = PatchOptions(dense_above=1.0, device_codec=True)
+# name -> (the version's parts after a good entry for tensor 1, the message type, the error)
+SPAN_HOSTILE: dict[str, tuple[Callable[[], list[list[EncodedTensor]]], MessageType, type[WeightSyncError]]] = {
+    "overlapping": (lambda: [[span_of(0, 3000), span_of(2000, 5000)]], MessageType.PATCH, ProtocolError),
+    "descending": (lambda: [[span_of(3000, 5000), span_of(0, 3000)]], MessageType.PATCH, ProtocolError),
+    "the-same-span-twice": (lambda: [[span_of(0, 3000), span_of(0, 3000)]], MessageType.PATCH, ProtocolError),
+    "overlapping-across-parts": (lambda: [[span_of(0, 3000)], [span_of(2999, 5000)]], MessageType.PATCH, ProtocolError),
+    "descending-across-parts": (lambda: [[span_of(3000, 5000)], [span_of(0, 3000, DEVICE_SPAN)]], MessageType.PATCH, ProtocolError),
+    "out-of-range": (lambda: [[span_of(4000, 5001)]], MessageType.PATCH, ProtocolError),
+    "out-of-range-in-a-later-part": (lambda: [[span_of(0, 3000)], [spanned(span_of(3000, 5000), span=(3000, 2**40))]],
+                                     MessageType.PATCH, ProtocolError),
+    "empty": (lambda: [[spanned(span_of(7, 100), span=(7, 7))]], MessageType.PATCH, ProtocolError),
+    "reversed": (lambda: [[spanned(span_of(7, 100), span=(100, 7))]], MessageType.PATCH, ProtocolError),
+    "negative": (lambda: [[spanned(span_of(0, 100), span=(-1, 99))]], MessageType.PATCH, ProtocolError),
+    "on-a-group": (lambda: [[spanned(span_of(0, 100), group=(0, 1))]], MessageType.PATCH, ProtocolError),
+    "spanless-then-span": (lambda: [[whole_of(), span_of(0, 3000)]], MessageType.PATCH, ProtocolError),
+    "span-then-spanless": (lambda: [[span_of(0, 3000)], [whole_of()]], MessageType.PATCH, ProtocolError),
+    "span-beside-its-group": (lambda: [[span_of(0, 3000)], [spanned(whole_of(1, 300), key=0, group=(0, 1))]], MessageType.PATCH, ProtocolError),
+    "dense-beyond-numel": (lambda: [[encode_dense_span(0, (4900, 5100), torch.ones(200, dtype=BF16), Codec.NONE)]], MessageType.PATCH, ProtocolError),
+    "dense-values-not-the-span": (lambda: [[spanned(encode_dense_span(0, (0, 100), torch.ones(100, dtype=BF16), Codec.NONE), span=(0, 50))]],
+                                  MessageType.PATCH, ProtocolError),
+    "packed-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, every=3), span=(1000, 1100))]], MessageType.PATCH, ProtocolError),
+    "bitmap-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200), span=(1000, 1100))]], MessageType.PATCH, ProtocolError),
+    "gaps-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, GAPS_RAW), span=(1000, 1100))]], MessageType.PATCH, ProtocolError),
+    "device-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, DEVICE_SPAN), span=(1000, 1100))]], MessageType.PATCH, ProtocolError),
+    "device-checksum": (lambda: [[span_of(0, 1000), flipped_device_span()]], MessageType.PATCH, IntegrityError),
+    "in-a-bootstrap": (lambda: [[encode_dense_span(0, (0, 100), torch.ones(100, dtype=BF16), Codec.NONE)]], MessageType.BOOTSTRAP, ProtocolError),
+}
+
+
+async def span_receiver(staged: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A patch receiver at v0 of two bf16 tensors (``SPAN_NUMEL`` and 300 elements)."""
+    config = {"type": "patch", "patch": {"group_numel": 0}}
+    gen = torch.Generator().manual_seed(5)
+    state = {"a": torch.randn(50, 100, generator=gen).to(BF16), "b": torch.randn(300, generator=gen).to(BF16)}
+    model = {k: torch.zeros_like(v) for k, v in state.items()}
+    s, r = sender.make_sender(config), receiver.make_receiver(config)
+    if staged:
+        r.staging = StagingPool(cpu_too=True)
+    ch = Channel()
+    await asyncio.wait_for(
+        asyncio.gather(s.init_sender(state, ch.to_receiver.send, ch.to_sender.recv, version=0),
+                       r.init_receiver(model, ch.to_receiver.recv, ch.to_sender.send)),
+        timeout=60,
+    )
+    return r, model
+
+
+def version_of(r: Any, parts: list[list[EncodedTensor]], mtype: MessageType = MessageType.PATCH, version: int = 1) -> list[list[bytes]]:
+    out = []
+    for i, entries in enumerate(parts):
+        tensors, frames = assemble(entries)
+        msg = Message(mtype, session=r.session, seq=50 + i, version=version, base_version=version - 1 if mtype is MessageType.PATCH else None,
+                      part=i, last=i + 1 == len(parts), tensors=tensors, frames=frames)
+        out.append([bytes(f) for f in encode_message(msg)])
+    return out
+
+
+def recv_of(messages: list[list[bytes]]) -> Callable[[], Any]:
+    pending = iter(messages)
+
+    async def recv() -> list[bytes]:
+        frames = next(pending, None)
+        if frames is None:
+            raise AssertionError("the receiver waited past the last message")
+        return frames
+
+    return recv
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])
+@pytest.mark.parametrize("name", list(SPAN_HOSTILE))
+async def test_hostile_spans_write_nothing(name: str, staged: bool) -> None:
+    """Overlapping, descending (within a part and across parts), out-of-range, empty,
+    negative spans, a span on a group, a tensor in a whole entry and in span entries, a dense
+    span past the tensor or of the wrong length, positions past a span's end (packed, raw
+    gaps, device coded), a device payload's damaged checksum, a span in a bootstrap: after a
+    good entry of the other tensor, framed with valid checksums, so the receiver's rules must
+    refuse them: exactly that error, no tensor written, the version unchanged and unpublished;
+    then a good split version still applies."""
+    build, mtype, error = SPAN_HOSTILE[name]
+    r, model = await span_receiver(staged)
+    before = {k: v.clone() for k, v in model.items()}
+    parts = build()
+    parts[0] = [whole_of(1, 300), *parts[0]]
+    with pytest.raises(WeightSyncError) as caught:
+        await r.apply(model, recv_of(version_of(r, parts, mtype, 1 if mtype is MessageType.PATCH else 5)))
+    assert type(caught.value) is error, repr(caught.value)
+    assert r.version == 0 and not r.torn
+    assert all(torch.equal(model[k].view(torch.int16), before[k].view(torch.int16)) for k in model)
+    # the genuine article: tensor 0 in three spans (a gap between two), over two parts
+    old = model["a"].reshape(-1)
+    new = old.clone()
+    new[::13] = (old[::13].view(torch.int16) + 3).view(BF16)
+    spans = []
+    for (lo, hi), options in (((0, 1700), DEVICE_SPAN), ((1700, 2500), GAPS_RAW), ((3000, 5000), PatchOptions(dense_above=1.0))):
+        local = torch.nonzero(old[lo:hi].view(torch.int16) != new[lo:hi].view(torch.int16)).squeeze(1)
+        spans.append(encode_span(0, (lo, hi), local, new[lo:hi][local], old[lo:hi][local], options))
+    new[2500:3000] = before["a"].reshape(-1)[2500:3000]  # left out: unchanged
+    assert await r.apply(model, recv_of(version_of(r, [[whole_of(1, 300), spans[0]], spans[1:]]))) == 1
+    assert torch.equal(model["a"].reshape(-1).view(torch.int16), new.view(torch.int16))

@@ -279,6 +279,7 @@ class EncodedTensor:
     nnz: int
     buffers: list[tuple[BufferSpec, Buffer]]  # specs with frame 0, numbered by ``assemble``
     group: tuple[int, ...] = ()  # a grouped entry's ordinals (TensorEntry.group)
+    span: tuple[int, int] | None = None  # a span entry's [lo, hi) of its tensor's flat elements (TensorEntry.span)
 
     @property
     def wire_nbytes(self) -> int:
@@ -374,10 +375,12 @@ def _gaps_or_bitmap(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Encodin
 
 def pack_entry(
     key: int, encoding: Encoding, values: ValueEncoding, nnz: int, buffers: dict[Role, torch.Tensor], codec: Codec,
-    group: tuple[int, ...] = (),
+    group: tuple[int, ...] = (), span: tuple[int, int] | None = None,
 ) -> EncodedTensor:
+    """An entry of ``buffers`` (``span``: one covering flat elements [lo, hi) of its tensor,
+    its buffers coded as a 1-D tensor of hi - lo elements: ``protocol/codec/spans.py``)."""
     packed = [pack_buffer(r, t, Codec.NONE if _entropy_coded(r, encoding, values) else codec) for r, t in buffers.items()]
-    return EncodedTensor(key, encoding, values, nnz, packed, group)
+    return EncodedTensor(key, encoding, values, nnz, packed, group, span)
 
 
 def _entropy_coded(role: Role, encoding: Encoding, values: ValueEncoding) -> bool:
@@ -414,7 +417,7 @@ def assemble(entries: list[EncodedTensor]) -> tuple[list[TensorEntry], list[Buff
         for spec, wire in e.buffers:
             frames.append(wire)
             specs.append(dataclasses.replace(spec, frame=len(frames)))
-        tensors.append(TensorEntry(e.key, e.encoding, e.values, e.nnz, tuple(specs), e.group))
+        tensors.append(TensorEntry(e.key, e.encoding, e.values, e.nnz, tuple(specs), e.group, e.span))
     return tensors, frames
 
 
@@ -634,6 +637,22 @@ def _decode_blocks(
                          f"expected uint8{list(spec.shape)} on {device}")
     decoded = devicecodec.decode(payload, entry.nnz, numel, dtype)
     return DecodedTensor(entry.key, decoded.flat, decoded.diffs, ValueEncoding.ULP, Verdict(decoded.ok, decoded.intact))
+
+
+def at_span(decoded: DecodedTensor, span: tuple[int, int]) -> DecodedTensor:
+    """A span entry's update (``decode_entry`` of its 1-D target of hi - lo elements, its
+    positions relative to lo) in its tensor's flat coordinates: sparse positions moved up by
+    lo, where they are (on a device, with no host sync); a dense one's values as the changes
+    at every position of [lo, hi) (an index a value, on the values' device), RAW. Read the old
+    values a sparse one is relative to only after this: at its tensor's positions."""
+    lo, hi = span
+    if decoded.flat is not None:
+        return dataclasses.replace(decoded, flat=decoded.flat.to(torch.int64) + lo)
+    values = decoded.values.reshape(-1)
+    if values.numel() != hi - lo:  # decode_entry checked it against (hi - lo,)
+        raise ValueError(f"tensor {decoded.key}: {values.numel()} dense values for a span of {hi - lo}")
+    flat = torch.arange(lo, hi, dtype=torch.int64, device=values.device)
+    return dataclasses.replace(decoded, flat=flat, values=values, encoding=ValueEncoding.RAW)
 
 
 def group_offsets(shapes: Sequence[tuple[int, ...]]) -> np.ndarray:

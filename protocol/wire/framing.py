@@ -4,7 +4,7 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack map (the header);
 frames 1..n are raw buffers, each described by one ``BufferSpec`` in the header's
 manifest. Tensor bytes never travel inside msgpack.
 
-Header keys (protocol version 5)::
+Header keys (protocol version 6)::
 
     type     MessageType            proto    PROTOCOL_VERSION
     session  sender session id      seq      per-session message counter
@@ -16,6 +16,8 @@ Header keys (protocol version 5)::
              buffer = [frame, role, dtype, shape, nbytes, codec, shuffle, wire_nbytes, checksum]
              a grouped entry adds a sixth item, [key, ordinal, ...]: small tensors of one
              dtype coded as one flat run, their elements end to end in that order
+             a span entry adds a last item {"s": [lo, hi]}: it covers flat elements
+             [lo, hi) of its tensor only, coded as a 1-D tensor of hi - lo elements
     body     small type-specific map (metadata, reasons, ...)
     hsum     xxh3-64 of the msgpack encoding of all the other keys
 
@@ -44,8 +46,9 @@ from protocol.wire.dtypes import dtype_from_code
 from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits
 
 # 2: an ANS_GAPS + ULP tensor travels packed, one buffer (protocol/codec/packed.py);
-# 3: grouped entries (TensorEntry.group); 5: device-coded entries (Encoding.BLOCKS)
-PROTOCOL_VERSION = 5
+# 3: grouped entries (TensorEntry.group); 5: device-coded entries (Encoding.BLOCKS);
+# 6: span entries (TensorEntry.span: one shard of a tensor's changes, ranges of its flat elements)
+PROTOCOL_VERSION = 6
 MAX_DIMS = 8
 
 
@@ -124,6 +127,12 @@ class TensorEntry:
     # flat tensor of their elements end to end. Small tensors are coded together because
     # each entry costs tens of microseconds a side whatever its size. () for one tensor.
     group: tuple[int, ...] = ()
+    # A span entry: it covers flat elements [lo, hi) of its tensor (row-major, of the whole
+    # tensor) and codes them as a 1-D tensor of hi - lo elements, its positions relative to
+    # lo (a dense one: exactly those hi - lo values). A tensor's changes of one version may
+    # then travel in several entries, one per trainer rank's shard, in ascending, disjoint
+    # spans. Never on a grouped entry; None: the whole tensor.
+    span: tuple[int, int] | None = None
 
     @property
     def covers(self) -> tuple[int, ...]:
@@ -140,6 +149,8 @@ class TensorEntry:
         wire = [self.key, int(self.encoding), int(self.values), self.nnz, [b.to_wire() for b in self.buffers]]
         if self.group:
             wire.append(list(self.group))
+        if self.span is not None:
+            wire.append({SPAN_KEY: list(self.span)})
         return wire
 
 
@@ -262,12 +273,23 @@ _ROLES = {int(r): r for r in Role}
 _CODECS = {int(c): c for c in Codec}
 
 
+SPAN_KEY = "s"  # a span entry's last item: {SPAN_KEY: [lo, hi]}
+
+
 def _tensor_entry(raw: Any, where: str, max_group: int) -> TensorEntry:
-    if not isinstance(raw, list) or len(raw) not in (5, 6):
+    if not isinstance(raw, list) or len(raw) not in (5, 6, 7):
         raise ProtocolError(f"{where}: malformed tensor entry {raw!r:.80}")
     key, enc, val, nnz, bufs = raw[:5]
     key = _nonneg(_typed(key, int, "tensor key"), "tensor key")
+    span = None
+    if len(raw) > 5 and type(raw[-1]) is dict:
+        span = _span(raw[-1], key, where)
+        raw = raw[:-1]
+    if len(raw) == 7:
+        raise ProtocolError(f"{where}: malformed tensor entry {raw!r:.80}")
     group = _group(raw[5], key, where, max_group) if len(raw) == 6 else ()
+    if group and span is not None:
+        raise ProtocolError(f"{where}: tensor {key}: a grouped entry cannot have a span")
     encoding, values = _ENCODINGS.get(_typed(enc, int, "encoding")), _VALUE_ENCODINGS.get(_typed(val, int, "value encoding"))
     if encoding is None or values is None:
         raise ProtocolError(f"{where}: tensor {key}: unknown encoding {enc!r}/{val!r}")
@@ -276,7 +298,22 @@ def _tensor_entry(raw: Any, where: str, max_group: int) -> TensorEntry:
     specs = tuple([_buffer_spec(b, where, key) for b in bufs])
     if len({b.role for b in specs}) != len(specs):
         raise ProtocolError(f"{where}: tensor {key}: a buffer role appears twice")
-    return TensorEntry(key, encoding, values, _nonneg(_typed(nnz, int, "nnz"), "nnz"), specs, group)
+    return TensorEntry(key, encoding, values, _nonneg(_typed(nnz, int, "nnz"), "nnz"), specs, group, span)
+
+
+def _span(raw: dict[Any, Any], key: int, where: str) -> tuple[int, int]:
+    """A span entry's [lo, hi): two ints, 0 <= lo < hi (``hi`` against the tensor's size is
+    the receiver's check); the map holds nothing else."""
+    span = raw.get(SPAN_KEY)
+    if (
+        len(raw) != 1 or type(span) is not list or len(span) != 2
+        or type(span[0]) is not int or type(span[1]) is not int
+    ):
+        raise ProtocolError(f"{where}: tensor {key}: malformed span {raw!r:.80}")
+    lo, hi = span
+    if not 0 <= lo < hi:
+        raise ProtocolError(f"{where}: tensor {key}: span [{lo}, {hi}) is empty or negative")
+    return lo, hi
 
 
 def _group(raw: Any, key: int, where: str, most: int) -> tuple[int, ...]:

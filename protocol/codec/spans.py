@@ -1,0 +1,63 @@
+"""Span entries (protocol 6, ``TensorEntry.span``): the changes of one range [lo, hi) of a
+tensor's flat elements as an entry of their own, so a tensor's changes of a version can
+travel in several entries, one per trainer rank's shard, and no rank gathers the tensor.
+
+A span entry is coded exactly as a 1-D tensor of hi - lo elements would be, its positions
+relative to lo, by the same encoders the patch builder uses (``sparse_buffers``: the host
+codec, or the device codec where ``options`` say so); a dense one carries exactly the
+hi - lo values of its range. The receiver decodes it as such a tensor (XOR and ulp values
+against the range's old values) and writes it at lo + its positions
+(``tensorcodec.at_span``). A tensor's span entries within a version are disjoint and
+ascending, across parts too; none is grouped, and none travels outside a PATCH.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.codec.compress import Codec
+from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, pack_entry, sparse_buffers
+from protocol.wire.framing import Encoding, Role, ValueEncoding
+
+
+def _checked(span: tuple[int, int]) -> tuple[int, int]:
+    lo, hi = span
+    if not 0 <= lo < hi:
+        raise ValueError(f"span [{lo}, {hi}) is empty or negative")
+    return lo, hi
+
+
+def encode_span(
+    key: int, span: tuple[int, int], flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor, options: PatchOptions
+) -> EncodedTensor:
+    """The changes of flat elements [lo, hi) of tensor ``key`` as a span entry: ``flat``
+    their positions relative to lo (sorted, int32 or int64, each below hi - lo, at least
+    one), ``new`` and ``old`` their values, coded as ``encode_sparse`` codes a tensor of
+    hi - lo elements (``options``: the encodings, the compression, host or device codec)."""
+    lo, hi = _checked(span)
+    if flat.numel() == 0:
+        raise ValueError("a span entry carries at least one change")
+    encoding, values, buffers = sparse_buffers(flat, new, old, (hi - lo,), options)
+    return pack_entry(key, encoding, values, flat.numel(), buffers, options.codec_for(encoding, values), span=(lo, hi))
+
+
+def encode_dense_span(key: int, span: tuple[int, int], values: torch.Tensor, codec: Codec) -> EncodedTensor:
+    """Flat elements [lo, hi) of tensor ``key`` sent whole: ``values``, hi - lo of them (any
+    shape: they are taken flat, row-major), ``codec`` compressing them where that pays."""
+    lo, hi = _checked(span)
+    flat = values.reshape(-1)
+    if flat.numel() != hi - lo:
+        raise ValueError(f"{flat.numel()} values for a span of {hi - lo} elements")
+    return pack_entry(key, Encoding.DENSE, ValueEncoding.RAW, hi - lo, {Role.VALUES: flat}, codec, span=(lo, hi))
+
+
+def changes_within(
+    flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor, span: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of a tensor's changes at sorted flat positions ``flat`` (with their ``new`` and ``old``
+    values), those within [lo, hi), their positions made relative to lo: what ``encode_span``
+    takes."""
+    lo, hi = _checked(span)
+    bounds = torch.searchsorted(flat, torch.tensor([lo, hi], dtype=flat.dtype, device=flat.device)).tolist()
+    start, end = bounds
+    return flat[start:end] - lo, new[start:end], old[start:end]
