@@ -16,7 +16,6 @@ from vllm_like import Shape, random_checkpoint
 from receiver.commit import StagedUpdate, commit
 from receiver.readback import check_all
 
-
 BOOLEAN_INDEXED = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
                    torch.ops.aten._index_put_impl_.default)
 
