@@ -712,6 +712,16 @@ def a_flipped_byte(at: int) -> torch.Tensor:
     return payload
 
 
+def compressed_blocks(codec: Codec) -> list[bytes]:
+    """A valid device payload, compressed (which no sender does: the wire says never) and
+    framed with a right checksum: refused by its codec before anything decompresses it (so
+    nvCOMP's label, on LZ4's bytes, needs no GPU here)."""
+    payload = device_changes(VALID_FLAT)
+    wire = compress(payload, Codec.LZ4)
+    spec = BufferSpec(0, Role.VALUES, dtype_code(U8), (payload.numel(),), payload.numel(), codec, False, len(wire), checksum(wire))
+    return message([EncodedTensor(0, Encoding.BLOCKS, ValueEncoding.ULP, len(VALID_FLAT), [(spec, wire)])])
+
+
 VALID_NNZ = len(VALID_FLAT)
 DEVICE_HOSTILE: dict[str, tuple[Callable[[], list[bytes]], type[WeightSyncError]]] = {
     "out-of-range": (lambda: blocks(device_changes([3, 70, 4999, 5000]), 4), ProtocolError),
@@ -730,6 +740,8 @@ DEVICE_HOSTILE: dict[str, tuple[Callable[[], list[bytes]], type[WeightSyncError]
     "another-dtype": (lambda: blocks(devicecodec.encode(torch.tensor([1, 2]), torch.ones(2), torch.zeros(2)).payload, 2), ProtocolError),
     "not-ulp": (lambda: blocks(device_changes(VALID_FLAT), VALID_NNZ, ValueEncoding.RAW), ProtocolError),
     "past-the-bound": (lambda: blocks(torch.zeros(devicecodec.max_nbytes(1, 5000, BF16) + 1, dtype=U8), 1), ProtocolError),
+    "compressed-lz4": (lambda: compressed_blocks(Codec.LZ4), ProtocolError),
+    "compressed-nvcomp": (lambda: compressed_blocks(Codec.NVCOMP_LZ4), ProtocolError),
 }
 
 

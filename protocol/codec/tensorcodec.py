@@ -601,6 +601,8 @@ def _checked(entry: TensorEntry, shape: tuple[int, ...], dtype: torch.dtype, exa
     numel = math.prod(shape)
     vspec = entry.buffer(Role.VALUES)
     vdtype = dtype_from_code(vspec.dtype)
+    if _is_blocks(entry.encoding, entry.values) and vspec.codec is not Codec.NONE:
+        raise ProtocolError(f"{where}: a device-coded payload is never compressed (it came {vspec.codec.name})")
     if entry.encoding is Encoding.DENSE:
         if entry.values is not ValueEncoding.RAW or entry.nnz != numel or vspec.shape != tuple(shape):
             raise ProtocolError(f"{where}: dense values of shape {list(vspec.shape)}, target has {list(shape)}")
