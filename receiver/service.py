@@ -262,6 +262,7 @@ class Receiver:
             log.warning("receiver %s closes with a torn model (a version failed midway): readers are let in, "
                         "on no whole version", self.identity)
             await self.strategy.release_torn()
+        self.strategy.staging.clear()  # its pinned host memory (a part or a bucket) is not kept past close
         log.info("receiver %s closed at v%s", self.identity, self.version)
 
     # -- control: carried out by self._controller (receiver/controller.py) ---------------
@@ -756,6 +757,7 @@ class _Daemon:
             released = memory.release(r.model, state_tensors(r._state()))
             # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
             r.version = r.strategy.version = r.strategy.session = None
+            r.strategy.staging.clear()  # and the pinned staging buffer (up to a bucket) with them
         r.pending_version = None
         return released
 

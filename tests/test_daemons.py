@@ -666,3 +666,28 @@ async def test_start_does_not_count_compiling_the_kernels_in_its_timeout(daemons
     with pytest.raises(WeightSyncError, match="already started"):
         await r.start(timeout=PEER_TIMEOUT)
     await step_all(trainer, s, [r])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["bucket", "patch-device"])
+async def test_the_pinned_staging_buffer_goes_with_the_weights_and_with_close(mode: str, daemons: Daemons) -> None:
+    """The receiver's staging pool (pinned host memory on a GPU, up to a bucket) is let go
+    when ``sleep`` releases the weights, and at ``close``; a wakeup stages again. Here the
+    pool is told to stage CPU targets, as it stages a GPU's."""
+    from protocol.codec.staging import StagingPool
+
+    trainer = Trainer()
+    s = await daemons.sender(trainer, mode)
+    r = daemons.receiver(s.endpoint, mode, "r0")
+    r.strategy.staging = StagingPool(cpu_too=True)
+    await r.start(timeout=T)
+    await step_all(trainer, s, [r])
+    cpu = torch.device("cpu")
+    assert r.strategy.staging.buffer(cpu) is not None
+    await r.sleep("weight")
+    assert r.strategy.staging.buffer(cpu) is None
+    await r.wakeup(timeout=T)
+    await step_all(trainer, s, [r])
+    assert r.strategy.staging.buffer(cpu) is not None
+    await r.close()
+    assert r.strategy.staging.buffer(cpu) is None
