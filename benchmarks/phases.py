@@ -8,7 +8,8 @@ process) wrap
 
 * sender: the fused diff's compare and collect kernels (``mark``, ``collect``; where one
   pass collects as it compares, its time counts as ``mark``, and ``collect`` is what is
-  left: moving chunks into place and collecting chunks that overflowed their room), the
+  left: moving chunks into place and collecting chunks that overflowed their room; the
+  device compare's runs, compared and collected in one call, count as ``mark``), the
   framing of each message (``Stamper.__call__``: ``frame``), the ROUTER's queueing of
   each message for a receiver (``try_send``: ``send``);
 * receiver: the arrival of each whole message (``DealerSocket.recv`` returning), the
@@ -128,8 +129,10 @@ def sender_timers() -> Iterator[None]:
     from protocol.net import sockets
     from protocol.wire import framing
     from sender import fastdiff
+    from sender.compare_device import DeviceCompare
 
     kernels = dict(fastdiff._KERNELS)
+    device_compare = DeviceCompare._compare
     threaded, serial = fastdiff._THREADED_ONE_PASS, fastdiff._SERIAL_ONE_PASS
     stamp, send = framing.Stamper.__call__, sockets.RouterSocket.try_send
     for parallel, k in kernels.items():
@@ -139,6 +142,8 @@ def sender_timers() -> Iterator[None]:
     fastdiff._SERIAL_ONE_PASS = fastdiff.SerialOnePass(_TimedKernel("mark", serial.mark_collect), _TimedKernel("collect", serial.collect_from))
     framing.Stamper.__call__ = _timed("frame", stamp)  # type: ignore[method-assign]
     sockets.RouterSocket.try_send = _timed("send", send)  # type: ignore[method-assign]
+    # the device compare (patch.codec: device) compares and collects a run in one call: its ``mark``
+    DeviceCompare._compare = _timed("mark", device_compare)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -146,6 +151,7 @@ def sender_timers() -> Iterator[None]:
         fastdiff._THREADED_ONE_PASS, fastdiff._SERIAL_ONE_PASS = threaded, serial
         framing.Stamper.__call__ = stamp  # type: ignore[method-assign]
         sockets.RouterSocket.try_send = send  # type: ignore[method-assign]
+        DeviceCompare._compare = device_compare  # type: ignore[method-assign]
 
 
 def install_receiver() -> None:

@@ -164,6 +164,18 @@ async def test_result_objects_have_every_required_key() -> None:
         assert phased["cpu_sender"] > 0 and phased["cpu_receivers"] > 0  # the CPU time beside them, not stacked
 
 
+@pytest.mark.timeout(60)
+async def test_a_device_coded_row_times_its_compare() -> None:
+    """``patch.codec: device`` (the quick suite's device row): the device compare's runs are
+    timed as the ``mark`` phase, not left to ``per_tensor``; bit-exact all the same."""
+    w = SyntheticWorkload("synthetic-tiny-device", 0.05, [(64, 32), (16,)], measured_steps=1)
+    w.patch = {"codec": "device"}
+    run = await run_workload(w, StubPeers(), memory_pass=False)  # type: ignore[arg-type]
+    result = finish(run, copy_bps=1e9, zmq_bps=1e9)
+    assert result["verified_bit_exact"] is True
+    assert run["steps"][0]["patch_phases_ms"]["mark"] > 0
+
+
 def test_phase_breakdown_by_hand() -> None:
     ms = 1_000_000
     sender = {"sums_ns": {"mark": 2 * ms, "collect": 1 * ms, "frame": ms // 2, "send": ms}, "last_ns": {"send": 100 * ms}}
