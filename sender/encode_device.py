@@ -81,7 +81,9 @@ class DeviceEncoder:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 for i, entry in zip(ids, self._encode_on(device, [changes[i] for i in ids], stats)):
                     entries[i] = entry
-        return [e for e in entries if e is not None]
+        done = [e for e in entries if e is not None]
+        assert len(done) == len(changes), "every change has its device's entry"
+        return done
 
     def _encode_on(self, device: torch.device, changes: list[Changes], stats: SyncStats | None) -> list[EncodedTensor]:
         prepared = {}

@@ -174,9 +174,10 @@ class PatchBuilder:
         """Take the snapshot: what the receivers hold after the bootstrap."""
         self.compare.capture(tensors)
         # JIT now, while the first receiver's HELLO is answered (the server heartbeats it
-        # meanwhile), rather than in the first sync.
-        packed.warm_up()
-        entropy.warm_up()
+        # meanwhile), rather than in the first sync; the device encoder runs no numba.
+        if isinstance(self.encoder, HostEncoder):
+            packed.warm_up()
+            entropy.warm_up()
 
     @property
     def diverged(self) -> bool:

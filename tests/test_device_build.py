@@ -9,7 +9,11 @@ device coded and decoding to the model, a tensor whose payload would not be smal
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,9 +34,10 @@ from sender.stats import SyncStats
 
 
 def builder_of(state: dict[str, torch.Tensor], **patch: Any) -> PatchBuilder:
-    """A captured patch builder of ``state`` for bf16 receivers (numba not warmed: ``compare.capture``)."""
+    """A captured patch builder of ``state`` for bf16 receivers of its floating tensors
+    (numba not warmed: ``compare.capture``)."""
     config = load_config({"type": "patch", "patch": {"codec": "device", **patch}})
-    metadata = ModelMetadata.of({k: t.to(torch.bfloat16) for k, t in state.items()})
+    metadata = ModelMetadata.of({k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in state.items()})
     builder = PatchBuilder(SyncPlan(resolve_state(state), metadata, config.init_sync), config.patch)
     builder.compare.capture(state)
     return builder
@@ -163,3 +168,32 @@ def test_on_cuda_a_part_is_the_same_bytes_and_one_copy_to_pinned_memory(monkeypa
         got.append([(e.key, e.encoding, [bytes(w) for _, w in e.buffers]) for e in entries])
     assert got[0] == got[1]
     assert copies == [True]
+
+
+def test_a_device_coded_builder_calls_no_numba() -> None:
+    """In a fresh process, a PatchBuilder with patch.codec: device captures and builds two
+    versions (compare and encode) and leaves every numba dispatcher uncompiled, if numba was
+    imported at all: its capture does not warm the host codec's kernels either."""
+    code = """
+import asyncio, gc, sys, torch
+from test_compare import structure_model, structure_step
+from test_device_build import builder_of
+state = structure_model(12, 12_000)
+state["steps"] = torch.tensor(3)
+builder = builder_of(state, group_numel=2000)
+builder.capture(state)
+async def main():
+    for v in (1, 2):
+        structure_step(state)
+        state["steps"] += 1
+        msg, stats = await builder.build(state, v, v - 1)
+        assert msg.tensors and stats.changed_elements
+asyncio.run(main())
+numba = sys.modules.get("numba")
+if numba is not None:
+    called = [d for d in gc.get_objects() if isinstance(d, numba.core.dispatcher.Dispatcher) and d.signatures]
+    assert not called, called
+"""
+    root = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root.parent), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd=root.parent, env=env)
