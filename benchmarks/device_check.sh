@@ -14,10 +14,9 @@
 # session lent one should expect to adjust them.
 #
 # The machine lacks pyzmq, pytest-asyncio, pytest-timeout, hypothesis, lz4, zstandard, pyyaml,
-# prometheus-client and nvCOMP: bring them as cp312 wheels in .whl (git-excluded), from the repo's
+# prometheus-client and nvCOMP: bring them as cp312 wheels in .whl (.gitignore'd), from the repo's
 # root here, before the call:
 #
-#   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl pyzmq pytest-asyncio pytest-timeout hypothesis sortedcontainers attrs lz4 zstandard \
