@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.report import fmt_bytes
 from protocol.config import load_config
 from protocol.errors import ConfigError
 from protocol.state import resolve_state
@@ -216,15 +217,6 @@ def _slowest(stats: list[dict[str, Any] | None]) -> dict[str, Any]:
     return {k: max(s[k] for s in present if isinstance(s.get(k), (int, float))) for k in keys}
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}B"
-
-
 def _ms(s: float | None) -> str:
     return "-" if s is None else f"{1e3 * s:.1f}ms"
 
@@ -315,7 +307,7 @@ async def e2e_run(args: argparse.Namespace, shape: Any, lr: float, strategy: str
             (run["versions"] if measured else run["warmup"]).append(row)
             print(f"  {name} v{version}{'' if measured else ' (warmup)'}: sync {_ms(sync_s)}  e2e {_ms(row['e2e_s'])} "
                   f"(acked {_ms(acked_s)})  decode {_ms(row['decode_s'])}  commit {_ms(row['commit_s'])}  "
-                  f"wire {_fmt_bytes(row['wire_bytes'])} of {_fmt_bytes(row['dense_bytes'])} dense  "
+                  f"wire {fmt_bytes(row['wire_bytes'])} of {fmt_bytes(row['dense_bytes'])} dense  "
                   f"changed {100 * row['changed_fraction']:.3g}%  as {'/'.join(row['applied_as'])}"
                   f"{f'  incidents {incidents}' if incidents else ''}  digests {'equal' if check['equal'] else 'DIFFER'}", flush=True)
     finally:
@@ -389,7 +381,7 @@ async def e2e(args: argparse.Namespace) -> int:
         m = r["median"]
         changed = f"{100 * m['changed_fraction']:.3g}%" if m["changed_fraction"] is not None else "-"
         print(f"{r['name']:<22} {_ms(m['sync_s']):>9} {_ms(m['e2e_s']):>9} {_ms(m['decode_s']):>9} {_ms(m['commit_s']):>9} "
-              f"{_fmt_bytes(m['wire_bytes']):>9} {_fmt_bytes(m['dense_bytes']):>9} {changed:>8} {_s(r['bootstrap']['s']):>7}  "
+              f"{fmt_bytes(m['wire_bytes']):>9} {fmt_bytes(m['dense_bytes']):>9} {changed:>8} {_s(r['bootstrap']['s']):>7}  "
               f"{'equal' if r['digests_equal'] else 'DIFFER'}")
     print(f"(medians of {args.versions} measured versions; wall {doc['wall_s']:.1f}s)")
     if args.json:

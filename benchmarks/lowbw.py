@@ -224,7 +224,7 @@ def mean_link_bytes(steps: list[dict[str, Any]]) -> dict[str, float] | None:
 
 def table(doc: dict[str, Any]) -> str:
     """Markdown: per workload, each path's time (median) and bytes on the link (mean), the fastest."""
-    from .report import _bytes
+    from .report import fmt_bytes
 
     link = doc["link"]
     rows = [f"link: {link['mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT; 2 receivers; times in ms (median), bytes on the link per step (mean)",
@@ -235,7 +235,7 @@ def table(doc: dict[str, Any]) -> str:
         cells = []
         for p in PATHS:
             b = lb.get(p)
-            cells.append(f"{r[TIMES[p]] * 1e3:,.0f} | {_bytes(b)}")
+            cells.append(f"{r[TIMES[p]] * 1e3:,.0f} | {fmt_bytes(b)}")
         fastest = min(PATHS, key=lambda p: r[TIMES[p]])
         rows.append(f"| {r['workload']} | {100 * r['density']:.3g}% | " + " | ".join(cells) + f" | {fastest} |")
     return "\n".join(rows)

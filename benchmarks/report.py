@@ -121,7 +121,8 @@ def missing_keys(doc: dict[str, Any]) -> list[str]:
 
 
 # -- text ------------------------------------------------------------------------------------
-def _bytes(n: float | None) -> str:
+def fmt_bytes(n: float | None) -> str:
+    """``n`` bytes in GB/MB/kB/B, two decimals; ``-`` for None."""
     if n is None:
         return "-"
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -138,10 +139,10 @@ def table(doc: dict[str, Any]) -> str:
     cols = [
         ("workload", max([18, *(len(r["workload"]) for r in doc["results"])]), lambda r: r["workload"]),
         ("density", 8, lambda r: f"{100 * r['density']:.3g}%"),
-        ("dense", 9, lambda r: _bytes(r["dense_bytes"])),
-        ("wire", 9, lambda r: _bytes(r["wire_bytes"])),
-        ("floor", 9, lambda r: _bytes(r["entropy_floor_bytes"])),
-        ("seed", 9, lambda r: _bytes(r["seed_format_bytes"])),
+        ("dense", 9, lambda r: fmt_bytes(r["dense_bytes"])),
+        ("wire", 9, lambda r: fmt_bytes(r["wire_bytes"])),
+        ("floor", 9, lambda r: fmt_bytes(r["entropy_floor_bytes"])),
+        ("seed", 9, lambda r: fmt_bytes(r["seed_format_bytes"])),
         ("w/floor", 7, lambda r: f"{r['wire_bytes'] / r['entropy_floor_bytes']:.2f}" if r["entropy_floor_bytes"] else "-"),
         ("build", 7, lambda r: _ms(r["build_s"])),
         ("rdfloor", 7, lambda r: _ms(r["read_floor_s"])),
@@ -149,13 +150,13 @@ def table(doc: dict[str, Any]) -> str:
         ("bucket", 7, lambda r: _ms(r["e2e_bucket_s"])),
         ("safet", 7, lambda r: _ms(r["e2e_safetensors_s"])),
         ("gloo", 7, lambda r: _ms(r["e2e_gloo_s"])),
-        ("bkt B/s", 9, lambda r: _bytes(r["bucket_Bps"])),
-        ("snd rss", 9, lambda r: _bytes(r["sender_peak_rss"])),
-        ("rcv rss", 9, lambda r: _bytes(r["receiver_peak_rss"])),
+        ("bkt B/s", 9, lambda r: fmt_bytes(r["bucket_Bps"])),
+        ("snd rss", 9, lambda r: fmt_bytes(r["sender_peak_rss"])),
+        ("rcv rss", 9, lambda r: fmt_bytes(r["receiver_peak_rss"])),
         ("check", 6, lambda r: ("ok" if r.get("verified_bit_exact") else "DIFF") + (f"!{r['incidents']}" if r.get("incidents") else "")),
     ]
     lines = [
-        f"suite {doc['suite']}  copy {_bytes(doc['copy_Bps'])}/s  zmq raw {_bytes(doc['zmq_raw_Bps'])}/s  "
+        f"suite {doc['suite']}  copy {fmt_bytes(doc['copy_Bps'])}/s  zmq raw {fmt_bytes(doc['zmq_raw_Bps'])}/s  "
         f"({doc['machine']['cpus']} CPUs, torch {doc['machine']['torch']})",
         "times in ms (build = the awaited sync(); patch/bucket/safet/gloo = end to end, 2 receivers); "
         "check: receivers bit-exact, !n = resyncs/reconnects during measured syncs",

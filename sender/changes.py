@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.codec.tensorcodec import PatchOptions
+from protocol.codec.compress import Codec
+from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, pack_entry
+from protocol.wire.framing import Encoding, Role, ValueEncoding
 
 from .plan import SyncPlan
 
@@ -143,3 +145,9 @@ def wrapped_differences(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         half = 1 << (width - 1)
         d = ((d + half) & ((1 << width) - 1)) - half
     return d
+
+
+def whole(changes: Changes, dense: torch.Tensor, codec: Codec = Codec.NONE) -> EncodedTensor:
+    """The entry of a tensor (or group) sent whole: its new values, raw (``codec``: compressed)."""
+    buffers = {Role.VALUES: dense.view(changes.shape)}
+    return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), buffers, codec, changes.group)

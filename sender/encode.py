@@ -11,17 +11,33 @@ entry says its encoding.
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from protocol.codec.compress import Codec
 from protocol.codec.parallel import map_ordered
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, pack_entry, raw_nbytes, sampled_differences, sparse_buffers
-from protocol.wire.framing import Encoding, Role, ValueEncoding
+from protocol.lazy import lazy_module
+from protocol.wire.framing import Encoding, ValueEncoding
 
-from .changes import Changes
+from .changes import Changes, whole
+from .encode_device import DeviceEncoder
 from .stats import SyncStats
+from .streams import CopyStream
+
+if TYPE_CHECKING:
+    from protocol.codec import entropy, packed
+else:  # numba loads on first use (protocol/lazy.py)
+    entropy, packed = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed")
+
+
+def make_encoder(options: PatchOptions, stream: Callable[[torch.device], CopyStream]) -> Encoder:
+    """The encoder ``options`` (``patch.codec`` resolved) ask for: the device encoder (with
+    ``stream``, the snapshot's copy stream of a device) or the host's."""
+    if options.device_codec:
+        return DeviceEncoder(stream)
+    return HostEncoder(options)
 
 
 class Encoder(Protocol):
@@ -31,6 +47,13 @@ class Encoder(Protocol):
     # whether each tensor may be encoded alone as it is collected (on the builder's encoder
     # threads, beside the compare), rather than with its part
     streams: bool
+    # whether it codes changes held in host memory (a compare on CUDA stages them there), or
+    # where they are
+    on_host: bool
+
+    def warm_up(self) -> None:
+        """Compile or load what the first encode would (called at capture, off the hot path)."""
+        ...
 
     def encode_one(self, changes: Changes) -> EncodedTensor:
         """One tensor's (or group's) entry."""
@@ -41,20 +64,19 @@ class Encoder(Protocol):
         ...
 
 
-def whole(changes: Changes, dense: torch.Tensor, codec: Codec = Codec.NONE) -> EncodedTensor:
-    """The entry of a tensor (or group) sent whole: its new values, raw (``codec``: compressed)."""
-    buffers = {Role.VALUES: dense.view(changes.shape)}
-    return pack_entry(changes.key, Encoding.DENSE, ValueEncoding.RAW, dense.numel(), buffers, codec, changes.group)
-
-
 class HostEncoder:
     """Each tensor coded on its own: the host codec (or the device codec, one tensor at a
     time, where ``patch.codec: device`` asks for it on a compare that staged its changes)."""
 
     streams = True
+    on_host = True
 
     def __init__(self, options: PatchOptions) -> None:
         self.options = options
+
+    def warm_up(self) -> None:
+        packed.warm_up()
+        entropy.warm_up()
 
     def encode(self, changes: list[Changes], stats: SyncStats | None = None) -> list[EncodedTensor]:
         return map_ordered(self.encode_one, changes)

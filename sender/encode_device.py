@@ -29,8 +29,7 @@ from protocol.codec.tensorcodec import EncodedTensor, pack_entry
 from protocol.timing import DeviceSpan
 from protocol.wire.framing import Encoding, Role, ValueEncoding
 
-from .changes import Changes
-from .encode import whole
+from .changes import Changes, whole
 from .stats import SyncStats
 from .streams import CopyStream
 
@@ -61,9 +60,13 @@ class DeviceEncoder:
     part at once: one host sync for the sizes and one copy to the host a part and device."""
 
     streams = False
+    on_host = False
 
     def __init__(self, stream: Callable[[torch.device], CopyStream]) -> None:
         self._stream = stream  # the snapshot's copy stream of a device
+
+    def warm_up(self) -> None:
+        """Nothing to compile: batched torch operations, no numba."""
 
     def encode_one(self, changes: Changes) -> EncodedTensor:
         return self.encode([changes])[0]

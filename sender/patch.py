@@ -24,8 +24,7 @@ from .backlog import Backlog
 from .base import Send, SenderBase, send_all
 from .changes import Changes, plan_groups
 from .compare import KINDS, make_compare
-from .encode import Encoder, HostEncoder
-from .encode_device import DeviceEncoder
+from .encode import Encoder, make_encoder
 from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
@@ -143,7 +142,7 @@ class PatchBuilder:
         # patch.codec auto: the device codec for tensors on CUDA. Its encoder codes a part at
         # once where the changes live, so the compare leaves them there (no staging).
         resolved = self.options.resolved(plan.on_cuda)
-        self.encoder: Encoder = DeviceEncoder(self.snapshot.stream) if resolved.device_codec else HostEncoder(resolved)
+        self.encoder: Encoder = make_encoder(resolved, self.snapshot.stream)
         # host or device (``compare``, else ``patch.codec``: auto compares on the device where the tensors are on CUDA)
         kind = compare or _requested(config)
         self.compare = make_compare(kind, plan, self.options, self.snapshot, plan_groups(plan, grouped), stage=self._stages())
@@ -168,16 +167,14 @@ class PatchBuilder:
         """Whether a compare copies changes on a CUDA device to pinned host memory: unless
         they are packed on the device (``transport_device: cuda``) or the device encoder
         codes them there."""
-        return self.transport.type != "cuda" and self.encoder.streams
+        return self.transport.type != "cuda" and self.encoder.on_host
 
     def capture(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the snapshot: what the receivers hold after the bootstrap."""
         self.compare.capture(tensors)
         # JIT now, while the first receiver's HELLO is answered (the server heartbeats it
-        # meanwhile), rather than in the first sync; the device encoder runs no numba.
-        if isinstance(self.encoder, HostEncoder):
-            packed.warm_up()
-            entropy.warm_up()
+        # meanwhile), rather than in the first sync (the device encoder has nothing to compile).
+        self.encoder.warm_up()
 
     @property
     def diverged(self) -> bool:

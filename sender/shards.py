@@ -22,12 +22,12 @@ Not wired in yet: ``ShardedSync`` still gathers.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from protocol.codec.spans import as_span
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions
 from protocol.config import InitSyncConfig, PatchConfig
 from protocol.errors import ConfigError, MetadataMismatchError, WeightSyncError
@@ -36,8 +36,7 @@ from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
 
 from .compare import make_compare
-from .encode import Encoder, HostEncoder
-from .encode_device import DeviceEncoder
+from .encode import Encoder, make_encoder
 from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
@@ -173,7 +172,7 @@ class ShardCompare:
             raise ConfigError(f"the shards are on {on}, the current CUDA device is {torch.cuda.current_device()}: torch.cuda.set_device first")
         self.snapshot = Snapshot("cuda" if on.type == "cuda" else "cpu")
         resolved = options.resolved(self.plan.on_cuda)
-        self.encoder: Encoder = DeviceEncoder(self.snapshot.stream) if resolved.device_codec else HostEncoder(resolved)
+        self.encoder: Encoder = make_encoder(resolved, self.snapshot.stream)
         # as the patch builder: changes on CUDA go to pinned host memory for the host codec
         self.compare = make_compare(compare, self.plan, options, self.snapshot, {}, stage=self.encoder.streams)
         self.diverged = False  # a collect failed midway: the snapshot may be ahead of the receivers (recapture)
@@ -225,9 +224,7 @@ class ShardCompare:
         return entries
 
     def _as_span(self, entry: EncodedTensor) -> EncodedTensor:
-        """An entry of a shard coded as a 1-D tensor of its hi - lo elements, as the span entry
-        of [lo, hi) of its tensor it is, under the receivers' ordinal."""
+        """An entry of a shard, coded as a 1-D tensor of its hi - lo elements, as the span
+        entry of [lo, hi) of its tensor under the receivers' ordinal (``spans.as_span``)."""
         k = self.keys[entry.key]
-        if entry.group or entry.span is not None:
-            raise AssertionError(f"{k.key!r}: a shard's entry is neither grouped nor a span yet")
-        return dataclasses.replace(entry, key=k.ordinal, span=k.span)
+        return as_span(entry, k.span, k.ordinal)

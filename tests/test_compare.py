@@ -275,7 +275,7 @@ def test_the_device_path_calls_no_numba() -> None:
     """In a fresh process, a device compare's capture and two versions leave every numba
     dispatcher uncompiled (none called), if numba was imported at all."""
     code = """
-import gc, sys, torch
+import torch
 from test_compare import compare_of, structure_model, structure_step
 from sender.stats import SyncStats
 state = structure_model(12, 12_000)
@@ -285,14 +285,23 @@ for _ in range(2):
     structure_step(state)
     state["steps"] += 1
     assert device.collect(state, SyncStats(1, "patch"), lambda c: c)
-numba = sys.modules.get("numba")
-if numba is not None:
-    called = [d for d in gc.get_objects() if isinstance(d, numba.core.dispatcher.Dispatcher) and d.signatures]
-    assert not called, called
+"""
+    run_calling_no_numba(code)
+
+
+def run_calling_no_numba(code: str) -> None:
+    """Run ``code`` in a fresh Python (tests/ and the repo on its path), then check that it
+    left every numba dispatcher uncompiled (none called), if numba was imported at all."""
+    check = """
+import gc as _gc, sys as _sys
+_numba = _sys.modules.get("numba")
+if _numba is not None:
+    _called = [d for d in _gc.get_objects() if isinstance(d, _numba.core.dispatcher.Dispatcher) and d.signatures]
+    assert not _called, _called
 """
     root = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root.parent), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd=root.parent, env=env)
+    subprocess.run([sys.executable, "-c", code + check], check=True, timeout=300, cwd=root.parent, env=env)
 
 
 def test_auto_compares_on_the_device_where_the_tensors_are_on_cuda() -> None:

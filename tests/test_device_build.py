@@ -9,16 +9,12 @@ device coded and decoding to the model, a tensor whose payload would not be smal
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_compare import CompareCounter, structure_model, structure_step
+from test_compare import CompareCounter, run_calling_no_numba, structure_model, structure_step
 
 from protocol.codec import devicecodec
 from protocol.config import load_config
@@ -176,7 +172,7 @@ def test_a_device_coded_builder_calls_no_numba() -> None:
     versions (compare and encode) and leaves every numba dispatcher uncompiled, if numba was
     imported at all: its capture does not warm the host codec's kernels either."""
     code = """
-import asyncio, gc, sys, torch
+import asyncio, torch
 from test_compare import structure_model, structure_step
 from test_device_build import builder_of
 state = structure_model(12, 12_000)
@@ -190,11 +186,5 @@ async def main():
         msg, stats = await builder.build(state, v, v - 1)
         assert msg.tensors and stats.changed_elements
 asyncio.run(main())
-numba = sys.modules.get("numba")
-if numba is not None:
-    called = [d for d in gc.get_objects() if isinstance(d, numba.core.dispatcher.Dispatcher) and d.signatures]
-    assert not called, called
 """
-    root = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root.parent), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd=root.parent, env=env)
+    run_calling_no_numba(code)

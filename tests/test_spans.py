@@ -25,7 +25,7 @@ from test_device_codec import bits, bitwise_changes, float_pair, integer_pair
 import receiver
 import sender
 from protocol.codec.compress import Codec
-from protocol.codec.spans import changes_within, encode_dense_span, encode_span
+from protocol.codec.spans import encode_dense_span, encode_span
 from protocol.codec.staging import StagingPool
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, at_span, decode_entry, encode_sparse
 from protocol.state import Placed
@@ -287,3 +287,13 @@ def test_an_entry_without_a_span_keeps_its_bytes() -> None:
     old = encode_sparse(0, torch.tensor([1, 3]), torch.ones(2), torch.zeros(2), (4,), WHOLE)
     specs, _ = assemble([old])
     assert len(specs[0].to_wire()) == 5
+
+
+def changes_within(
+    flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor, span: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of a tensor's changes at sorted flat positions ``flat`` (with their ``new`` and ``old``
+    values), those within [lo, hi), their positions made relative to lo: what ``encode_span`` takes."""
+    lo, hi = span
+    start, end = torch.searchsorted(flat, torch.tensor([lo, hi], dtype=flat.dtype)).tolist()
+    return flat[start:end] - lo, new[start:end], old[start:end]

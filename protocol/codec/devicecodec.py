@@ -245,7 +245,7 @@ def _symbols(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor,
 class Prepared:
     """Changes coded up to their size: every field and its bit offset on the device, and the
     payload's bit count (``nbits``, a 0-dim device tensor) for the caller to read. Reading
-    the ``nbits`` of many ``Prepared`` at once is what makes ``encode_many`` one sync."""
+    the ``nbits`` of many ``Prepared`` at once (``sizes``) is what makes a part one sync."""
 
     nnz: int
     block: int
@@ -302,7 +302,7 @@ def encode(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, *
     return Encoded(payload, prepared.write(payload))
 
 
-ALIGN = 8  # ``encode_many`` starts each payload at a multiple of this many bytes
+ALIGN = 8  # a part's payloads each start at a multiple of this many bytes (``aligned``)
 
 
 def sizes(prepared: list[Prepared]) -> list[int]:
@@ -315,21 +315,6 @@ def sizes(prepared: list[Prepared]) -> list[int]:
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
-
-
-def encode_many(changes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, block: int = BLOCK) -> tuple[torch.Tensor, list[slice]]:
-    """The payloads of several tensors' changes (``(flat, new_bits, old_bits)``, all on one
-    device) in one uint8 buffer, each at its slice (``ALIGN``-ed): one host sync for all."""
-    prepared = [prepare(f, n, o, block=block) for f, n, o in changes]
-    device = changes[0][0].device if changes else torch.device("cpu")
-    at, slices = 0, []
-    for n in sizes(prepared):
-        slices.append(slice(at, at + n))
-        at += aligned(n)
-    buffer = torch.empty(at, dtype=torch.uint8, device=device)
-    for p, s in zip(prepared, slices):
-        p.write(buffer[s])
-    return buffer, slices
 
 
 # -- checksum ---------------------------------------------------------------------------------

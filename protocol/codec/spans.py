@@ -13,11 +13,13 @@ ascending, across parts too; none is grouped, and none travels outside a PATCH.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from protocol.codec.compress import Codec
-from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, pack_entry, sparse_buffers
-from protocol.wire.framing import Encoding, Role, ValueEncoding
+from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, encode_dense, encode_sparse
+from protocol.wire.framing import Encoding
 
 
 def _checked(span: tuple[int, int]) -> tuple[int, int]:
@@ -25,6 +27,18 @@ def _checked(span: tuple[int, int]) -> tuple[int, int]:
     if not 0 <= lo < hi:
         raise ValueError(f"span [{lo}, {hi}) is empty or negative")
     return lo, hi
+
+
+def as_span(entry: EncodedTensor, span: tuple[int, int], key: int | None = None) -> EncodedTensor:
+    """``entry``, coded as a 1-D tensor of hi - lo elements (by any encoder: sparse or
+    dense, host or device codec), as the span entry of [lo, hi) of tensor ``key`` (default:
+    its own) it then is, byte for byte. The one place a span entry is made."""
+    lo, hi = _checked(span)
+    if entry.group or entry.span is not None:
+        raise ValueError(f"tensor {entry.key}: a grouped entry, or one that is a span already, cannot become a span")
+    if entry.encoding is Encoding.DENSE and entry.nnz != hi - lo:
+        raise ValueError(f"{entry.nnz} values for a span of {hi - lo} elements")
+    return dataclasses.replace(entry, key=entry.key if key is None else key, span=(lo, hi))
 
 
 def encode_span(
@@ -37,27 +51,10 @@ def encode_span(
     lo, hi = _checked(span)
     if flat.numel() == 0:
         raise ValueError("a span entry carries at least one change")
-    encoding, values, buffers = sparse_buffers(flat, new, old, (hi - lo,), options)
-    return pack_entry(key, encoding, values, flat.numel(), buffers, options.codec_for(encoding, values), span=(lo, hi))
+    return as_span(encode_sparse(key, flat, new, old, (hi - lo,), options), span)
 
 
 def encode_dense_span(key: int, span: tuple[int, int], values: torch.Tensor, codec: Codec) -> EncodedTensor:
     """Flat elements [lo, hi) of tensor ``key`` sent whole: ``values``, hi - lo of them (any
     shape: they are taken flat, row-major), ``codec`` compressing them where that pays."""
-    lo, hi = _checked(span)
-    flat = values.reshape(-1)
-    if flat.numel() != hi - lo:
-        raise ValueError(f"{flat.numel()} values for a span of {hi - lo} elements")
-    return pack_entry(key, Encoding.DENSE, ValueEncoding.RAW, hi - lo, {Role.VALUES: flat}, codec, span=(lo, hi))
-
-
-def changes_within(
-    flat: torch.Tensor, new: torch.Tensor, old: torch.Tensor, span: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Of a tensor's changes at sorted flat positions ``flat`` (with their ``new`` and ``old``
-    values), those within [lo, hi), their positions made relative to lo: what ``encode_span``
-    takes."""
-    lo, hi = _checked(span)
-    bounds = torch.searchsorted(flat, torch.tensor([lo, hi], dtype=flat.dtype, device=flat.device)).tolist()
-    start, end = bounds
-    return flat[start:end] - lo, new[start:end], old[start:end]
+    return as_span(encode_dense(key, values.reshape(-1), codec), span)

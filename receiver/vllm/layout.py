@@ -244,11 +244,15 @@ class MappedTensor(Placed):
         difference of its new bits from the held ones, wrapping, added at its offset
         (``index_put_`` accumulating), which is 0 for an index a segment does not hold
         (its offset is a valid place, shared by many: adding 0s there changes nothing)."""
+        placed: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # once per storage kind
         for seg in self.segments:
             storage = seg.storage
-            mask, dst = seg.locate(flat.to(storage.device), self.shape)
             bits = bits_dtype(storage.dtype)
-            new = values.to(storage.device, storage.dtype).reshape(-1).view(bits)
+            at = (storage.device, storage.dtype)
+            if at not in placed:
+                placed[at] = flat.to(storage.device), values.to(storage.device, storage.dtype).reshape(-1).view(bits)
+            where, new = placed[at]
+            mask, dst = seg.locate(where, self.shape)
             moved = torch.where(mask, new - storage.view(bits)[dst], 0).to(bits)
             storage.view(bits).index_put_((dst,), moved, accumulate=True)
 
