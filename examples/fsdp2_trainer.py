@@ -1,11 +1,14 @@
 """An FSDP2 (``fully_shard``) trainer on 2 ranks (gloo, CPU) syncing one bf16 receiver.
 
 Each rank holds half of every weight. Rank 0 hosts the one ``Sender``; every rank calls
-``ShardedSync.sync`` after its AdamW step, so each weight is gathered (a collective) in
-the same order on every rank, diffed against the Sender's snapshot and dropped before the
-next: rank 0 never holds a gathered copy of the whole model. A bf16 ``Receiver`` runs in
-rank 0's event loop and joins after the first version (a late join: it is bootstrapped
-without any collective). Prints a JSON line per version, like ``examples/trainer.py``.
+``ShardedSync.sync`` after its AdamW step. Under the sharded build (the default) each rank
+compares its own shards with its own snapshot of them and only the encoded changes travel
+to rank 0, which publishes them: no rank ever holds a weight gathered for a patch. A bf16
+``Receiver`` runs in rank 0's event loop and joins before the first version: a bootstrap
+needs the whole model, which the ranks gather together at the next version, so it holds
+v1 after the first sync and is patched from then on. ``--gather`` runs the gathering
+build instead (every weight gathered to rank 0, one at a time, each version). Prints a
+JSON line per version, like ``examples/trainer.py``.
 
     python examples/fsdp2_trainer.py --steps 5
 """
@@ -36,14 +39,15 @@ from sender import Sender
 from sender.fsdp import ShardedSync
 
 
-def build_sharded(world: int, *, freeze_pos: bool = True) -> TinyLM:
-    """The tiny transformer, each block and then the root sharded over ``world`` CPU ranks.
-    ``pos`` is frozen: a sharded weight that only travels in bootstraps."""
+def build_sharded(world: int, *, freeze_pos: bool = True, **shape: int) -> TinyLM:
+    """The tiny transformer (``shape``: ``TinyLM``'s sizes), each block and then the root
+    sharded over ``world`` CPU ranks. ``pos`` is frozen: a sharded weight that only travels
+    in bootstraps."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    model = build(seed=0)
+    model = build(seed=0, **shape)
     model.pos.requires_grad_(not freeze_pos)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -73,7 +77,7 @@ async def train(rank: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     model = build_sharded(dist.get_world_size())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
-    sharded = ShardedSync(model)
+    sharded = ShardedSync(model, gather=args.gather)
     records: list[dict[str, Any]] = []
     async with contextlib.AsyncExitStack() as stack:
         sender = None
@@ -82,18 +86,22 @@ async def train(rank: int, args: argparse.Namespace) -> list[dict[str, Any]]:
             await stack.enter_async_context(sender)
         await sharded.start(sender, version=0)
         receiver: Receiver | None = None
-        rollout = build(seed=1).to(torch.bfloat16)  # other weights: only the sync makes them equal
+        joined: asyncio.Future[Any] | None = None
+        if sender is not None:
+            rollout = build(seed=1).to(torch.bfloat16)  # other weights: only the sync makes them equal
+            receiver = Receiver(rollout, sender.endpoint, args.config)
+            await stack.enter_async_context(receiver)
+            joined = asyncio.ensure_future(receiver.start())  # its handshake ends at the next version
+            while not sender.bootstrap_wanted and not joined.done():  # its HELLO is in: v1 bootstraps it
+                await asyncio.sleep(0.01)
         for step in range(1, args.steps + 1):
             loss = train_step(model, optimizer, generator)
             stats = await sharded.sync(sender, step)  # every rank; the Sender's stats on rank 0
             digest = full_bf16_digest(model)
             if sender is None:
                 continue
-            assert stats is not None
-            if receiver is None:  # joins late, at version 1: bootstrapped from the snapshot
-                receiver = Receiver(rollout, sender.endpoint, args.config)
-                await stack.enter_async_context(receiver)
-                await receiver.start()
+            assert stats is not None and receiver is not None and joined is not None
+            await joined
             await sender.flush()
             await receiver.wait_for_version(step, timeout=30)
             async with receiver.reading():
@@ -129,6 +137,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--config", help="weight_syncer YAML (default: patch defaults)")
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--gather", action="store_true", help="the gathering build (ShardedSync(gather=True))")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 

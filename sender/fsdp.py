@@ -1,8 +1,21 @@
-"""FSDP2 (``fully_shard``) trainers: every rank's shards streamed to one ``Sender``.
+"""FSDP2 (``fully_shard``) trainers: every rank's shards synced through one ``Sender``.
 
-Gathering a DTensor is a collective, so every rank of the mesh must gather the same
-tensors in the same order, and the rank hosting the Sender must never hold the whole
-model gathered. ``ShardedSync`` makes both hold:
+Two builds, one lockstep (``start`` and ``sync`` on every rank, checked by one small
+all-reduce a version that also carries the leader's flags: ``_agree``):
+
+**Sharded** (the default for the patch strategy; issue 36): every rank compares its own
+shards with its own snapshot of them (``shard_build.ShardBuild``) and only the encoded
+changes move to the leader (``shard_parts.PartMover``), which publishes them as the parts of
+one version (``Sender.publish``) as they arrive. No rank gathers a tracked tensor for a
+patch. A bootstrap needs the whole model: when receivers wait for one (the leader's
+``ShardedSource`` says so), every rank gathers the tracked tensors after its part, as the
+gathering build does, and the leader serves that version's bootstrap. A version that fails on
+any rank (a disagreement, a rank's compare, a rank gone) is published by none and raises on
+every rank; the next one recaptures every rank's snapshot and resyncs the receivers.
+
+**Gathering** (``gather=True``, and the bucket strategy): gathering a DTensor is a
+collective, so every rank of the mesh must gather the same tensors in the same order, and
+the rank hosting the Sender must never hold the whole model gathered:
 
 * the order is ``gather_order`` (tracked keys without aliases, in
   state-dict order), computed on every rank and checked equal across ranks at ``start``;
@@ -13,8 +26,9 @@ model gathered. ``ShardedSync`` makes both hold:
 * every other rank gathers the same keys in the same order and drops each at once.
 
 Weights the Sender does not track (frozen) are gathered once, at ``start``, into plain
-tensors the leader keeps: a receiver joining at any time is bootstrapped from them and
-the snapshot without a collective. Buffers are not sharded by FSDP2 and are read locally.
+tensors the leader keeps: under the gathering build a receiver joining at any time is
+bootstrapped from them and the snapshot without a collective. Buffers are not sharded by
+FSDP2: the gathering build reads them locally, the sharded one has rank 0 compare them.
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ import asyncio
 import logging
 import threading
 import weakref
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -34,14 +48,26 @@ from torch import nn
 
 from protocol.errors import ConfigError, GatherOrderError, WeightSyncError
 from protocol.state import ModelState, gathering, is_dtensor, resolve_state, sync_keys
+from protocol.wire.framing import Message
+
+from .base import check_next_version
+from .plan import SyncPlan
+from .shard_build import ReceiverPlan, ShardBuild, leader_messages, share_plan
+from .shard_parts import PartMover, PartStats
+from .shards import local_range
+from .stats import SyncStats
 
 if TYPE_CHECKING:
     from .service import Sender
-    from .stats import SyncStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RELEASE_WAIT = 1.0  # seconds a gather waits for the previous gathered tensor to be freed
+# The leader's flags for a sharded version, in ``_agree``: what every rank does.
+SHARDED = 1  # the sharded build (the leader's Sender is a patch one, and not gather=True)
+PLAN = 2  # the receivers' plan is new: broadcast it, every rank captures its shards' snapshot
+BOOT = 4  # receivers wait for a bootstrap: every rank gathers the tracked tensors after its part
+REFUSED = 8  # the leader's Sender refuses the version (stale, not running): every rank raises
 
 
 def gather_order(state: ModelState) -> list[str]:
@@ -67,13 +93,19 @@ class GatherStats:
 
 
 class ShardedSync:
-    """One FSDP2 model's weights, gathered tensor by tensor for one ``Sender``.
+    """One FSDP2 model's weights, synced through one ``Sender`` (see the module docstring).
 
     Every rank builds one from its sharded model and calls ``start`` once and ``sync`` at
     every version, in lockstep; the ``leader`` rank (a global rank) passes its Sender,
     the others ``None``. Construct the Sender with ``trainable_keys=sharded.trainable_keys``
     (they are also what ``trainable_keys`` here selects). ``group`` is the process group
     of the mesh (default: the world).
+
+    ``gather``: the gathering build instead of the sharded one. Under the sharded build,
+    ``parts_group`` is the gloo group the parts travel over (default: ``group`` if it is
+    gloo, else a new gloo group of its ranks, made here: a collective of the world), and
+    ``timeout`` bounds each wait of a version (the agreement, each part), in seconds.
+    Not reentrant: one ``start``/``sync`` at a time on a rank (they are collectives).
     """
 
     def __init__(
@@ -83,9 +115,13 @@ class ShardedSync:
         trainable_keys: Iterable[str] | None = None,
         group: dist.ProcessGroup | None = None,
         leader: int = 0,
+        gather: bool = False,
+        parts_group: dist.ProcessGroup | None = None,
+        timeout: float = 60.0,
     ) -> None:
         self.model, self.group, self.leader = model, group, leader
         self.is_leader = dist.get_rank() == leader
+        self.gather = gather
         state = resolve_state(model, trainable_keys)
         self.aliases = state.aliases
         self.trainable_keys = list(state.tracked)
@@ -96,7 +132,9 @@ class ShardedSync:
             if key not in self.aliases:
                 self._layout += [key, *(a for a, c in self.aliases.items() if c == key)]
         tensors = {k: state.tensors[k] for k in self._layout}
-        self.order = gather_order(ModelState(tensors, [k for k in self._layout if k in set(state.tracked)], self.aliases))
+        tracked_state = ModelState(tensors, [k for k in self._layout if k in set(state.tracked)], self.aliases)
+        self.order = gather_order(tracked_state)
+        self.compared = sync_keys(tracked_state)  # what the sharded build compares: DTensors and plain tensors (buffers)
         tracked = set(state.tracked)
         self._static_keys = [k for k in self._layout if k not in tracked and k not in self.aliases and is_dtensor(tensors[k])]
         self._static: dict[str, torch.Tensor] | None = None
@@ -104,6 +142,16 @@ class ShardedSync:
         self.stats = GatherStats()
         self._released = threading.Condition(threading.RLock())  # RLock: a finalizer may run under it
         self.version: int | None = None
+        # the sharded build (the default): each rank's compare, and its parts' way to the leader
+        self.sharded = False  # this start/sync's build (the leader's Sender says: a patch, and not ``gather``)
+        self.mover: PartMover | None = None
+        self._build: ShardBuild | None = None
+        self._failed = False  # the last sharded version failed on some rank: the next one resyncs
+        self.part_stats: PartStats | None = None  # the last sharded version's parts
+        if not gather:
+            for key in self.compared:  # a placement this build cannot compare shard by shard: say so now
+                local_range(tensors[key], key)
+            self.mover = PartMover(_parts_group(group, parts_group), leader=_group_rank(group, leader), timeout=timeout)
 
     # -- every rank ---------------------------------------------------------------------
     async def start(self, sender: Sender | None, *, version: int | None = None) -> None:
@@ -113,10 +161,15 @@ class ShardedSync:
             await asyncio.to_thread(self.follow_start, version)
             return
         sender = self._expect_sender(sender)
-        await asyncio.to_thread(self._agree, version)
+        flags = SHARDED if not self.gather and sender.strategy == "patch" else 0
+        self.sharded = bool((await asyncio.to_thread(self._agree, version, flags))[0] & SHARDED)
         self._static = await asyncio.to_thread(self._gather_static, True)
         view = self._view()
-        await self._lead(sender.start(view, version=version), view)
+        if self.sharded:  # nothing gathered: no rank holds the model whole
+            self.stats.last = []
+            await sender.start(view, version=version, sharded=True)
+        else:
+            await self._lead(sender.start(view, version=version), view)
         self.version = version
 
     async def sync(self, sender: Sender | None, version: int) -> SyncStats | None:
@@ -128,6 +181,10 @@ class ShardedSync:
         sender = self._expect_sender(sender)
         if self._static is None:
             raise WeightSyncError("ShardedSync.start() must come first")
+        if self.sharded:
+            stats = await self._sharded(sender, version)
+            self.version = version
+            return stats
         await asyncio.to_thread(self._agree, version)
         view = self._view()
         stats = await self._lead(sender.sync(view, version), view)
@@ -137,19 +194,133 @@ class ShardedSync:
     # -- the other ranks, without an event loop -------------------------------------------
     def follow_start(self, version: int | None = None) -> None:
         """A non-leader rank's ``start``: the same checks and gathers, nothing kept."""
-        self._agree(version)
+        self.sharded = bool(self._agree(version)[0] & SHARDED)
         self._gather_static(False)
-        self._follow()
+        if self.sharded:
+            self.stats.last = []
+        else:
+            self._follow()
         self._static = {}
         self.version = version
 
     def follow(self, version: int) -> None:
-        """A non-leader rank's ``sync``: gather the leader's keys in order, dropping each."""
+        """A non-leader rank's ``sync``: its part of the version (the sharded build), or the
+        leader's gathers in order, each tensor dropped at once."""
         if self._static is None:
             raise WeightSyncError("ShardedSync.follow_start() must come first")
-        self._agree(version)
-        self._follow()
+        if self.sharded:
+            self._follow_sharded(version)
+        else:
+            self._agree(version)
+            self._follow()
         self.version = version
+
+    # -- the sharded build -------------------------------------------------------------------
+    async def _sharded(self, sender: Sender, version: int) -> SyncStats:
+        """The leader's sharded version: the flags every rank follows, its own part, the
+        others' as they arrive, into ``sender.publish`` (with a bootstrap gathered when
+        receivers wait for one)."""
+        self.stats.last = []
+        flags = SHARDED
+        if sender.plan is not None and self._build is None:
+            flags |= PLAN
+        if sender.bootstrap_wanted:
+            flags |= BOOT
+        refused: WeightSyncError | None = None  # what the Sender would refuse: every rank raises, none waits
+        try:
+            sender.server.check_running()
+            check_next_version(sender.version, version)
+        except WeightSyncError as e:
+            refused, flags = e, flags | REFUSED
+        try:
+            flags, failed = await asyncio.to_thread(self._agree, version, flags, self._failed)
+            if refused is not None:
+                raise refused
+            stats = SyncStats(version, "patch")
+            parts = None
+            boot = bool(flags & BOOT)
+            if flags & PLAN:
+                assert sender.plan is not None
+                await asyncio.to_thread(self._share_plan, ReceiverPlan.of(sender.plan, sender.config.patch))
+                boot = True
+            elif self._build is not None and failed:
+                await asyncio.to_thread(self._build.recapture, self._tensors())
+                boot = True
+            elif self._build is not None:
+                own = await asyncio.to_thread(self._own_part, version)
+                assert self.mover is not None and self._build.last is not None
+                stats = self._build.last
+                self.part_stats = agreed = await asyncio.to_thread(self.mover.agree, version, self._build.digest, own)
+                parts = leader_messages(self.mover, agreed, own or b"", version)
+            bootstrap = self._bootstrap(version) if boot else None
+            stats = await sender.publish(version, parts, bootstrap=bootstrap, stats=stats)
+        except BaseException:
+            self._failed = True
+            raise
+        self._failed = False
+        return stats
+
+    def _follow_sharded(self, version: int) -> None:
+        """A non-leader's sharded version: as ``_sharded``, its part sent to the leader."""
+        self.stats.last = []
+        try:
+            flags, failed = self._agree(version, 0, self._failed)
+            if flags & REFUSED:
+                raise WeightSyncError(f"the leader's Sender refused v{version} (see its error): no rank synced it")
+            boot = bool(flags & BOOT)
+            if flags & PLAN:
+                self._share_plan(None)
+                boot = True
+            elif self._build is not None and failed:
+                self._build.recapture(self._tensors())
+                boot = True
+            elif self._build is not None:
+                own = self._own_part(version)
+                assert self.mover is not None
+                self.part_stats = agreed = self.mover.agree(version, self._build.digest, own)
+                self.mover.send(agreed, own or b"")
+            if boot:
+                self._follow()
+        except BaseException:
+            self._failed = True
+            raise
+        self._failed = False
+
+    def _share_plan(self, plan: ReceiverPlan | None) -> None:
+        """The receivers' plan on every rank, and each rank's compare captured from its shards."""
+        assert self.mover is not None
+        shared = share_plan(plan, self.mover)
+        tensors = self._tensors()
+        build = ShardBuild(tensors, self.compared, shared)
+        build.capture(tensors)
+        self._build = build
+
+    def _own_part(self, version: int) -> bytes | None:
+        """This rank's part of ``version`` (None if building it failed: every rank then
+        raises the part agreement's ``GatherOrderError``, this one from its own error)."""
+        assert self._build is not None
+        try:
+            return self._build.part(self._tensors(), version)
+        except Exception as e:
+            log.error("sharded sync: rank %d failed to build its part of v%d: %r", dist.get_rank(), version, e)
+            assert self.mover is not None
+            try:
+                self.mover.agree(version, self._build.digest, None)
+            except GatherOrderError as refused:
+                raise refused from e
+            raise
+
+    def _bootstrap(self, version: int) -> Callable[[SyncPlan], Awaitable[list[Message]]]:
+        """The leader's bootstrap of ``version``, gathered tensor by tensor with the other ranks
+        (``_follow``), for ``Sender.publish``."""
+
+        async def build(plan: SyncPlan) -> list[Message]:
+            view = self._view()
+            keys = set(plan.tracked) | set(plan.bootstrap_keys() if plan.init_sync.enabled else [])
+            _, messages = plan.bootstrap(version, view.__getitem__, [k for k in plan.state.tensors if k in keys])
+            return await self._lead(asyncio.to_thread(list, messages), view)
+
+        return build
 
     # -- internals ----------------------------------------------------------------------
     def _expect_sender(self, sender: Sender | None) -> Sender:
@@ -173,22 +344,28 @@ class ShardedSync:
         static = self._static
         return {k: static[self.aliases.get(k, k)] if self.aliases.get(k, k) in static else tensors[k] for k in self._layout}
 
-    def _agree(self, version: int | None) -> None:
+    def _agree(self, version: int | None, flags: int = 0, failed: bool = False) -> tuple[int, bool]:
         """All ranks check (one small all-reduce) that they sync the same version with the
-        same gather order, and all raise together when not: no rank is left waiting."""
+        same gather order, and all raise together when not: no rank is left waiting. The
+        same all-reduce carries the leader's ``flags`` (what every rank does this version;
+        the others pass 0) and whether any rank ``failed`` its last version: both returned."""
         digest = xxhash.xxh3_64()
         for key in [*self.order, "|", *self._static_keys]:
             digest.update(f"{key}{self._shapes.get(key, '')};".encode())
         h = digest.intdigest() & (2**62 - 1)
         v = -1 if version is None else version
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        both = torch.tensor([v, -v, h, -h], dtype=torch.int64, device=device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        top, low, htop, hlow = both.tolist()
+        row = torch.tensor([v, -v, h, -h, flags if self.is_leader else 0, int(failed)], dtype=torch.int64, device=device)
+        if self.mover is None:
+            dist.all_reduce(row, op=dist.ReduceOp.MAX, group=self.group)
+        else:  # the sharded build bounds its waits: a rank gone is a typed error within the timeout
+            self.mover.wait(dist.all_reduce(row, op=dist.ReduceOp.MAX, group=self.group, async_op=True), f"v{version}'s agreement")
+        top, low, htop, hlow, leader_flags, any_failed = row.tolist()
         if htop != -hlow:
             raise GatherOrderError("the ranks' models differ (keys, shapes or trainable keys): their gathers would not match")
         if top != -low:
             raise GatherOrderError(f"the ranks sync different versions (from {-low} to {top}): call sync in lockstep")
+        return leader_flags, bool(any_failed)
 
     def _gather_static(self, keep: bool) -> dict[str, torch.Tensor]:
         tensors = self._tensors()
@@ -248,6 +425,21 @@ class ShardedSync:
                 return await call
         finally:
             await asyncio.to_thread(hook.finish)
+
+
+def _group_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_group_rank(group, rank)
+
+
+def _parts_group(group: dist.ProcessGroup | None, parts_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """Where the parts travel: ``parts_group``, else ``group`` when it is gloo (host bytes),
+    else a new gloo group of ``group``'s ranks (a collective of every rank of the world)."""
+    if parts_group is not None:
+        return parts_group
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
 
 
 class _Leader:

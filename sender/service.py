@@ -14,7 +14,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,14 +22,18 @@ import zmq
 import zmq.asyncio
 
 from protocol.config import SyncConfig, load_config
-from protocol.errors import WeightSyncError
+from protocol.errors import ConfigError, WeightSyncError
 from protocol.net.security import CurveServer
 from protocol.net.server import VersionServer
 from protocol.state import StateLike, resolve_state, state_tensors
+from protocol.wire.buffers import Buffer
+from protocol.wire.framing import Message
 from protocol.wire.limits import Limits
 
 from .base import check_next_version
 from .patch import CapturedStream, CompareFailed, PatchBuilder
+from .plan import SyncPlan
+from .shard_source import ShardedSource
 from .source import TrainerSource
 from .stats import SyncStats
 
@@ -91,20 +95,22 @@ class Sender:
         self._trainable_keys = None if trainable_keys is None else list(trainable_keys)
         self.stats: collections.OrderedDict[int, SyncStats] = collections.OrderedDict()
         self._stats_history = stats_history
-        self._source: TrainerSource | None = None
+        self._source: TrainerSource | ShardedSource | None = None
         self._encoding: asyncio.Task[None] | None = None  # the newest patch being encoded
         self._moved: asyncio.Future[bool] | None = None  # the version being encoded became the server's, or not (``_encode``)
 
     # -- public API -----------------------------------------------------------------
-    async def start(self, model: StateLike, *, version: int | None = None) -> Sender:
+    async def start(self, model: StateLike, *, version: int | None = None, sharded: bool = False) -> Sender:
         """Bind the socket and serve receivers with ``model``'s weights.
 
         ``version`` is the version ``model`` already holds (e.g. a resumed checkpoint).
+        ``sharded``: the versions are built by a sharded trainer's ranks and handed to
+        ``publish`` (``ShardedSync`` starts its Sender so), not by ``sync``.
         """
         if self._source is not None:
             raise WeightSyncError("sender already started")
         state = resolve_state(model, self._trainable_keys)
-        self._source = TrainerSource(state, model, self.config)
+        self._source = ShardedSource(state, self.config) if sharded else TrainerSource(state, model, self.config)
         if self.server.ring_bytes is None:
             self.server.ring_bytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
         self.server.moved(version)
@@ -132,6 +138,8 @@ class Sender:
         self.server.check_running()
         source = self._source
         assert source is not None
+        if isinstance(source, ShardedSource):
+            raise ConfigError("this sender was started for a sharded build: its versions come from ShardedSync.sync (publish)")
         tensors = state_tensors(model)
         async with self.server.lock:
             # Checked under the lock: of two syncs racing, the one that waited for the other
@@ -149,6 +157,83 @@ class Sender:
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
         return stats
+
+    async def publish(
+        self,
+        version: int,
+        parts: AsyncIterable[Message] | None,
+        *,
+        bootstrap: Callable[[SyncPlan], Awaitable[list[Message]]] | None = None,
+        stats: SyncStats | None = None,
+    ) -> SyncStats:
+        """Publish ``version``, built elsewhere (a sharded trainer's ranks, ``ShardedSync``),
+        on a sender started with ``sharded=True``.
+
+        ``parts``: the patch from the current version to ``version``, PATCH messages in order
+        (``last`` on the final one; their version and base are set here), each served to the receivers as it comes; None: there is
+        no patch (no receiver holds a version yet, or after a failed version), and every
+        receiver behind is resynced by bootstrap. ``bootstrap`` (called with the receivers'
+        plan after the parts, while the version is still the old one): the bootstrap of
+        ``version``, for the receivers waiting for one (``ShardedSource``). The version moves
+        once both are done; if either fails, it does not (the parts already out are
+        abandoned) and the error is raised. Serialised with everything else that moves the
+        version; a version not above the current one is a ``StaleVersionError``.
+        """
+        self.server.check_running()
+        source = self._source
+        if not isinstance(source, ShardedSource):
+            raise ConfigError("publish() is for a sender started with sharded=True (ShardedSync); call sync()")
+        stats = SyncStats(version, self.strategy) if stats is None else stats
+        async with self.server.lock:
+            check_next_version(self.version, version)
+            base = self.version
+            started = time.perf_counter()
+            last: list[Buffer] | None = None  # held back until the version moves: no receiver acks it before
+            try:
+                if parts is not None:
+                    self.server.expect_patch(base)
+                    async for msg in parts:
+                        if last is not None:
+                            raise WeightSyncError(f"v{version}: a patch part after the last one")
+                        msg.version, msg.base_version = version, base
+                        frames = self.server.stamp(msg)
+                        stats.messages += 1
+                        stats.wire_bytes += sum(len(f) for f in frames)
+                        if msg.last:
+                            last = frames
+                        else:
+                            self.server.publish_patch(base, version, frames, last=False)
+                    if last is None:
+                        raise WeightSyncError(f"v{version}: the patch ended without its last part")
+                stats.send_seconds += time.perf_counter() - started
+                source.drop_offer()
+                if bootstrap is not None:
+                    if source.plan is None:
+                        raise WeightSyncError("a bootstrap is built for the receivers' plan: no receiver has joined")
+                    source.offer(version, await bootstrap(source.plan))
+            except BaseException:
+                if parts is not None:
+                    self.server.abandon_patch(base, version)
+                raise
+            if last is not None:
+                self.server.publish_patch(base, version, last, last=True)
+            else:
+                self.server.forget()  # no patch: every receiver behind is resynced
+            self.server.moved(version)
+        self.stats[version] = stats
+        while len(self.stats) > self._stats_history:
+            self.stats.popitem(last=False)
+        return stats
+
+    @property
+    def plan(self) -> SyncPlan | None:
+        """The receivers' plan (their ordinals and dtypes), fixed by the first receiver's HELLO."""
+        return None if self._source is None else self._source.plan
+
+    @property
+    def bootstrap_wanted(self) -> bool:
+        """A sharded build's receivers wait for a bootstrap (``ShardedSource``)."""
+        return isinstance(self._source, ShardedSource) and self._source.wanted
 
     async def flush(self) -> None:
         """Wait until every synced version is encoded and queued for the receivers."""

@@ -1,6 +1,6 @@
 """A sharded trainer's encoded parts, moved from every rank to the leader (issue 36, step 2):
 each rank of a process group holds its part of a version (bytes, possibly empty); the leader
-rank takes them all, rank by rank, as they arrive. Not wired into ``ShardedSync`` yet.
+rank takes them all, rank by rank, as they arrive (``ShardedSync``'s sharded build).
 
 * **Sizes first** (``PartMover.agree``, every rank): one all-gather (``all_gather_single``) of
   three int64 a rank, ``[version, nbytes, digest]`` (``layout_digest``: the keys and shapes the
@@ -49,7 +49,9 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from protocol.errors import ConfigError, GatherOrderError, WeightSyncError, WeightSyncTimeout
+from protocol.errors import ConfigError, GatherOrderError, ProtocolError, WeightSyncError, WeightSyncTimeout
+from protocol.wire.framing import Message, decode_message, encode_message
+from protocol.wire.limits import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class PartMover:
         mine = torch.tensor([version, nbytes, digest], dtype=torch.int64)
         rows = torch.empty(self.world * FIELDS, dtype=torch.int64)
         work = dist.all_gather_single(rows, mine, group=self.group, async_op=True)
-        self._wait(work, "the size agreement")
+        self.wait(work, "the size agreement")
         table = rows.view(self.world, FIELDS).tolist()
         versions = sorted({row[0] for row in table})
         if len(versions) > 1:
@@ -163,8 +165,8 @@ class PartMover:
         with warnings.catch_warnings():  # a read-only buffer: sending only reads it
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.frombuffer(view, dtype=torch.uint8)
-        work = dist.isend(tensor, self._global(self.leader), group=self.group, tag=_tag(agreed.version))
-        self._wait(work, f"rank {self.rank}'s part of version {agreed.version}")
+        work = dist.isend(tensor, self.global_rank(self.leader), group=self.group, tag=_tag(agreed.version))
+        self.wait(work, f"rank {self.rank}'s part of version {agreed.version}")
         agreed.moved_bytes += view.nbytes
 
     # -- the leader -------------------------------------------------------------------------
@@ -209,7 +211,7 @@ class PartMover:
             if rank == self.rank or not nbytes:
                 continue
             buffer = torch.empty(nbytes, dtype=torch.uint8)
-            work = dist.irecv(buffer, self._global(rank), group=self.group, tag=_tag(agreed.version))
+            work = dist.irecv(buffer, self.global_rank(rank), group=self.group, tag=_tag(agreed.version))
             if work is None:  # not in this group: cannot happen for a rank of it
                 raise WeightSyncError(f"rank {rank} is not in the process group")
             pending.append((rank, buffer, work))
@@ -218,7 +220,7 @@ class PartMover:
     def _take(self, agreed: PartStats, pending: list[tuple[int, torch.Tensor, dist.Work]]) -> tuple[int, memoryview]:
         rank, buffer, work = pending.pop(0)
         try:
-            self._wait(work, f"rank {rank}'s part of version {agreed.version}")
+            self.wait(work, f"rank {rank}'s part of version {agreed.version}")
         except WeightSyncError:
             pending.clear()  # the group is gone (see the module's docstring): nothing more will arrive
             raise
@@ -234,10 +236,13 @@ class PartMover:
                 log.warning("shard parts: the rest of version %d's parts not taken: %s", agreed.version, e)
                 return
 
-    def _global(self, rank: int) -> int:
+    def global_rank(self, rank: int) -> int:
+        """The global rank of ``rank`` of the group."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _wait(self, work: dist.Work | None, what: str) -> None:
+    def wait(self, work: dist.Work | None, what: str) -> None:
+        """Wait for ``work`` (an async collective or point-to-point) at most ``timeout``:
+        ``WeightSyncTimeout`` past it, ``WeightSyncError`` if it fails (a rank gone)."""
         if work is None:
             raise WeightSyncError(f"{what}: this rank is not in the process group")
         started = time.monotonic()
@@ -248,3 +253,57 @@ class PartMover:
             if "timed out" in str(e).lower() or waited >= self.timeout:
                 raise WeightSyncTimeout(f"{what} did not complete within {self.timeout:g}s: the process group must be rebuilt") from e
             raise WeightSyncError(f"{what} failed after {waited:.1f}s (a rank gone?): {e}") from e
+
+
+# -- a rank's part: its messages' frames end to end -----------------------------------------
+# int64 header: [messages, frames of each message..., length of each frame...], then the frames.
+
+
+def pack_part(messages: Sequence[Message]) -> bytes:
+    """A rank's encoded messages of a version as one part (``unpack_part`` reverses it): the
+    leader re-frames each message (``decode_message`` checks its checksums) and stamps it."""
+    framed = [encode_message(m) for m in messages]
+    lengths = [len(f) for frames in framed for f in frames]
+    header = torch.tensor([len(framed), *(len(f) for f in framed), *lengths], dtype=torch.int64)
+    out = bytearray(header.numel() * 8 + sum(lengths))
+    out[: header.numel() * 8] = header.numpy().tobytes()
+    at = header.numel() * 8
+    for frames in framed:
+        for f in frames:
+            n = len(f)
+            out[at : at + n] = f
+            at += n
+    return bytes(out)
+
+
+def unpack_part(part: Part, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
+    """The messages of a part made by ``pack_part`` (their frames views of ``part``, no copy);
+    a part that is not one is a ``ProtocolError``, a message that does not decode one too."""
+    view = memoryview(part).cast("B")
+    if view.nbytes < 8:
+        raise ProtocolError(f"a shard part of {view.nbytes} bytes has no header")
+    count = int.from_bytes(view[:8], "little", signed=True)
+    if not 0 < count <= limits.tensors:
+        raise ProtocolError(f"a shard part says it holds {count} messages")
+    if view.nbytes < 8 * (1 + count):
+        raise ProtocolError("a shard part's header is cut short")
+    counts = [int.from_bytes(view[8 * (1 + i) : 8 * (2 + i)], "little", signed=True) for i in range(count)]
+    if any(not 0 < c <= limits.frames for c in counts):
+        raise ProtocolError(f"a shard part's messages say they have {counts} frames")
+    at = 8 * (1 + count)
+    total = sum(counts)
+    if view.nbytes < at + 8 * total:
+        raise ProtocolError("a shard part's header is cut short")
+    lengths = [int.from_bytes(view[at + 8 * i : at + 8 * (i + 1)], "little", signed=True) for i in range(total)]
+    at += 8 * total
+    if any(n < 0 for n in lengths) or at + sum(lengths) != view.nbytes:
+        raise ProtocolError(f"a shard part of {view.nbytes} bytes whose frames add up to {at + sum(lengths)}")
+    messages, i = [], 0
+    for c in counts:
+        frames = []
+        for n in lengths[i : i + c]:
+            frames.append(view[at : at + n])
+            at += n
+        i += c
+        messages.append(decode_message(frames, limits))
+    return messages

@@ -17,7 +17,7 @@ here gathers a tracked tensor or makes a collective.
   ``patch.codec`` says), each entry then given its span: an entry coded as a 1-D tensor of
   hi - lo elements is exactly a span entry of [lo, hi) (``encode_span``/``encode_dense_span``).
 
-Not wired in yet: ``ShardedSync`` still gathers.
+Used by ``shard_build.ShardBuild``, one rank's side of ``ShardedSync``'s sharded build.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``) trainers: two real gloo ranks on CPU, one Sender on rank 0.
+"""FSDP2 (``fully_shard``) trainers under the gathering build (``ShardedSync(gather=True)``; the
+sharded build: ``test_fsdp2_sharded.py``): two real gloo ranks on CPU, one Sender on rank 0.
 
 One spawn runs everything (starting ranks is the slow part): for the patch and the bucket
 strategy, real AdamW steps on the sharded tiny transformer (tied embedding, a frozen
@@ -48,7 +49,7 @@ async def _scenario(rank: int, mode: str) -> dict[str, Any]:
     model = build_sharded(WORLD)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(1 + rank)
-    sharded = ShardedSync(model)
+    sharded = ShardedSync(model, gather=True)  # the gathering build (tests/test_fsdp2_sharded.py: the sharded one)
     out: dict[str, Any] = {"order": sharded.order, "sequences": [], "checks": []}
     config = CONFIGS[mode]
     async with contextlib.AsyncExitStack() as stack:

@@ -87,12 +87,15 @@ class VersionSource(Protocol):
         size). Raise a ``WeightSyncError`` to refuse it: it is sent to the receiver."""
         ...
 
-    async def bootstrap(self, version: int | None) -> list[Message]:
-        """The BOOTSTRAP messages of ``version``, the current one."""
+    async def bootstrap(self, version: int | None) -> list[Message] | None:
+        """The BOOTSTRAP messages of ``version``, the current one; None where they cannot be
+        built now (a sharded trainer's are gathered at its next version, in lockstep): the
+        server asks again once the version has moved, for that version."""
         ...
 
-    async def digest(self, version: int | None) -> str:
-        """The state digest of ``version``, the current one, at the receivers' dtypes."""
+    async def digest(self, version: int | None) -> str | None:
+        """The state digest of ``version``, the current one, at the receivers' dtypes; None
+        where it is not known (a receiver claiming the version is then resynced)."""
         ...
 
     def describe(self) -> ModelMetadata | None:
@@ -162,7 +165,8 @@ class VersionServer:
         self._pending_bases: set[int | None] = set()  # bases of patches still being prepared
         self._bucket_frames: tuple[int, list[list[Buffer]]] | None = None  # bucket mode: the current version's messages
         self._resync: tuple[int | None, list[Message]] | None = None
-        self._digest: tuple[int | None, str] | None = None
+        self._moved = asyncio.Event()  # set (and replaced) each time the version moves: deferred bootstraps retry
+        self._digest: tuple[int | None, str | None] | None = None
         self._peers: dict[bytes, Peer] = {}
         self._greeting: dict[bytes, asyncio.Task[None]] = {}  # HELLOs being answered
         self.lock = asyncio.Lock()  # the version at rest: new versions vs bootstraps and digests
@@ -275,6 +279,8 @@ class VersionServer:
         self.version = version
         self._resync = self._digest = None
         self._wake_all()
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
 
     def expect_patch(self, base: int | None) -> None:
         """A patch from ``base`` is being prepared: receivers at ``base`` wait for it
@@ -380,16 +386,23 @@ class VersionServer:
         if all(p.acked is not None and p.acked >= cached[0] and not p.needs_resync for p in self._peers.values()):
             self._resync = None
 
-    async def _resync_messages(self) -> list[Message]:
-        """A bootstrap of the current version, cached per version."""
-        async with self.lock:
-            if self._resync is not None and self._resync[0] == self.version:
-                return self._resync[1]
-            built = await self.source.bootstrap(self.version)
-            self._resync = (self.version, built)
-            return built
+    async def _resync_messages(self) -> tuple[int | None, list[Message]]:
+        """A bootstrap of the current version and that version, cached per version. A source
+        that cannot build one now (``VersionSource.bootstrap``: None) is asked again each
+        time the version moves, outside the lock (the move takes it): the bootstrap is then
+        of a later version than the one current when this was called."""
+        while True:
+            async with self.lock:
+                if self._resync is not None and self._resync[0] == self.version:
+                    return self._resync
+                built = await self.source.bootstrap(self.version)
+                if built is not None:
+                    self._resync = (self.version, built)
+                    return self._resync
+                moved = self._moved
+            await moved.wait()
 
-    async def _state_digest(self) -> str:
+    async def _state_digest(self) -> str | None:
         """Digest of the current version at the receivers' dtypes, as a receiver computes it."""
         async with self.lock:
             if self._digest is not None and self._digest[0] == self.version:
@@ -512,10 +525,10 @@ class VersionServer:
         greeting: list[Message]
         if session == self.session and applied in known:
             greeting, version = [], applied  # it was with us: the ring catches it up
-        elif applied == self.version and self.version is not None and digest == await self._state_digest():
+        elif applied == self.version and self.version is not None and digest is not None and digest == await self._state_digest():
             greeting, version = [], applied  # already current (e.g. after a restart)
         else:
-            greeting, version = await self._resync_messages(), self.version
+            version, greeting = await self._resync_messages()
         welcome_message = replace(welcome, bootstrap=len(greeting)).to_message(version)
         peer.sent = version
         peer.acked = None if greeting else version
@@ -590,7 +603,8 @@ class VersionServer:
         peer.needs_resync = False
         peer.resyncs += 1
         log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version)
-        return self.version, [self.stamp(m) for m in await self._resync_messages()]
+        version, messages = await self._resync_messages()  # (a deferred one is of a later version)
+        return version, [self.stamp(m) for m in messages]
 
     async def _deliver_entry(self, peer: Peer, entry: RingEntry) -> bool:
         """Every part of a patch, each as soon as it is published; False if it was abandoned first."""
