@@ -109,15 +109,18 @@ class HostCompare:
         tracked; a group's keys all or none), passed through ``emit`` as it is collected."""
         keys = self.plan.tracked if keys is None else keys
         captured: list[T] = []
-        alone = [k for k in keys if k not in self._groups]
+        one_by_one: set[Group] = set()
         for group in dict.fromkeys(self._groups[k] for k in keys if k in self._groups):
             if self._compares_whole(group, tensors):
                 item = self._run_diff(group, tensors, stats)
                 if item is not None:
                     captured.append(emit(item))
             else:
-                alone.extend(group.keys)  # one by one, gathered into one run after the last
-        members: list[_Member] = []
+                one_by_one.add(group)  # one by one, gathered into one run after the last
+        # The rest in ``keys`` order: DTensors are gathered in this order, which every rank of
+        # a sharded trainer follows (``sender.fsdp``): a group's members keep their places.
+        alone = [k for k in keys if k not in self._groups or self._groups[k] in one_by_one]
+        members: dict[Group, list[_Member]] = {}
         fetched = self._fetch(alone[0], tensors) if alone else None
         for i, key in enumerate(alone):
             assert fetched is not None
@@ -133,9 +136,9 @@ class HostCompare:
             else:
                 _, flat, new, old = self._compare(key, cur, snap, stats, 1.0)  # a member never goes whole alone
                 assert flat is not None and new is not None and old is not None
-                members.append(_Member(flat, new, old, snap))
+                members.setdefault(member_of, []).append(_Member(flat, new, old, snap))
                 if key == member_of.keys[-1]:
-                    item, members = self._grouped(member_of, members), []
+                    item = self._grouped(member_of, members.pop(member_of))
             # A sharded (FSDP2) weight was gathered whole: drop it before the next
             # gather, so no more than one full tensor is alive at a time.
             del cur, snap

@@ -38,8 +38,11 @@ WORLD = 2
 VERSIONS = 4
 CONFIGS: dict[str, dict[str, Any]] = {
     "patch": {"weight_syncer": {"type": "patch"}},
+    # small tensors grouped, large ones alone, interleaved in the gather order (as in any real
+    # model; the tiny one's tensors are all small by default): the compare keeps that order
+    "patch-mixed": {"weight_syncer": {"type": "patch", "patch": {"group_numel": 1024}}},
     # the device path (issue 35) on gathered DTensors: compared one by one, coded by the device codec a part at once
-    "patch-device": {"weight_syncer": {"type": "patch", "patch": {"codec": "device"}}},
+    "patch-device": {"weight_syncer": {"type": "patch", "patch": {"codec": "device", "group_numel": 1024}}},
     "bucket": {"weight_syncer": {"type": "bucket", "bucket": {"init_sync": {"enabled": True}}}},
 }
 DEADLINE = 150.0  # seconds for the whole spawn; a hang fails the tests instead of blocking them
