@@ -53,7 +53,7 @@ from protocol.wire.framing import Message
 from .base import check_next_version
 from .plan import SyncPlan
 from .shard_build import ReceiverPlan, ShardBuild, leader_messages, share_plan
-from .shard_parts import PartMover, PartStats
+from .shard_parts import FIGURES, PartMover, PartStats
 from .shards import local_range
 from .stats import SyncStats
 
@@ -250,7 +250,9 @@ class ShardedSync:
                 own = await asyncio.to_thread(self._own_part, version)
                 assert self.mover is not None and self._build.last is not None
                 stats = self._build.last
-                self.part_stats = agreed = await asyncio.to_thread(self.mover.agree, version, self._build.digest, own)
+                self.part_stats = agreed = await asyncio.to_thread(self.mover.agree, version, self._build.digest, own, _figures(stats))
+                for figure in FIGURES:  # the version's counts, every rank's summed
+                    setattr(stats, figure, agreed.total(figure))
                 parts = leader_messages(self.mover, agreed, own or b"", version)
             bootstrap = self._bootstrap(version) if boot else None
             stats = await sender.publish(version, parts, bootstrap=bootstrap, stats=stats)
@@ -276,8 +278,8 @@ class ShardedSync:
                 boot = True
             elif self._build is not None:
                 own = self._own_part(version)
-                assert self.mover is not None
-                self.part_stats = agreed = self.mover.agree(version, self._build.digest, own)
+                assert self.mover is not None and self._build.last is not None
+                self.part_stats = agreed = self.mover.agree(version, self._build.digest, own, _figures(self._build.last))
                 self.mover.send(agreed, own or b"")
             if boot:
                 self._follow()
@@ -425,6 +427,10 @@ class ShardedSync:
                 return await call
         finally:
             await asyncio.to_thread(hook.finish)
+
+
+def _figures(stats: SyncStats) -> list[int]:
+    return [int(getattr(stats, figure)) for figure in FIGURES]
 
 
 def _group_rank(group: dist.ProcessGroup | None, rank: int) -> int:

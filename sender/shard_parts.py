@@ -3,7 +3,7 @@ each rank of a process group holds its part of a version (bytes, possibly empty)
 rank takes them all, rank by rank, as they arrive (``ShardedSync``'s sharded build).
 
 * **Sizes first** (``PartMover.agree``, every rank): one all-gather (``all_gather_single``) of
-  three int64 a rank, ``[version, nbytes, digest]`` (``layout_digest``: the keys and shapes the
+  eight int64 a rank, ``[version, nbytes, digest]`` and the rank's counts (``FIGURES``) (``layout_digest``: the keys and shapes the
   parts were built from). Every rank then knows every part's size and checks the rows alike, so every rank
   raises the same ``GatherOrderError`` when they differ (another version, another layout, a
   rank that had no part: ``nbytes`` -1), as ``ShardedSync``'s own agreement does. No rank is
@@ -56,7 +56,8 @@ from protocol.wire.limits import DEFAULT_LIMITS, Limits
 log = logging.getLogger(__name__)
 
 Part = bytes | bytearray | memoryview
-FIELDS = 3  # int64 a rank in the agreement: version, nbytes, digest
+FIGURES = ("total_elements", "changed_elements", "dense_bytes", "tensors_changed", "tensors_dense")  # a rank's counts (SyncStats')
+FIELDS = 3 + len(FIGURES)  # int64 a rank in the agreement: version, nbytes, digest, then the figures
 CONTROL_ROW_BYTES = FIELDS * 8
 NO_PART = -1  # the nbytes of a rank that has no part for the version (its build failed)
 DIGEST_MASK = 2**63 - 1
@@ -90,6 +91,12 @@ class PartStats:
     control_bytes: int
     moved_bytes: int = 0
     arrived: list[int] = field(default_factory=list)  # ranks whose parts the leader took, in order
+    figures: list[list[int]] = field(default_factory=list)  # each rank's ``FIGURES``, as agreed
+
+    def total(self, figure: str) -> int:
+        """One of ``FIGURES`` summed over the ranks: the version's, as an unsharded build counts it."""
+        at = FIGURES.index(figure)
+        return sum(row[at] for row in self.figures)
 
     @property
     def group_bytes(self) -> int:
@@ -127,14 +134,18 @@ class PartMover:
         self.stats: PartStats | None = None
 
     # -- every rank -----------------------------------------------------------------------
-    def agree(self, version: int, digest: int, part: Part | None) -> PartStats:
+    def agree(self, version: int, digest: int, part: Part | None, figures: Sequence[int] = ()) -> PartStats:
         """The one collective of a version: every rank's part size, checked to belong to the
         same ``version`` and ``digest`` on every rank (else a ``GatherOrderError`` on all of
-        them). ``part`` None: this rank has no part (its build failed); every rank raises."""
+        them). ``part`` None: this rank has no part (its build failed); every rank raises.
+        ``figures``: this rank's counts (``FIGURES``, zeros where not given), shared too."""
         if not 0 <= version <= DIGEST_MASK or not 0 <= digest <= DIGEST_MASK:
             raise ValueError(f"version and digest are non-negative int64s, got {version}, {digest}")
+        if len(figures) > len(FIGURES):
+            raise ValueError(f"at most {len(FIGURES)} figures ({', '.join(FIGURES)}), got {len(figures)}")
         nbytes = NO_PART if part is None else memoryview(part).nbytes
-        mine = torch.tensor([version, nbytes, digest], dtype=torch.int64)
+        counts = [*figures, *[0] * (len(FIGURES) - len(figures))]
+        mine = torch.tensor([version, nbytes, digest, *counts], dtype=torch.int64)
         rows = torch.empty(self.world * FIELDS, dtype=torch.int64)
         work = dist.all_gather_single(rows, mine, group=self.group, async_op=True)
         self.wait(work, "the size agreement")
@@ -148,7 +159,8 @@ class PartMover:
         missing = [r for r, row in enumerate(table) if row[1] == NO_PART]
         if missing:
             raise GatherOrderError(f"ranks {missing} have no part of version {version}: the version is not published")
-        self.stats = PartStats(version, [row[1] for row in table], self.leader, control_bytes(self.world))
+        self.stats = PartStats(version, [row[1] for row in table], self.leader, control_bytes(self.world),
+                               figures=[row[3:] for row in table])
         return self.stats
 
     # -- a non-leader -----------------------------------------------------------------------

@@ -359,3 +359,26 @@ def test_the_memory_pass_measures_the_first_sync_and_the_next(tmp_path: Path) ->
     assert set(excess) == {"sender_memory_excess", "receiver_memory_excess", "sender_steady_memory_excess", "receiver_steady_memory_excess"}
     assert all(isinstance(v, float) and math.isfinite(v) for v in excess.values())
     assert memory_excess(None, last, numel * 4) == dict.fromkeys(excess)
+
+
+def test_sharded_benchmark_runs_both_builds_and_reports_the_issue_keys(tmp_path: Path) -> None:
+    """``python -m benchmarks.sharded --tiny``: 2 gloo ranks, the gathering and the sharded build,
+    two lrs: every record has the issue's keys, receivers bit-exact, the same changes in both
+    builds (one training, twice), and the sharded build's group bytes far below the gathering one's."""
+    out = tmp_path / "sharded.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.sharded", "--ranks", "2", "--tiny", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    keys = {"build", "ranks", "lr", "group_bytes_per_version", "patch_wire_bytes", "slowest_rank_build_s", "leader_build_s",
+            "e2e_s", "peak_rss_bytes_per_rank", "digests_equal"}
+    runs = {(r["build"], r["lr"]): r for r in doc["runs"]}
+    assert set(runs) == {(b, lr) for b in ("gather", "sharded") for lr in (1e-6, 1e-5)}
+    for r in runs.values():
+        assert keys <= set(r) and r["ranks"] == 2 and r["digests_equal"] is True
+        assert len(r["peak_rss_bytes_per_rank"]) == 2 and r["slowest_rank_build_s"] >= r["leader_build_s"] > 0
+    for lr in (1e-6, 1e-5):
+        gather, sharded = runs[("gather", lr)], runs[("sharded", lr)]
+        assert sharded["changed_elements"] == gather["changed_elements"] > 0  # every rank's changes counted
+        assert sharded["group_bytes_per_version"] < gather["group_bytes_per_version"] / 4
+    assert {t["target"] for t in doc["targets"]} >= {"group bytes <= 1.5x the encoded patch", "wire bytes equal within 1%"}

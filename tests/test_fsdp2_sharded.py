@@ -280,7 +280,7 @@ def test_the_group_carries_the_encoded_changes_not_the_model(ranks: list[dict[st
         moved = rank[mode]["group_bytes"]
         assert [m[2] for m in moved] == [m[2] for m in leader]  # every rank agreed on every part's size
     for version, group_bytes, sizes, wire in leader[:3]:
-        control = world * (world - 1) * 24
+        control = world * (world - 1) * 64
         assert group_bytes == sum(sizes[1:]) + control  # the leader's own part never crosses the group
         # what the group carries is about the encoded patch (framed per rank) ...
         assert group_bytes <= 1.5 * wire, (version, group_bytes, wire)
