@@ -16,7 +16,8 @@ event loop. Two warm-up versions (the receivers' bootstrap among them), then for
 * ``group_bytes_per_version``: what the process group carried for the version. Sharded: the
   parts that crossed it plus the size agreement (``PartStats.group_bytes``). Gathering: each
   gathered tensor's all-gather delivers its other ranks' shards to every rank, (N-1) x its
-  bytes in all. The version agreement (6 int64 a rank, both builds) is left out of both;
+  bytes in all. The version agreement (6 int64 a rank, both builds) and the sharded build's
+  verdict (8 bytes to each other rank) are left out;
 * ``patch_wire_bytes``: every frame the Sender published for the version;
 * ``digests_equal``: after each lr's last version, both receivers hold the full model cast
   to bf16 bit for bit (a digest of the test's own gather).

@@ -34,10 +34,11 @@ FSDP2: the gathering build reads them locally, the sharded one has rank 0 compar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -232,12 +233,19 @@ class ShardedSync:
             check_next_version(sender.version, version)
         except WeightSyncError as e:
             refused, flags = e, flags | REFUSED
+        assert self.mover is not None
+        mover = self.mover
+        parts: AsyncGenerator[Message, None] | None = None
+        # Where the other ranks are if this rank fails: "agree" (they raise with it), "parts"
+        # (they wait in the part agreement: say this rank has none), "verdict" (they wait for
+        # the leader's verdict), "done" (the part agreement raised on every rank).
+        phase = "agree"
         try:
             flags, failed = await asyncio.to_thread(self._agree, version, flags, self._failed)
             if refused is not None:
                 raise refused
+            phase = "verdict"
             stats = SyncStats(version, "patch")
-            parts = None
             boot = bool(flags & BOOT)
             if flags & PLAN:
                 assert sender.plan is not None
@@ -247,24 +255,51 @@ class ShardedSync:
                 await asyncio.to_thread(self._build.recapture, self._tensors())
                 boot = True
             elif self._build is not None:
+                phase = "done"  # _own_part makes the agreement itself if it fails
                 own = await asyncio.to_thread(self._own_part, version)
-                assert self.mover is not None and self._build.last is not None
-                stats = self._build.last
-                self.part_stats = agreed = await asyncio.to_thread(self.mover.agree, version, self._build.digest, own, _figures(stats))
-                for figure in FIGURES:  # the version's counts, every rank's summed
-                    setattr(stats, figure, agreed.total(figure))
-                parts = leader_messages(self.mover, agreed, own or b"", version)
+                assert self._build.last is not None
+                digest, stats = self._build.digest, self._build.last
+                phase = "parts"
+
+                async def agree() -> PartStats:
+                    nonlocal phase
+                    phase = "done"
+                    self.part_stats = agreed = await asyncio.to_thread(mover.agree, version, digest, own, _figures(stats))
+                    phase = "verdict"
+                    for figure in FIGURES:  # the version's counts, every rank's summed
+                        setattr(stats, figure, agreed.total(figure))
+                    return agreed
+
+                parts = leader_messages(mover, own, agree)
             bootstrap = self._bootstrap(version) if boot else None
-            stats = await sender.publish(version, parts, bootstrap=bootstrap, stats=stats)
-        except BaseException:
+            try:
+                stats = await sender.publish(version, parts, bootstrap=bootstrap, stats=stats)
+            finally:
+                if parts is not None:
+                    await parts.aclose()  # parts posted and not taken are taken (bounded): the ranks' sends end
+        except BaseException as e:
             self._failed = True
+            if phase in ("parts", "verdict"):  # the others wait for this rank: tell them, every rank raises
+                with contextlib.suppress(WeightSyncError):
+                    if phase == "parts":
+                        await asyncio.to_thread(mover.agree, version, digest, None)
+                    else:
+                        await asyncio.to_thread(self._verdict, False)
+                if isinstance(e, Exception):
+                    raise GatherOrderError(f"v{version} failed on the leader ({e!r}): no rank published it") from e
             raise
         self._failed = False
+        try:
+            await asyncio.to_thread(self._verdict, True)
+        except WeightSyncError as e:  # published all the same: a rank is gone, the next version will say so
+            log.warning("sharded sync: v%d published, but its verdict did not reach every rank: %s", version, e)
         return stats
 
     def _follow_sharded(self, version: int) -> None:
-        """A non-leader's sharded version: as ``_sharded``, its part sent to the leader."""
+        """A non-leader's sharded version: as ``_sharded``, its part sent to the leader, then the
+        leader's verdict (the version published or not) awaited: every rank raises together."""
         self.stats.last = []
+        assert self.mover is not None
         try:
             flags, failed = self._agree(version, 0, self._failed)
             if flags & REFUSED:
@@ -278,15 +313,26 @@ class ShardedSync:
                 boot = True
             elif self._build is not None:
                 own = self._own_part(version)
-                assert self.mover is not None and self._build.last is not None
+                assert self._build.last is not None
                 self.part_stats = agreed = self.mover.agree(version, self._build.digest, own, _figures(self._build.last))
-                self.mover.send(agreed, own or b"")
+                self.mover.send(agreed, own)
             if boot:
                 self._follow()
+            if not self._verdict(None):
+                raise GatherOrderError(f"v{version} failed on the leader (see its error): no rank published it")
         except BaseException:
             self._failed = True
             raise
         self._failed = False
+
+    def _verdict(self, ok: bool | None) -> bool:
+        """The leader's word on the version (``ok``; None on the other ranks, which wait for it,
+        bounded): whether it was published. One broadcast of 8 bytes over the parts' group."""
+        assert self.mover is not None
+        mover = self.mover
+        flag = torch.tensor([int(bool(ok))], dtype=torch.int64)
+        mover.wait(dist.broadcast(flag, src=mover.global_rank(mover.leader), group=mover.group, async_op=True), "the version's verdict")
+        return bool(flag.item())
 
     def _share_plan(self, plan: ReceiverPlan | None) -> None:
         """The receivers' plan on every rank, and each rank's compare captured from its shards."""
@@ -297,9 +343,10 @@ class ShardedSync:
         build.capture(tensors)
         self._build = build
 
-    def _own_part(self, version: int) -> bytes | None:
-        """This rank's part of ``version`` (None if building it failed: every rank then
-        raises the part agreement's ``GatherOrderError``, this one from its own error)."""
+    def _own_part(self, version: int) -> bytes:
+        """This rank's part of ``version``. If building it fails, this rank still makes the
+        part agreement (saying it has none): every rank then raises its ``GatherOrderError``,
+        this one chained from its own error."""
         assert self._build is not None
         try:
             return self._build.part(self._tensors(), version)

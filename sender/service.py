@@ -26,8 +26,7 @@ from protocol.errors import ConfigError, WeightSyncError
 from protocol.net.security import CurveServer
 from protocol.net.server import VersionServer
 from protocol.state import StateLike, resolve_state, state_tensors
-from protocol.wire.buffers import Buffer
-from protocol.wire.framing import Message
+from protocol.wire.framing import Message, MessageType
 from protocol.wire.limits import Limits
 
 from .base import check_next_version
@@ -170,7 +169,8 @@ class Sender:
         on a sender started with ``sharded=True``.
 
         ``parts``: the patch from the current version to ``version``, PATCH messages in order
-        (``last`` on the final one; their version and base are set here), each served to the receivers as it comes; None: there is
+        (numbered, versioned and the final one marked ``last`` here; none at all: an empty
+        patch), each served to the receivers as soon as the next one comes; None: there is
         no patch (no receiver holds a version yet, or after a failed version), and every
         receiver behind is resynced by bootstrap. ``bootstrap`` (called with the receivers'
         plan after the parts, while the version is still the old one): the bootstrap of
@@ -188,23 +188,19 @@ class Sender:
             check_next_version(self.version, version)
             base = self.version
             started = time.perf_counter()
-            last: list[Buffer] | None = None  # held back until the version moves: no receiver acks it before
+            held: Message | None = None  # the newest part, published once the next comes (or the version moves)
             try:
                 if parts is not None:
                     self.server.expect_patch(base)
+                    count = 0
                     async for msg in parts:
-                        if last is not None:
-                            raise WeightSyncError(f"v{version}: a patch part after the last one")
-                        msg.version, msg.base_version = version, base
-                        frames = self.server.stamp(msg)
-                        stats.messages += 1
-                        stats.wire_bytes += sum(len(f) for f in frames)
-                        if msg.last:
-                            last = frames
-                        else:
-                            self.server.publish_patch(base, version, frames, last=False)
-                    if last is None:
-                        raise WeightSyncError(f"v{version}: the patch ended without its last part")
+                        if held is not None:
+                            self._publish_part(held, base, version, stats)
+                        msg.version, msg.base_version, msg.part, msg.last = version, base, count, False
+                        held, count = msg, count + 1
+                    if held is None:  # no change on any rank: one empty part says so
+                        held = Message(MessageType.PATCH, version=version, base_version=base)
+                    held.last = True  # published once the version moves: no receiver acks it before
                 stats.send_seconds += time.perf_counter() - started
                 source.drop_offer()
                 if bootstrap is not None:
@@ -215,8 +211,8 @@ class Sender:
                 if parts is not None:
                     self.server.abandon_patch(base, version)
                 raise
-            if last is not None:
-                self.server.publish_patch(base, version, last, last=True)
+            if held is not None:
+                self._publish_part(held, base, version, stats)
             else:
                 self.server.forget()  # no patch: every receiver behind is resynced
             self.server.moved(version)
@@ -224,6 +220,12 @@ class Sender:
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
         return stats
+
+    def _publish_part(self, msg: Message, base: int | None, version: int, stats: SyncStats) -> None:
+        frames = self.server.stamp(msg)
+        stats.messages += 1
+        stats.wire_bytes += sum(len(f) for f in frames)
+        self.server.publish_patch(base, version, frames, last=msg.last)
 
     @property
     def plan(self) -> SyncPlan | None:

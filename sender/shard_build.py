@@ -9,14 +9,14 @@ to the leader (``shard_parts.PartMover``).
 * ``ShardBuild``: a rank's compare and its part of each version: ``capture``/``recapture``
   the snapshot of its shards, ``part`` the version's changes as PATCH messages of about
   ``part_bytes`` each, packed into one buffer (``shard_parts.pack_part``; empty: no changes).
-* ``leader_messages``: on the leader, every rank's messages in rank order as the parts
-  arrive, numbered, ``last`` on the final one: what ``Sender.publish`` serves.
+* ``leader_messages``: on the leader, every rank's messages in rank order, its own before the
+  others have finished comparing, theirs as their parts arrive: what ``Sender.publish`` serves.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,18 +107,17 @@ class ShardBuild:
         return part
 
 
-async def leader_messages(mover: PartMover, agreed: PartStats, own: bytes, version: int) -> AsyncIterator[Message]:
-    """Every rank's messages of ``version`` in rank order, each as soon as its rank's part has
-    arrived, numbered from 0, ``last`` on the final one (one empty message where no rank has a
-    change). Version and base are the Sender's to set (``Sender.publish``)."""
-    final = max((r for r, n in enumerate(agreed.sizes) if n), default=None)
-    if final is None:
-        yield Message(MessageType.PATCH, version=version, part=0, last=True)
-        return
-    index = 0
+async def leader_messages(
+    mover: PartMover, own: bytes, agree: Callable[[], Awaitable[PartStats]]
+) -> AsyncGenerator[Message, None]:
+    """Every rank's messages of a version in rank order, for ``Sender.publish`` (which numbers
+    them and marks the last): the leader's ``own`` part at once, so it travels while the other
+    ranks still compare, then ``agree`` (the size agreement: every rank's compare is done) and
+    each other rank's as soon as its part has arrived."""
+    for msg in unpack_part(own) if own else []:
+        yield msg
+    agreed = await agree()
     async for rank, view in mover.aparts(agreed, own):
-        messages = unpack_part(view)
-        for i, msg in enumerate(messages):
-            msg.part, msg.last = index, rank == final and i == len(messages) - 1
-            index += 1
-            yield msg
+        if rank != mover.rank:
+            for msg in unpack_part(view):
+                yield msg

@@ -75,6 +75,8 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
     out: dict[str, Any] = {"order": sharded.order, "gathered": [], "checks": [], "changes": [], "group_bytes": [], "parts": []}
     config = CONFIGS[mode]
     published: list[tuple[int, Any]] = []
+    failing_publish: list[bool] = []
+    out["published_at"] = {}
     async with contextlib.AsyncExitStack() as stack:
         sender = Sender("tcp://127.0.0.1:0", config, trainable_keys=sharded.trainable_keys) if rank == 0 else None
         if sender is not None:
@@ -82,7 +84,11 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
             publish = sender.server.publish_patch
 
             def recording(base: int | None, version: int, frames: list[Any], *, last: bool = True) -> None:
+                if failing_publish:
+                    failing_publish.pop()
+                    raise WeightSyncError("injected: the leader's Sender failed to publish a part")
                 published.append((version, [bytes(f) for f in frames]))
+                out["published_at"].setdefault(str(version), []).append(time.time())
                 publish(base, version, frames, last=last)
 
             sender.server.publish_patch = recording  # type: ignore[method-assign]
@@ -187,6 +193,42 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
             train_step(model, optimizer, generator)
             await sharded.sync(sender, version)
             out["recovered_gathered"] = list(sharded.stats.last)
+            expected = full_bf16_digest(model)
+            if sender is not None:
+                await check(version, expected)
+            # (d) the leader's Sender fails before the parts are agreed: every rank raises, then resync
+            version += 1
+            train_step(model, optimizer, generator)
+            if sender is not None:
+                failing_publish.append(True)
+            try:
+                await sharded.sync(sender, version)
+            except WeightSyncError as e:
+                out["failed_publish"] = type(e).__name__
+            out["after_failed_publish"] = None if sender is None else sender.version
+            version += 1
+            train_step(model, optimizer, generator)
+            await sharded.sync(sender, version)
+            expected = full_bf16_digest(model)
+            if sender is not None:
+                await check(version, expected)
+            # (e) the last rank compares slowly: the leader's own part is out before that rank's is built
+            version += 1
+            train_step(model, optimizer, generator)
+            if rank == world - 1:
+                assert sharded._build is not None
+                build_part = sharded._build.part
+
+                def slow(*args: Any) -> bytes:
+                    time.sleep(1.5)
+                    built = build_part(*args)
+                    out["slow"] = {"version": version, "built_at": time.time()}
+                    return built
+
+                sharded._build.part = slow  # type: ignore[method-assign]
+            await sharded.sync(sender, version)
+            if rank == world - 1:
+                sharded._build.part = build_part  # type: ignore[method-assign,union-attr]
             expected = full_bf16_digest(model)
             if sender is not None:
                 await check(version, expected)
@@ -296,10 +338,19 @@ def test_disagreeing_or_failing_ranks_raise_together_and_the_next_version_resync
         assert r["disagreement"] == "GatherOrderError"
         assert r["failed_build"] == "GatherOrderError"
         assert r["resync_gathered"] == order and r["recovered_gathered"] == order  # the resync's bootstrap gathers
+        assert r["failed_publish"] == "GatherOrderError"
     leader = ranks[0][mode]
     assert leader["after_disagreement"] == VERSIONS
     assert leader["after_failed_build"] == VERSIONS + 1
-    assert leader["resyncs"] >= 2
+    assert leader["after_failed_publish"] == VERSIONS + 3
+    assert leader["resyncs"] == 2  # after the disagreement: each of the 2 receivers resynced once
+
+
+def test_the_leaders_part_travels_while_the_other_ranks_still_compare(ranks: list[dict[str, Any]]) -> None:
+    slow = ranks[-1]["patch"]["slow"]  # the last rank took 1.5 s more to build its part
+    published = ranks[0]["patch"]["published_at"][str(slow["version"])]
+    assert min(published) < slow["built_at"] - 1.0, "the leader waited for every rank before publishing"
+    assert max(published) > slow["built_at"]  # and the rest came after that rank's part
 
 
 # -- a rank killed mid-version, and the group restarted -------------------------------------------
