@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 from examples.fsdp2_trainer import build_sharded, free_port, full_bf16_digest
 from examples.tiny_model import build, train_step
@@ -138,16 +137,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fsdp2")
-    context = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the 2-rank run did not finish in {DEADLINE:.0f}s (a collective mismatch hangs)")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, WORLD, (free_port(), str(out)), DEADLINE)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

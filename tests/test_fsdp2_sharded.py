@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ranks import spawn_ranks
 from test_device_codec import bits
 from test_shards import carried
 
@@ -259,16 +260,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def spawn(world: int, out: Path) -> list[dict[str, Any]]:
-    context = mp.start_processes(_worker, args=(world, free_port(), str(out)), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world}-rank run did not finish in {DEADLINE:.0f}s (a collective mismatch hangs)")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, world, (world, free_port(), str(out)), DEADLINE)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 from examples.fsdp2_trainer import free_port
 from protocol.errors import GatherOrderError, WeightSyncError, WeightSyncTimeout
@@ -133,16 +133,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
     world = request.param
     out = tmp_path_factory.mktemp(f"parts{world}")
-    context = mp.start_processes(_worker, args=(world, free_port(), str(out)), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world}-rank run did not finish in {DEADLINE:.0f}s (a wait was not bounded)")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, world, (world, free_port(), str(out)), DEADLINE, "a wait was not bounded")
     return world, [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import pickle
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 from test_device_codec import bits
 from test_spans import at_base, deliver, frames_of
 
@@ -315,16 +314,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def gloo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("shards")
-    context = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the 2-rank run did not finish in {DEADLINE:.0f}s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, WORLD, (free_port(), str(out)), DEADLINE)
     return out
 
 
