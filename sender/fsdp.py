@@ -13,9 +13,9 @@ gathering build does, and the leader serves that version's bootstrap. A version 
 any rank (a disagreement, a rank's compare, a rank gone) is published by none and raises on
 every rank; the next one recaptures every rank's snapshot and resyncs the receivers.
 
-**Gathering** (``gather=True``, and the bucket strategy): gathering a DTensor is a
-collective, so every rank of the mesh must gather the same tensors in the same order, and
-the rank hosting the Sender must never hold the whole model gathered:
+**Gathering** (``gather=True``, and the bucket strategy; the gathers: ``sender/gathers.py``):
+gathering a DTensor is a collective, so every rank of the mesh must gather the same tensors
+in the same order, and the rank hosting the Sender must never hold the whole model gathered:
 
 * the order is ``gather_order`` (tracked keys without aliases, in
   state-dict order), computed on every rank and checked equal across ranks at ``start``;
@@ -36,11 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,10 +45,11 @@ import xxhash
 from torch import nn
 
 from protocol.errors import ConfigError, GatherOrderError, WeightSyncError
-from protocol.state import ModelState, gathering, is_dtensor, resolve_state, sync_keys
+from protocol.state import ModelState, is_dtensor, resolve_state, sync_keys
 from protocol.wire.framing import Message
 
 from .base import check_next_version
+from .gathers import Gatherer, GatherStats, gather_order
 from .plan import SyncPlan
 from .shard_build import ReceiverPlan, ShardBuild, leader_messages, share_plan
 from .shard_parts import FIGURES, PartMover, PartStats
@@ -61,36 +59,14 @@ from .stats import SyncStats
 if TYPE_CHECKING:
     from .service import Sender
 
+__all__ = ["GatherStats", "ShardedSync", "gather_order"]
+
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-RELEASE_WAIT = 1.0  # seconds a gather waits for the previous gathered tensor to be freed
 # The leader's flags for a sharded version, in ``_agree``: what every rank does.
 SHARDED = 1  # the sharded build (the leader's Sender is a patch one, and not gather=True)
 PLAN = 2  # the receivers' plan is new: broadcast it, every rank captures its shards' snapshot
 BOOT = 4  # receivers wait for a bootstrap: every rank gathers the tracked tensors after its part
 REFUSED = 8  # the leader's Sender refuses the version (stale, not running): every rank raises
-
-
-def gather_order(state: ModelState) -> list[str]:
-    """The DTensors a sender gathers at every version, in the order it gathers them.
-
-    The one definition every rank of a sharded model follows: the collectives of one
-    version match only if each rank gathers exactly these keys, in this order.
-    """
-    return [k for k in sync_keys(state) if is_dtensor(state.tensors[k])]
-
-@dataclass
-class GatherStats:
-    """What this rank gathered. ``peak_live``/``peak_bytes``: the most gathered full
-    tensors (and their bytes) alive at once, tracked by storage lifetime."""
-
-    gathers: int = 0
-    last: list[str] = field(default_factory=list)  # keys gathered by the last start/sync, in order
-    live: int = 0
-    live_bytes: int = 0
-    peak_live: int = 0
-    peak_bytes: int = 0
-    overlaps: int = 0  # gathers that found the previous gathered tensor still alive after RELEASE_WAIT
 
 
 class ShardedSync:
@@ -140,8 +116,8 @@ class ShardedSync:
         self._static_keys = [k for k in self._layout if k not in tracked and k not in self.aliases and is_dtensor(tensors[k])]
         self._static: dict[str, torch.Tensor] | None = None
         self._shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-        self.stats = GatherStats()
-        self._released = threading.Condition(threading.RLock())  # RLock: a finalizer may run under it
+        self.gatherer = Gatherer(self.order, self.aliases)
+        self.stats = self.gatherer.stats  # what this rank gathered
         self.version: int | None = None
         # the sharded build (the default): each rank's compare, and its parts' way to the leader
         self.sharded = False  # this start/sync's build (the leader's Sender says: a patch, and not ``gather``)
@@ -170,7 +146,7 @@ class ShardedSync:
             self.stats.last = []
             await sender.start(view, version=version, sharded=True)
         else:
-            await self._lead(sender.start(view, version=version), view)
+            await self.gatherer.lead(sender.start(view, version=version), view)
         self.version = version
 
     async def sync(self, sender: Sender | None, version: int) -> SyncStats | None:
@@ -188,7 +164,7 @@ class ShardedSync:
             return stats
         await asyncio.to_thread(self._agree, version)
         view = self._view()
-        stats = await self._lead(sender.sync(view, version), view)
+        stats = await self.gatherer.lead(sender.sync(view, version), view)
         self.version = version
         return stats
 
@@ -200,7 +176,7 @@ class ShardedSync:
         if self.sharded:
             self.stats.last = []
         else:
-            self._follow()
+            self.gatherer.follow(self._tensors())
         self._static = {}
         self.version = version
 
@@ -213,7 +189,7 @@ class ShardedSync:
             self._follow_sharded(version)
         else:
             self._agree(version)
-            self._follow()
+            self.gatherer.follow(self._tensors())
         self.version = version
 
     # -- the sharded build -------------------------------------------------------------------
@@ -317,7 +293,7 @@ class ShardedSync:
                 self.part_stats = agreed = self.mover.agree(version, self._build.digest, own, _figures(self._build.last))
                 self.mover.send(agreed, own)
             if boot:
-                self._follow()
+                self.gatherer.follow(self._tensors())
             if not self._verdict(None):
                 raise GatherOrderError(f"v{version} failed on the leader (see its error): no rank published it")
         except BaseException:
@@ -361,13 +337,13 @@ class ShardedSync:
 
     def _bootstrap(self, version: int) -> Callable[[SyncPlan], Awaitable[list[Message]]]:
         """The leader's bootstrap of ``version``, gathered tensor by tensor with the other ranks
-        (``_follow``), for ``Sender.publish``."""
+        (``Gatherer.follow``), for ``Sender.publish``."""
 
         async def build(plan: SyncPlan) -> list[Message]:
             view = self._view()
             keys = set(plan.tracked) | set(plan.bootstrap_keys() if plan.init_sync.enabled else [])
             _, messages = plan.bootstrap(version, view.__getitem__, [k for k in plan.state.tensors if k in keys])
-            return await self._lead(asyncio.to_thread(list, messages), view)
+            return await self.gatherer.lead(asyncio.to_thread(list, messages), view)
 
         return build
 
@@ -426,56 +402,6 @@ class ShardedSync:
             del full
         return kept
 
-    def _gather(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """One collective, counted; the result is tracked until its storage is freed.
-
-        The previous result is waited for first: dropped by the Sender, its buffer may
-        still be held for a moment by the collective backend (gloo frees its work
-        objects on its own thread), and two gathered tensors would then coexist.
-        """
-        with self._released:
-            if not self._released.wait_for(lambda: self.stats.live == 0, timeout=RELEASE_WAIT):
-                self.stats.overlaps += 1
-                if self.stats.overlaps == 1:
-                    log.warning("sharded sync: a gathered tensor is still alive when %r is gathered", key)
-        full: torch.Tensor = t.full_tensor()  # type: ignore[attr-defined]
-        self.stats.gathers += 1
-        self.stats.last.append(key)
-        if full.data_ptr() != t.to_local().data_ptr():  # type: ignore[attr-defined]  # a replicated one is not a copy
-            nbytes = full.untyped_storage().nbytes()
-            with self._released:
-                s = self.stats
-                s.live += 1
-                s.live_bytes += nbytes
-                s.peak_live, s.peak_bytes = max(s.peak_live, s.live), max(s.peak_bytes, s.live_bytes)
-            weakref.finalize(full.untyped_storage(), self._freed, nbytes)
-        return full
-
-    def _freed(self, nbytes: int) -> None:
-        with self._released:
-            self.stats.live -= 1
-            self.stats.live_bytes -= nbytes
-            self._released.notify_all()
-
-    def _follow(self) -> None:
-        tensors = self._tensors()
-        self.stats.last = []
-        for key in self.order:
-            full = self._gather(key, tensors[key])
-            del full
-
-    async def _lead(self, call: Awaitable[T], view: Mapping[str, torch.Tensor]) -> T:
-        """Run a Sender call whose gathers follow ``self.order``; whatever it leaves
-        ungathered (it failed, say) is gathered afterwards, so the other ranks finish."""
-        self.stats.last = []
-        hook = _Leader(self, view)
-        try:
-            with gathering(hook):
-                return await call
-        finally:
-            await asyncio.to_thread(hook.finish)
-
-
 def _figures(stats: SyncStats) -> list[int]:
     return [int(getattr(stats, figure)) for figure in FIGURES]
 
@@ -493,53 +419,3 @@ def _parts_group(group: dist.ProcessGroup | None, parts_group: dist.ProcessGroup
         return group
     ranks = None if group is None else dist.get_process_group_ranks(group)
     return dist.new_group(ranks=ranks, backend="gloo")
-
-
-class _Leader:
-    """The leader's gather hook for one start/sync: serves the Sender's requests in
-    ``order``, once each (a tied alias asked right after its key gets the same tensor)."""
-
-    def __init__(self, owner: ShardedSync, view: Mapping[str, torch.Tensor]) -> None:
-        self.owner, self.view = owner, view
-        self.keys = {id(t): k for k, t in view.items() if is_dtensor(t)}
-        self.position = {k: i for i, k in enumerate(owner.order)}
-        self.aliased = set(owner.aliases.values())
-        self.cursor = 0
-        self.memo: tuple[str, torch.Tensor] | None = None
-        self.active = True
-        self.lock = threading.Lock()
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        with self.lock:
-            if not self.active:
-                raise GatherOrderError("a DTensor was gathered outside ShardedSync.start/sync; the other ranks are not gathering")
-            key = self.keys.get(id(t))
-            if key is None:
-                raise GatherOrderError("the Sender gathered a DTensor that is not in the view ShardedSync gave it")
-            key = self.owner.aliases.get(key, key)
-            if self.memo is not None and self.memo[0] == key:
-                return self.memo[1]
-            self.memo = None  # dropped before the next gather
-            at = self.position.get(key)
-            if at != self.cursor:
-                expected = self.owner.order[self.cursor] if self.cursor < len(self.owner.order) else "nothing more"
-                raise GatherOrderError(
-                    f"the Sender gathered {key!r} where the other ranks gather {expected!r}: "
-                    "construct it with trainable_keys=ShardedSync.trainable_keys"
-                )
-            self.cursor += 1
-            full = self.owner._gather(key, t)
-            if key in self.aliased:
-                self.memo = (key, full)
-            return full
-
-    def finish(self) -> None:
-        with self.lock:
-            self.active, self.memo = False, None
-            order = self.owner.order
-            if self.cursor < len(order):
-                log.warning("sharded sync: gathering %d keys the Sender did not ask for", len(order) - self.cursor)
-            for key in order[self.cursor:]:
-                full = self.owner._gather(key, self.view[key])
-                del full
-            self.cursor = len(order)

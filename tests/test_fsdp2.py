@@ -30,8 +30,9 @@ from protocol.errors import GatherOrderError
 from protocol.state import gathering, materialize, resolve_state
 from protocol.wire.checksum import state_digest
 from receiver import Receiver
-from sender import Sender, fsdp
-from sender.fsdp import ShardedSync, _Leader, gather_order
+from sender import Sender, gathers
+from sender.fsdp import ShardedSync
+from sender.gathers import _Leader, gather_order
 
 WORLD = 2
 VERSIONS = 4
@@ -91,7 +92,7 @@ async def _scenario(rank: int, mode: str) -> dict[str, Any]:
 
     # Refusals: no collective is made, so each rank checks them alone.
     view = sharded._view()
-    hook = _Leader(sharded, view)
+    hook = _Leader(sharded.gatherer, view)
     refused = []
     with gathering(hook):
         try:
@@ -112,12 +113,12 @@ async def _scenario(rank: int, mode: str) -> dict[str, Any]:
         out["disagreement_raised"] = True
 
     # Control: keeping every gathered tensor is what the peak figure must catch.
-    wait, fsdp.RELEASE_WAIT = fsdp.RELEASE_WAIT, 0.0  # nothing will be released: do not wait for it
+    wait, gathers.RELEASE_WAIT = gathers.RELEASE_WAIT, 0.0  # nothing will be released: do not wait for it
     tensors = model.state_dict()
-    kept = [sharded._gather(k, tensors[k]) for k in sharded.order]
+    kept = [sharded.gatherer.gather(k, tensors[k]) for k in sharded.order]
     out["control_peak"] = sharded.stats.peak_live
     del kept
-    fsdp.RELEASE_WAIT = wait
+    gathers.RELEASE_WAIT = wait
     out["order_matches_state"] = sharded.order == gather_order(resolve_state(
         {k: tensors[k] for k in sharded._layout}, sharded.trainable_keys))
     return out
