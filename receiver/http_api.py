@@ -28,7 +28,6 @@ encrypt: beyond a trusted network, put TLS in front.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import uuid
@@ -38,12 +37,11 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from protocol.errors import ConfigError, WeightSyncError
-from protocol.net.security import is_local_host
+from protocol.net.http import bearer_auth, check_token, parse_address, serve
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 10
-MIN_TOKEN = 16  # characters; secrets.token_urlsafe() gives 43
 TOKEN_ENV = "WEIGHTSYNC_CONTROL_TOKEN"
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no token; it changes nothing
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -72,15 +70,6 @@ class Controllable(Protocol):
     async def wakeup(self, tags: str | Sequence[str] | None = None, *, require_resume: bool = False) -> dict[str, Any]: ...
     async def update_weights(self, version: int | str | None, verify_checksum: bool, timeout: float | None) -> int | None: ...
     async def abort_requests(self, abort_all: bool, req_ids: Sequence[str] | None) -> Any: ...
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT`` (localhost); port 0 picks a free one."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"control address must be HOST:PORT, got {address!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    return host, int(port)
 
 
 def status_of(error: BaseException) -> int:
@@ -133,24 +122,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return failure(status_of(e), error_type(e), str(e) or type(e).__name__)
 
 
-def bearer_auth(token: str) -> Any:
-    """A middleware admitting only requests with ``Authorization: Bearer <token>``, on
-    every path but ``OPEN_PATHS``."""
-    expected = token.encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS:
-            return await handler(request)
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            log.warning("control API: refused %s %s from %s: missing or wrong token", request.method, request.path, request.remote)
-            response = failure(401, "Unauthorized", "this control API needs 'Authorization: Bearer <token>'")
-            response.headers["WWW-Authenticate"] = 'Bearer realm="weightsync"'
-            return response
-        return await handler(request)
-
-    return check
+def _unauthorized() -> web.Response:
+    return failure(401, "Unauthorized", "this control API needs 'Authorization: Bearer <token>'")
 
 
 class ControlServer:
@@ -161,12 +134,7 @@ class ControlServer:
         anyone who reaches the port could pause the rollout or put its weights to sleep."""
         self.receiver = receiver
         self.host, self.port = parse_address(address)
-        if token is not None and len(token) < MIN_TOKEN:
-            raise ConfigError(f"control token is too short ({len(token)} characters, at least {MIN_TOKEN}); "
-                              "python -c 'import secrets; print(secrets.token_urlsafe())' makes one")
-        if token is None and not is_local_host(self.host):
-            raise ConfigError(f"the control API on {self.host} (not loopback) needs a token: "
-                              f"Receiver(control_token=...), --control-token or ${TOKEN_ENV}")
+        check_token(self.host, token, "control API", f"Receiver(control_token=...), --control-token or ${TOKEN_ENV}")
         self.token = token
         self._runner: web.AppRunner | None = None
         self._warned: set[tuple[str, str]] = set()  # (path, ignored parameter) already logged
@@ -174,7 +142,7 @@ class ControlServer:
 
     async def start(self) -> str:
         """Bind and serve; returns the resolved ``http://host:port``."""
-        middlewares = [_errors] if self.token is None else [bearer_auth(self.token), _errors]
+        middlewares = [_errors] if self.token is None else [bearer_auth(self.token, _unauthorized, OPEN_PATHS, "control API"), _errors]
         app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
         app.add_routes([
             web.post("/v1/pause", self._pause),
@@ -190,21 +158,7 @@ class ControlServer:
             web.get("/health", self._health),
             web.get("/metrics", self._metrics),
         ])
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
-        except BaseException as e:
-            await runner.cleanup()
-            if isinstance(e, OSError):
-                raise ConfigError(f"cannot serve the control API on {self.host}:{self.port}: {e}") from e
-            raise
-        self._runner = runner
-        host, port = runner.addresses[0][:2]
-        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        if not is_local_host(self.host):
-            log.warning("control API on %s is reachable beyond this host (token required, not encrypted)", self.url)
+        self._runner, self.url = await serve(app, self.host, self.port, "control API")
         log.info("receiver %s control API at %s", self.receiver.identity, self.url)
         return self.url
 

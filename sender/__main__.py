@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -36,6 +37,7 @@ from protocol.net.context import IO_THREADS, shared_context
 from protocol.net.security import CurveServer, write_keypair
 from protocol.wire.dtypes import parse_float_dtype
 
+from .metrics import TOKEN_ENV as METRICS_TOKEN_ENV
 from .service import Sender
 from .sidecar import serve_shm
 
@@ -65,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="receiver public keys to admit: a directory of .key files, or a file of keys")
     p.add_argument("--insecure-plaintext", action="store_true",
                    help="allow binding a non-loopback --endpoint without CURVE (weights in plaintext, anyone may connect)")
+    p.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; loopback unless --metrics-token)")
+    p.add_argument("--metrics-token", default=os.environ.get(METRICS_TOKEN_ENV),
+                   help=f"bearer token the metrics endpoint requires (needed off loopback; default ${METRICS_TOKEN_ENV})")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.io_threads < 1:
@@ -116,10 +122,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.endpoint, args.config, ring_size=args.ring_size, ring_bytes=args.ring_bytes, max_inflight=args.max_inflight,
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
         curve=args.curve, insecure_plaintext=args.insecure_plaintext, context=shared_context(args.io_threads),
+        metrics_address=args.metrics_address, metrics_token=args.metrics_token,
     )
     async with sender:
         await sender.start(model, version=version)
-        report("listening", endpoint=sender.endpoint, version=version, session=sender.session)
+        report("listening", endpoint=sender.endpoint, version=version, session=sender.session, metrics=sender.metrics_url)
         while not stop.is_set():
             found = newest(args.watch, sender.version)
             if found is None:

@@ -43,6 +43,12 @@ class Backlog:
         encoded.add_done_callback(lambda _: self._release(nbytes))
         return encoded
 
+    @property
+    def pending(self) -> int:
+        """Bytes added and not yet encoded."""
+        with self._cond:
+            return self._added - self._released
+
     def wait(self) -> float:
         """Until no more than ``limit`` of the bytes added before the last item wait; the seconds waited."""
         with self._cond:

@@ -147,6 +147,7 @@ class PatchBuilder:
         kind = compare or _requested(config)
         self.compare = make_compare(kind, plan, self.options, self.snapshot, plan_groups(plan, grouped), stage=self._stages())
         self._diverged = False  # ``diverged``
+        self._backlog: Backlog | None = None  # the last collect's, while its changes are encoded
         self._comparing: asyncio.Future[Any] | None = None  # a compare on its thread
         # Threads encode what a compare on a worker thread collects, each tensor as it comes,
         # while the compare goes on (docs/performance.md, *Encoding beside the compare*); the
@@ -175,6 +176,11 @@ class PatchBuilder:
         # JIT now, while the first receiver's HELLO is answered (the server heartbeats it
         # meanwhile), rather than in the first sync (the device encoder has nothing to compile).
         self.encoder.warm_up()
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Collected bytes waiting for the encoder threads now (the last collect's)."""
+        return 0 if self._backlog is None else self._backlog.pending
 
     @property
     def diverged(self) -> bool:
@@ -250,7 +256,7 @@ class PatchBuilder:
         else:
             # Each tensor's changes go to the encoder threads; once they are on the stream, the
             # compare waits while too many bytes wait to be encoded ahead of them (``Backlog``).
-            backlog = Backlog(self.backlog_limit)
+            backlog = self._backlog = Backlog(self.backlog_limit)
 
             def submit(changes: Changes) -> Captured:
                 encoded = backlog.add(changes.pending_nbytes(), self._encoder.submit(self._encode, changes))

@@ -30,6 +30,7 @@ from protocol.wire.framing import Message, MessageType
 from protocol.wire.limits import Limits
 
 from .base import check_next_version
+from .metrics import MetricsServer, SenderMetrics
 from .patch import CapturedStream, CompareFailed, PatchBuilder
 from .plan import SyncPlan
 from .shard_source import ShardedSource
@@ -82,6 +83,8 @@ class Sender:
         limits: Limits | None = None,
         resync_backoff: tuple[float, float] = (0.05, 2.0),
         max_resyncs: int = 8,
+        metrics_address: str | None = None,
+        metrics_token: str | None = None,
     ) -> None:
         self.server = VersionServer(
             endpoint, ring_size=ring_size, ring_bytes=ring_bytes, max_inflight=max_inflight, heartbeat_interval=heartbeat_interval,
@@ -96,6 +99,12 @@ class Sender:
         self._stats_history = stats_history
         self._source: TrainerSource | ShardedSource | None = None
         self._encoding: asyncio.Task[None] | None = None  # the newest patch being encoded
+        self.metrics = SenderMetrics(self)
+        self.server.deliveries.on_delivered = self.metrics.delivered
+        # opt-in, checked now (a token off loopback), served from start() to close()
+        self._metrics_server = None if metrics_address is None else MetricsServer(self.metrics, metrics_address, metrics_token)
+        self.metrics_url: str | None = None
+        self._recorded_later: int | None = None  # the version whose stats _encode records once encoded
         self._moved: asyncio.Future[bool] | None = None  # the version being encoded became the server's, or not (``_encode``)
 
     # -- public API -----------------------------------------------------------------
@@ -113,7 +122,15 @@ class Sender:
         if self.server.ring_bytes is None:
             self.server.ring_bytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
         self.server.moved(version)
-        self.server.start(self._source, self._limits or Limits.for_control(state.tensors))
+        if self._metrics_server is not None:
+            self.metrics_url = await self._metrics_server.start()
+            log.info("sender metrics at %s/metrics", self.metrics_url)
+        try:
+            self.server.start(self._source, self._limits or Limits.for_control(state.tensors))
+        except BaseException:
+            if self._metrics_server is not None:
+                await self._metrics_server.close()
+            raise
         log.info("sender %s serving %s (%s, version %s)", self.session[:8], self.endpoint, self.strategy, version)
         return self
 
@@ -152,6 +169,8 @@ class Sender:
                 raise
             self.server.moved(version)
             self._settle_moved(True)
+        if self._recorded_later != version:
+            self.metrics.synced(stats)
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
@@ -216,6 +235,7 @@ class Sender:
             else:
                 self.server.forget()  # no patch: every receiver behind is resynced
             self.server.moved(version)
+        self.metrics.synced(stats)
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
@@ -233,6 +253,12 @@ class Sender:
         return None if self._source is None else self._source.plan
 
     @property
+    def encode_backlog_bytes(self) -> int:
+        """Collected bytes waiting for the encoder threads now (patch strategy; else 0)."""
+        builder = None if self._source is None else getattr(self._source, "builder", None)
+        return builder.backlog_bytes if isinstance(builder, PatchBuilder) else 0
+
+    @property
     def bootstrap_wanted(self) -> bool:
         """A sharded build's receivers wait for a bootstrap (``ShardedSource``)."""
         return isinstance(self._source, ShardedSource) and self._source.wanted
@@ -243,8 +269,12 @@ class Sender:
             await asyncio.shield(self._encoding)
 
     async def close(self) -> None:
-        """Say goodbye to the receivers, stop every task and close the socket."""
-        await self.server.close()
+        """Say goodbye to the receivers, stop every task and close the socket (and the metrics endpoint)."""
+        try:
+            await self.server.close()
+        finally:
+            if self._metrics_server is not None:
+                await self._metrics_server.close()
 
     async def __aenter__(self) -> Sender:
         return self
@@ -315,6 +345,7 @@ class Sender:
             self._encoding = self.server.spawn(
                 self._encode(builder, previous, stream, version, base, stats, self._moved), f"encode-v{version}"
             )
+            self._recorded_later = version
             await builder.collect(tensors, version, stream, stats)
             return stats
         started = time.perf_counter()
@@ -364,5 +395,6 @@ class Sender:
                 if msg.last and not await moved:  # the sync failed or was cancelled after its compare
                     raise CompareFailed(f"v{version} was not synced")
                 self.server.publish_patch(base, version, frames, last=msg.last)
+            self.metrics.synced(stats)
         except CompareFailed:
             self.server.abandon_patch(base, version)

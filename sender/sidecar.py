@@ -122,9 +122,11 @@ class ShmSidecar:
             a.endpoint, a.config, trainable_keys=self.layout.tracked, ring_size=a.ring_size, ring_bytes=a.ring_bytes, max_inflight=a.max_inflight,
             heartbeat_interval=a.heartbeat, peer_timeout=a.peer_timeout,
             curve=getattr(a, "curve", None), insecure_plaintext=getattr(a, "insecure_plaintext", False), context=self._context,
+            metrics_address=getattr(a, "metrics_address", None), metrics_token=getattr(a, "metrics_token", None),
         )
         await self.sender.start(self.views, version=version)
-        report("listening", endpoint=self.sender.endpoint, version=version, session=self.sender.session, shm=a.shm)
+        report("listening", endpoint=self.sender.endpoint, version=version, session=self.sender.session, shm=a.shm,
+               metrics=self.sender.metrics_url)
 
 
 async def serve_shm(args: argparse.Namespace, stop: asyncio.Event) -> None:

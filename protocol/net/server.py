@@ -24,6 +24,8 @@ import collections
 import contextlib
 import logging
 import time
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -32,6 +34,7 @@ import zmq.asyncio
 
 from protocol.errors import UNKNOWN_PEER, ConfigError, ProtocolError, ResyncLimitError, WeightSyncError, WeightSyncTimeout
 from protocol.net.context import shared_context
+from protocol.net.deliveries import Deliveries, ServerCounts
 from protocol.net.heartbeat import ticks
 from protocol.net.peers import Peer
 from protocol.net.security import CurveServer, check_transport
@@ -166,6 +169,8 @@ class VersionServer:
         self._bucket_frames: tuple[int, list[list[Buffer]]] | None = None  # bucket mode: the current version's messages
         self._resync: tuple[int | None, list[Message]] | None = None
         self._moved = asyncio.Event()  # set (and replaced) each time the version moves: deferred bootstraps retry
+        self.counts = ServerCounts()  # resyncs and NACKs, for metrics
+        self.deliveries = Deliveries()  # publication and delivery times, receivers' lag (set its on_delivered)
         self._digest: tuple[int | None, str | None] | None = None
         self._peers: dict[bytes, Peer] = {}
         self._greeting: dict[bytes, asyncio.Task[None]] = {}  # HELLOs being answered
@@ -197,6 +202,11 @@ class VersionServer:
     def failure(self) -> BaseException | None:
         """What stopped this server (a background task's error, logged), or None."""
         return self._failure
+
+    @property
+    def peers(self) -> Mapping[bytes, Peer]:
+        """The connected receivers by identity (read-only: the server's own records)."""
+        return types.MappingProxyType(self._peers)
 
     @property
     def receivers(self) -> dict[str, dict[str, object]]:
@@ -278,6 +288,8 @@ class VersionServer:
         it are served what ``publish_patch`` / ``publish_buckets`` give, or resynced."""
         self.version = version
         self._resync = self._digest = None
+        if version is not None:
+            self.deliveries.published(version, self._peers)
         self._wake_all()
         moved, self._moved = self._moved, asyncio.Event()
         moved.set()
@@ -450,6 +462,7 @@ class VersionServer:
                 # Heartbeats repeat the applied version, so a lost ACK is never waited on forever.
                 if msg.version is not None and (peer.acked is None or msg.version > peer.acked):
                     peer.ack(msg.version)
+                    self.deliveries.acked(peer.identity, msg.version)
                     await self._notify()
                 elif msg.type is MessageType.ACK:
                     peer.ack(msg.version)
@@ -460,6 +473,7 @@ class VersionServer:
                 self._release_resync()
             elif msg.type is MessageType.NACK:
                 log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, _reported(Nack, msg))
+                self.counts.nack(_reason(msg))
                 peer.ack(msg.version)
                 peer.inflight.clear()  # it drops whatever else is queued until the resync
                 peer.needs_resync = True
@@ -602,6 +616,7 @@ class VersionServer:
             peer.refused += 1
         peer.needs_resync = False
         peer.resyncs += 1
+        self.counts.resyncs += 1
         log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version)
         version, messages = await self._resync_messages()  # (a deferred one is of a later version)
         return version, [self.stamp(m) for m in messages]
@@ -647,6 +662,7 @@ class VersionServer:
     async def _drop(self, peer: Peer, why: str) -> None:
         if self._peers.get(peer.identity) is peer:
             del self._peers[peer.identity]
+            self.deliveries.left(peer.identity)
             log.info("receiver %s dropped: %s", peer.name, why)
             if peer.task is not None and peer.task is not asyncio.current_task():
                 peer.task.cancel()
@@ -667,6 +683,14 @@ class VersionServer:
             # are alive, or it reconnects and its new HELLO starts the answer over.
             for identity in [i for i in self._greeting if i not in self._peers]:
                 self._try_send(Peer(identity), self.stamp(Message(MessageType.HEARTBEAT, version=self.version)))
+
+
+def _reason(msg: Message) -> str:
+    """A NACK's reason (untrusted: ``ServerCounts.nack`` bounds it), "unreadable" if it has none."""
+    try:
+        return Nack.from_body(msg.body).reason
+    except ProtocolError:
+        return "unreadable"
 
 
 def _reported(record: type[Nack] | type[ErrorReport], msg: Message) -> str:
