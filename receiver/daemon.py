@@ -38,6 +38,7 @@ import torch
 
 from protocol.errors import ConfigError
 from protocol.host.cli import load_object, report, run, setup_logging
+from protocol.host.logs import FORMATS
 from protocol.net.security import CurveClient, CurveServer
 from protocol.wire.checksum import state_digest
 from protocol.wire.dtypes import parse_float_dtype
@@ -86,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--insecure-plaintext", action="store_true",
                    help="allow a non-loopback --endpoint without CURVE (weights in plaintext, sender not authenticated)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=FORMATS, default="text", help="text, or json: one object a line with the fields as keys")
     args = p.parse_args(argv)
     args.endpoint = args.endpoint or ["tcp://127.0.0.1:5555"]
     if args.load_strategy == "ipc_snapshot" and args.watch is None:
@@ -166,5 +168,5 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     run(lambda stop: serve(args, stop))

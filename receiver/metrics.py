@@ -25,11 +25,12 @@ class ReceiverState:
     connected: bool
     asleep: frozenset[str]
     reconnects: int
+    sender_version: int | None = None  # as the sender's last heartbeat said
 
 
 class _StateCollector(Collector):
-    def __init__(self, read: Callable[[], ReceiverState]) -> None:
-        self._read = read
+    def __init__(self, read: Callable[[], ReceiverState], last: Callable[[], ApplyStats | None]) -> None:
+        self._read, self._last = read, last
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._read()
@@ -45,6 +46,18 @@ class _StateCollector(Collector):
             asleep.add_metric([tag], int(tag in s.asleep))
         yield asleep
         yield CounterMetricFamily("weightsync_receiver_reconnects", "Sessions with the sender that ended and were restarted", s.reconnects)
+        yield GaugeMetricFamily(
+            "weightsync_receiver_sender_version", "The sender's version, as its last heartbeat said (-1: none heard)",
+            -1 if s.sender_version is None else s.sender_version,
+        )
+        behind = 0 if s.sender_version is None else s.sender_version - (-1 if s.version is None else s.version)
+        yield GaugeMetricFamily("weightsync_receiver_lag_versions", "The sender's version less the applied one (0 when current)", max(0, behind))
+        phases = GaugeMetricFamily("weightsync_receiver_last_phase_seconds", "The last applied version's phase times", labels=["phase"])
+        last = self._last()
+        if last is not None:
+            for phase in ("receive", "decode", "h2d", "apply", "apply_device"):
+                phases.add_metric([phase], getattr(last, f"{phase}_seconds"))
+        yield phases
 
 
 class ReceiverMetrics:
@@ -55,6 +68,9 @@ class ReceiverMetrics:
         r = self.registry
         self.versions = Counter("weightsync_receiver_versions_applied", "Versions applied (patches, buckets, bootstraps)", ["kind"], registry=r)
         self.wire_bytes = Counter("weightsync_receiver_received_bytes", "Payload bytes of applied versions", registry=r)
+        self.bootstrap_bytes = Counter(
+            "weightsync_receiver_bootstrap_bytes", "Bytes of bootstrap messages received in handshakes, counted as they arrive", registry=r
+        )
         self.nacks = Counter("weightsync_receiver_nacks", "Updates rejected and resyncs requested (NACKs sent)", ["reason"], registry=r)
         self.apply_seconds = Histogram(
             "weightsync_receiver_apply_seconds", "Commit time of a version (write lock held)", buckets=_SECONDS, registry=r
@@ -62,9 +78,11 @@ class ReceiverMetrics:
         self.decode_seconds = Histogram(
             "weightsync_receiver_decode_seconds", "Decode and validate time of a version", buckets=_SECONDS, registry=r
         )
-        r.register(_StateCollector(read_state))
+        self.last: ApplyStats | None = None
+        r.register(_StateCollector(read_state, lambda: self.last))
 
     def applied(self, stats: ApplyStats) -> None:
+        self.last = stats
         self.versions.labels(stats.kind).inc()
         self.wire_bytes.inc(stats.wire_bytes)
         self.apply_seconds.observe(stats.apply_seconds)

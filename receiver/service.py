@@ -44,6 +44,7 @@ from protocol.errors import (
 )
 from protocol.net.context import shared_context
 from protocol.net.security import CurveClient, CurveServer, check_transport
+from protocol.progress import Progress
 from protocol.state import Placed, StateLike, state_tensors
 from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import state_digest
@@ -74,6 +75,22 @@ _FATAL = (MetadataMismatchError, ConfigError, ResyncLimitError)  # reconnecting 
 HANDSHAKE_GRACE = 60.0  # seconds past peer_timeout for each message of a handshake (``_handshake``)
 TRICKLE_BPS = 4096  # bytes a second that heartbeats alone never reach: more is a message in progress
 Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's address before each session
+
+
+WATCH_EVERY = 0.25  # seconds between reads of the connection's byte count during a bootstrap
+
+
+async def _watch_received(link: Session, progress: Progress) -> None:
+    """Advance ``progress`` by the bytes ``link`` receives (its kernel's count), until cancelled."""
+    start = link.bytes_received()
+    seen = 0
+    while start is not None:
+        await asyncio.sleep(WATCH_EVERY)
+        now = link.bytes_received()
+        if now is None:
+            return
+        progress.advance(max(0, now - start - seen))
+        seen = max(seen, now - start)
 
 
 class Receiver:
@@ -418,6 +435,15 @@ class Receiver:
         left = None if deadline is None else max(0.0, deadline - loop.time())
         return await link.ask(self.version, digest, left)
 
+    def _model_bytes(self) -> int | None:
+        """What a bootstrap of the whole model about weighs: its tensors at their dtypes, each
+        storage once (None where the model is not plain tensors): the progress lines' total."""
+        try:
+            once = {t.data_ptr(): t.numel() * t.element_size() for t in state_tensors(self._state()).values()}  # tied: once
+            return sum(once.values())
+        except Exception:
+            return None
+
     def _state(self) -> StateLike:
         """What is synced: the model, or its tensors under the trainer's names."""
         if self._names is None:
@@ -426,7 +452,10 @@ class Receiver:
 
     def _metric_state(self) -> ReceiverState:
         state = self._lifecycle
-        return ReceiverState(self.version, self.pending_version, state.paused, self.connected, frozenset(state.asleep), self.reconnects)
+        sender_version = None if self._link is None else self._link.sender_version
+        return ReceiverState(
+            self.version, self.pending_version, state.paused, self.connected, frozenset(state.asleep), self.reconnects, sender_version
+        )
 
     async def __aenter__(self) -> Receiver:
         return self
@@ -598,12 +627,27 @@ class Receiver:
         # A message still arriving at more than heartbeats' rate extends the bound: on a
         # slow link one bucket can take longer than it (counted over TCP on Linux only).
         bound = self.peer_timeout + HANDSHAKE_GRACE
+        # A long bootstrap's progress: over TCP on Linux as its bytes arrive (a bucket can be
+        # large), elsewhere message by message.
+        progress = Progress(log, f"receiver {self.identity} bootstrap from {self.endpoint}", self._model_bytes(), peer=self.identity)
+        watcher: asyncio.Task[None] | None = None  # from WELCOME on (the connection is known once a message came)
+        welcomed = False
 
         async def recv() -> Sequence[Buffer]:
+            nonlocal welcomed, watcher
             before = link.bytes_received()
             while True:
                 try:
-                    return await asyncio.wait_for(link.recv(), bound)
+                    frames = await asyncio.wait_for(link.recv(), bound)
+                    if welcomed:  # every message after WELCOME is a bootstrap part
+                        nbytes = sum(len(f) for f in frames)
+                        self.metrics.bootstrap_bytes.inc(nbytes)
+                        if watcher is None:
+                            progress.advance(nbytes)
+                    elif link.bytes_received() is not None:
+                        watcher = asyncio.create_task(_watch_received(link, progress))
+                    welcomed = True
+                    return frames
                 except TimeoutError:
                     after = link.bytes_received()
                     if before is None or after is None or after - before < TRICKLE_BPS * bound:
@@ -616,6 +660,11 @@ class Receiver:
             if self._names is None:
                 raise
             raise MetadataMismatchError(self._names.explain(str(e))) from e
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+        progress.finish()
         self.connected = True
         self._handshakes += 1
         boot = self.strategy.last_stats
@@ -628,7 +677,8 @@ class Receiver:
         else:  # resumed where it was: nothing new to announce to hooks, only to the sender
             link.try_send(self._below().to_message(version))
         self._ready.set()
-        log.info("receiver %s connected to %s at v%s", self.identity, self.endpoint, version)
+        log.info("receiver %s connected to %s at v%s", self.identity, self.endpoint, version,
+                 extra={"receiver": self.identity, "endpoint": self.endpoint, "version": version})
 
     async def _follow(self, link: Session) -> None:
         awaiting_resync = False

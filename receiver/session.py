@@ -16,6 +16,7 @@ serve now, went silent, or a task died) or ``Leave`` (the receiver asked: ``leav
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -76,6 +77,7 @@ class Session:
         self._tasks: list[asyncio.Task[None]] = []
         self._queries: dict[str, asyncio.Future[tuple[int | None, str | None]]] = {}
         self._last_seen = time.monotonic()
+        self.sender_version: int | None = None  # the version the sender's last heartbeat named
 
     @property
     def is_open(self) -> bool:
@@ -176,6 +178,8 @@ class Session:
             self._last_seen = time.monotonic()
             kind = peek_type(frames)
             if kind is MessageType.HEARTBEAT:
+                with contextlib.suppress(WeightSyncError):  # only a figure for metrics: a bad one is skipped
+                    self.sender_version = decode_message(frames).version
                 continue
             if kind is MessageType.DIGEST:
                 self._answer(frames)

@@ -32,6 +32,7 @@ import torch
 
 from protocol.errors import ConfigError
 from protocol.host.cli import load_object, report, run, setup_logging
+from protocol.host.logs import FORMATS
 from protocol.host.snapfile import read_snapshot
 from protocol.net.context import IO_THREADS, shared_context
 from protocol.net.security import CurveServer, write_keypair
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-token", default=os.environ.get(METRICS_TOKEN_ENV),
                    help=f"bearer token the metrics endpoint requires (needed off loopback; default ${METRICS_TOKEN_ENV})")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=FORMATS, default="text", help="text, or json: one object a line with the fields as keys")
     args = p.parse_args(argv)
     if args.io_threads < 1:
         p.error(f"--io-threads must be at least 1, got {args.io_threads}")
@@ -205,8 +207,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(keygen(argv[1:]))
     if argv[:1] == ["compile"]:
         sys.exit(compile_kernels_main(argv[1:]))
+    if argv[:1] == ["status"]:
+        from .status import main as status_main
+
+        sys.exit(status_main(argv[1:]))
     args = parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     run(lambda stop: serve_shm(args, stop) if args.load_strategy == "ipc" else serve(args, stop))
 
 

@@ -118,13 +118,22 @@ class _Collector(Collector):
             "weightsync_sender_receiver_inflight", "Versions sent to a receiver and not yet acknowledged", labels=["receiver"]
         )
         heard = GaugeMetricFamily("weightsync_sender_receiver_silence_seconds", "Seconds since a receiver was last heard from", labels=["receiver"])
+        sent = GaugeMetricFamily(
+            "weightsync_sender_receiver_sent_version", "The version a receiver will hold once what was sent to it is applied (-1: none)",
+            labels=["receiver"],
+        )
+        ack_age = GaugeMetricFamily(
+            "weightsync_sender_receiver_ack_age_seconds", "Seconds since a receiver's last ACK (since it joined, if none)", labels=["receiver"]
+        )
         for (behind, seconds), p in lags[:RECEIVER_SERIES]:
             acked.add_metric([p.name], -1 if p.acked is None else p.acked)
             lag.add_metric([p.name], behind)
             lag_s.add_metric([p.name], seconds)
             credits.add_metric([p.name], len(p.inflight))
             heard.add_metric([p.name], now - p.last_seen)
-        yield from (acked, lag, lag_s, credits, heard)
+            sent.add_metric([p.name], -1 if p.sent is None else p.sent)
+            ack_age.add_metric([p.name], now - (p.acked_at if p.acked_at is not None else p.joined_at))
+        yield from (acked, lag, lag_s, credits, heard, sent, ack_age)
         furthest = max((x[0][0] for x in lags), default=0)
         yield GaugeMetricFamily("weightsync_sender_lag_versions_max", "The furthest any connected receiver is behind, in versions", furthest)
         yield CounterMetricFamily("weightsync_sender_resyncs", "Receivers resynced by bootstrap", server.counts.resyncs)
@@ -139,9 +148,10 @@ class _Collector(Collector):
         sizes = GaugeMetricFamily(
             "weightsync_sender_version_bytes", "A recent version's bytes on the wire and as a full copy", labels=["version", "kind"]
         )
-        for stats, sent in self.metrics.recent:
+        for stats, delivered in self.metrics.recent:
             v = str(stats.version)
-            for phase, value in zip(PHASES, (stats.build_seconds, stats.encode_seconds, sent, stats.backlog_wait_seconds, stats.d2h_seconds)):
+            times = (stats.build_seconds, stats.encode_seconds, delivered, stats.backlog_wait_seconds, stats.d2h_seconds)
+            for phase, value in zip(PHASES, times):
                 if value is not None:
                     phases.add_metric([v, phase], value)
             sizes.add_metric([v, "wire"], stats.wire_bytes)

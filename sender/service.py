@@ -131,7 +131,8 @@ class Sender:
             if self._metrics_server is not None:
                 await self._metrics_server.close()
             raise
-        log.info("sender %s serving %s (%s, version %s)", self.session[:8], self.endpoint, self.strategy, version)
+        log.info("sender %s serving %s (%s, version %s)", self.session[:8], self.endpoint, self.strategy, version,
+                 extra={"session": self.session, "endpoint": self.endpoint, "strategy": self.strategy, "version": version})
         return self
 
     async def sync(self, model: StateLike, version: int) -> SyncStats:
@@ -170,7 +171,7 @@ class Sender:
             self.server.moved(version)
             self._settle_moved(True)
         if self._recorded_later != version:
-            self.metrics.synced(stats)
+            self._synced(stats)
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
@@ -235,11 +236,22 @@ class Sender:
             else:
                 self.server.forget()  # no patch: every receiver behind is resynced
             self.server.moved(version)
-        self.metrics.synced(stats)
+        self._synced(stats)
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
         return stats
+
+    def _synced(self, stats: SyncStats) -> None:
+        """A version is built and published: counted in the metrics, and logged with its figures."""
+        self.metrics.synced(stats)
+        log.info(
+            "sender %s v%s: %s, %d bytes on the wire (a full copy: %d), %d changed, build %.3fs, encode %.3fs",
+            self.session[:8], stats.version, stats.strategy, stats.wire_bytes, stats.dense_bytes, stats.changed_elements,
+            stats.build_seconds, stats.encode_seconds,
+            extra={"version": stats.version, "strategy": stats.strategy, "wire_bytes": stats.wire_bytes, "dense_bytes": stats.dense_bytes,
+                   "changed_elements": stats.changed_elements, "build_s": stats.build_seconds, "encode_s": stats.encode_seconds},
+        )
 
     def _publish_part(self, msg: Message, base: int | None, version: int, stats: SyncStats) -> None:
         frames = self.server.stamp(msg)
@@ -395,6 +407,6 @@ class Sender:
                 if msg.last and not await moved:  # the sync failed or was cancelled after its compare
                     raise CompareFailed(f"v{version} was not synced")
                 self.server.publish_patch(base, version, frames, last=msg.last)
-            self.metrics.synced(stats)
+            self._synced(stats)
         except CompareFailed:
             self.server.abandon_patch(base, version)

@@ -201,3 +201,45 @@ def test_the_cli_takes_the_metrics_address_and_token(tmp_path: Any, monkeypatch:
     assert args.metrics_address == "127.0.0.1:9400" and args.metrics_token is None
     monkeypatch.setenv("WEIGHTSYNC_METRICS_TOKEN", TOKEN)
     assert parse_args(["--watch", str(tmp_path)]).metrics_token == TOKEN
+
+
+async def test_the_status_command_shows_a_paused_receivers_lag() -> None:
+    """``python -m sender status`` in its own process against a live sender: the paused
+    receiver's lag in the table, and ``--json`` parses to the same."""
+    import json
+    import subprocess
+    import sys
+
+    model = build(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    async with Sender("tcp://127.0.0.1:0", CONFIG, metrics_address="127.0.0.1:0", metrics_token=TOKEN) as sender:
+        await sender.start(model, version=0)
+        a = Receiver(build(seed=1).to(torch.bfloat16), sender.endpoint, CONFIG, identity="running")
+        b = Receiver(build(seed=2).to(torch.bfloat16), sender.endpoint, CONFIG, identity="held")
+        async with a, b:
+            await asyncio.gather(a.start(), b.start())
+            await b.pause()
+            for version in (1, 2, 3):
+                train_step(model, optimizer, generator)
+                await sender.sync(model, version)
+                await sender.flush()
+                await a.wait_for_version(version, timeout=30)
+            command = [sys.executable, "-m", "sender", "status", "--metrics", str(sender.metrics_url), "--token", TOKEN]
+
+            def run(*extra: str) -> subprocess.CompletedProcess[str]:
+                return subprocess.run([*command, *extra], capture_output=True, text=True, timeout=60)
+
+            shown, as_json = await asyncio.gather(asyncio.to_thread(run), asyncio.to_thread(run, "--json"))
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines() if line.split()[:1] in (["running"], ["held"])}
+    assert rows["running"][1] == "v3" and rows["running"][3] == "0"  # acked v3, lag 0
+    assert rows["held"][1] == "v0" and int(rows["held"][3]) >= 2  # acked v0, lagging
+    assert "sender at v3, 2 receivers connected" in shown.stdout
+    status = json.loads(as_json.stdout)
+    assert status["version"] == 3 and status["receivers"]["held"]["lag_versions"] >= 2
+    assert status["receivers"]["running"]["lag_versions"] == 0
+    assert [v["version"] for v in status["versions"]] == [1, 2, 3] and all(v["wire_bytes"] > 0 for v in status["versions"])
+    nowhere = [sys.executable, "-m", "sender", "status", "--metrics", "http://127.0.0.1:9"]
+    refused = subprocess.run(nowhere, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "cannot read" in refused.stderr

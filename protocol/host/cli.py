@@ -6,19 +6,17 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from protocol.host import logs
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+
+def setup_logging(level: str, fmt: str = "text") -> None:
+    """The daemons' logging: ``level``, and ``fmt`` text or json (``protocol.host.logs``)."""
+    logs.setup_logging(level, fmt)
 
 
 def load_object(spec: str) -> Any:

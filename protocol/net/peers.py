@@ -41,6 +41,8 @@ class Peer:
     source: int | None = None  # the fd of the connection its messages last came on
     link: TcpLink | None = None  # that connection, if it is TCP (Linux)
     acked_bytes: int | None = None  # what its kernel had acknowledged of ours at the last look
+    acked_at: float | None = None  # monotonic time of its last ACK (or heartbeat moving its version)
+    joined_at: float = field(default_factory=time.monotonic)
 
     @property
     def name(self) -> str:
@@ -72,6 +74,7 @@ class Peer:
 
     def ack(self, version: int | None) -> None:
         self.acked = version
+        self.acked_at = time.monotonic()
         self.inflight = [v for v in self.inflight if v is not None and (version is None or v > version)]
         self.wake.set()
 

@@ -38,7 +38,8 @@ from protocol.net.deliveries import Deliveries, ServerCounts
 from protocol.net.heartbeat import ticks
 from protocol.net.peers import Peer
 from protocol.net.security import CurveServer, check_transport
-from protocol.net.sockets import PeerGone, RouterSocket
+from protocol.net.sockets import PeerGone, RouterSocket, TcpLink
+from protocol.progress import Progress
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, Stamper, decode_message
 from protocol.wire.limits import Limits
@@ -78,6 +79,10 @@ class RingEntry:
     def _grow(self) -> None:
         grown, self.grown = self.grown, asyncio.Event()
         grown.set()
+
+
+WATCH_EVERY = 0.25  # seconds between reads of a receiver's TCP counters while a whole model goes to it
+WATCH_LIMIT = 3600.0  # seconds a transfer's progress is followed at most
 
 
 class VersionSource(Protocol):
@@ -472,7 +477,8 @@ class VersionServer:
                     await self._notify()
                 self._release_resync()
             elif msg.type is MessageType.NACK:
-                log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, _reported(Nack, msg))
+                log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, _reported(Nack, msg),
+                            extra={"receiver": peer.name, "version": msg.version})
                 self.counts.nack(_reason(msg))
                 peer.ack(msg.version)
                 peer.inflight.clear()  # it drops whatever else is queued until the resync
@@ -549,7 +555,8 @@ class VersionServer:
         peer.inflight = [version] if greeting else []
         self._peers[identity] = peer
         peer.task = self.spawn(self._pump(peer, [welcome_message, *greeting]), f"pump-{peer.name}")
-        log.info("receiver %s joined at v%s (bootstrap: %d buckets)", peer.name, applied, len(greeting))
+        log.info("receiver %s joined at v%s (bootstrap: %d buckets)", peer.name, applied, len(greeting),
+                 extra={"receiver": peer.name, "version": version, "applied": applied, "bootstrap_buckets": len(greeting)})
         await self._notify()
 
     async def _pump(self, peer: Peer, greeting: list[Message]) -> None:
@@ -560,7 +567,7 @@ class VersionServer:
         build now) is dropped and sent the error; anything else is a bug, which drops the
         peer and fails the server (``_spawn``)."""
         try:
-            await self._deliver_all(peer, [self.stamp(m) for m in greeting])
+            await self._deliver_all(peer, [self.stamp(m) for m in greeting], "bootstrap" if len(greeting) > 1 else "")
             # A bootstrap is a whole model copy: this coroutine lives as long as the peer,
             # so it keeps no reference to what it has queued (ZeroMQ holds what it still needs).
             del greeting
@@ -575,7 +582,7 @@ class VersionServer:
                         if not await self._deliver_entry(peer, what):
                             continue  # abandoned: the peer is still at its base
                     else:
-                        await self._deliver_all(peer, what)
+                        await self._deliver_all(peer, what, f"v{version}")
                     del what
                     peer.sent = version
                     peer.inflight.append(version)
@@ -617,7 +624,8 @@ class VersionServer:
         peer.needs_resync = False
         peer.resyncs += 1
         self.counts.resyncs += 1
-        log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version)
+        log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, self.version,
+                 extra={"receiver": peer.name, "version": self.version, "from_version": peer.acked})
         version, messages = await self._resync_messages()  # (a deferred one is of a later version)
         return version, [self.stamp(m) for m in messages]
 
@@ -634,9 +642,42 @@ class VersionServer:
                 return False
             await entry.grown.wait()
 
-    async def _deliver_all(self, peer: Peer, messages: list[list[Buffer]]) -> None:
+    async def _deliver_all(self, peer: Peer, messages: list[list[Buffer]], what: str = "") -> None:
+        """Queue whole-model messages (a bootstrap, a resync, a bucket version) for ``peer``;
+        one that takes long logs its progress (``what`` names it): over TCP on Linux as the
+        receiver's kernel acknowledges the bytes (``_watch``, beside the pump), elsewhere as
+        they are queued."""
+        total = sum(len(f) for frames in messages for f in frames)
+        progress = Progress(log, f"{self.role} sending {what or 'messages'} to receiver {peer.name}", total, peer=peer.name)
+        link = peer.link
+        start = None if link is None else link.counts()
+        if link is not None and start is not None:
+            self.spawn(self._watch(peer, link, start[0], progress), f"progress-{peer.name}")
         for frames in messages:
             await self._deliver(peer, frames)
+            if start is None:
+                progress.advance(sum(len(f) for f in frames))
+        if start is None:
+            progress.finish()
+
+    async def _watch(self, peer: Peer, link: TcpLink, start: int, progress: Progress) -> None:
+        """``progress`` of a transfer to ``peer`` as its kernel acknowledges our bytes, until
+        all are (heartbeats counted too: a bound, not a byte count), the connection closes or
+        the peer leaves; polled at most 4 times a second, for at most ``WATCH_LIMIT``."""
+        total = progress.total or 0
+        done = 0
+        deadline = time.monotonic() + WATCH_LIMIT
+        while self._peers.get(peer.identity) is peer and peer.link is link and time.monotonic() < deadline:
+            counts = link.counts()
+            if counts is None:
+                return
+            acked = min(total, counts[0] - start)
+            progress.advance(max(0, acked - done))
+            done = max(done, acked)
+            if done >= total:
+                break
+            await asyncio.sleep(WATCH_EVERY)
+        progress.finish()
 
     async def _deliver(self, peer: Peer, frames: list[Buffer]) -> None:
         """Queue ``frames`` for ``peer``, waiting (never blocking the loop) while its queue is full."""
@@ -663,7 +704,7 @@ class VersionServer:
         if self._peers.get(peer.identity) is peer:
             del self._peers[peer.identity]
             self.deliveries.left(peer.identity)
-            log.info("receiver %s dropped: %s", peer.name, why)
+            log.info("receiver %s dropped: %s", peer.name, why, extra={"receiver": peer.name, "reason": why, "version": peer.acked})
             if peer.task is not None and peer.task is not asyncio.current_task():
                 peer.task.cancel()
             await self._notify()

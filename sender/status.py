@@ -1,0 +1,119 @@
+"""``python -m sender status``: where a deployment stands, read from a sender's metrics endpoint
+(no second protocol: the Prometheus text ``sender/metrics.py`` serves).
+
+    python -m sender status --metrics http://127.0.0.1:9400 [--token T] [--json]
+
+Prints each connected receiver (acknowledged and sent version, lag in versions and seconds,
+credits in flight, ACK age) and the sender's last versions with their phase times and bytes;
+``--json`` prints the same as one object for scripts. Exits 1 when the endpoint cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .metrics import PHASES, TOKEN_ENV
+
+RECEIVER_FIELDS = {
+    "acked": "weightsync_sender_receiver_acked_version",
+    "sent": "weightsync_sender_receiver_sent_version",
+    "lag_versions": "weightsync_sender_receiver_lag_versions",
+    "lag_seconds": "weightsync_sender_receiver_lag_seconds",
+    "inflight": "weightsync_sender_receiver_inflight",
+    "ack_age_seconds": "weightsync_sender_receiver_ack_age_seconds",
+}
+
+
+def fetch(url: str, token: str | None = None, timeout: float = 10.0) -> str:
+    """The Prometheus text at ``url``/metrics."""
+    request = urllib.request.Request(url.rstrip("/") + "/metrics")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return str(response.read().decode())
+
+
+def status_of(text: str) -> dict[str, Any]:
+    """The sender's state from its metrics text."""
+    receivers: dict[str, dict[str, Any]] = {}
+    versions: dict[int, dict[str, Any]] = {}
+    single: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if "receiver" in s.labels:
+                field = next((k for k, name in RECEIVER_FIELDS.items() if name == s.name), None)
+                if field is not None:
+                    receivers.setdefault(s.labels["receiver"], {})[field] = _number(s.value)
+            elif s.name == "weightsync_sender_version_phase_seconds":
+                versions.setdefault(int(s.labels["version"]), {})[f"{s.labels['phase']}_s"] = s.value
+            elif s.name == "weightsync_sender_version_bytes":
+                versions.setdefault(int(s.labels["version"]), {})[f"{s.labels['kind']}_bytes"] = int(s.value)
+            elif not s.labels:
+                single[s.name] = s.value
+    version = single.get("weightsync_sender_version", -1)
+    return {
+        "version": None if version < 0 else int(version),
+        "receivers_connected": int(single.get("weightsync_sender_receivers_connected", 0)),
+        "resyncs": int(single.get("weightsync_sender_resyncs_total", 0)),
+        "receivers": dict(sorted(receivers.items())),
+        "versions": [{"version": v, **fields} for v, fields in sorted(versions.items())],
+    }
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def table(status: dict[str, Any]) -> str:
+    """The status as text tables."""
+    lines = [f"sender at v{status['version']}, {status['receivers_connected']} receivers connected, {status['resyncs']} resyncs"]
+    header: tuple[str, ...] = ("receiver", "acked", "sent", "lag", "lag s", "in flight", "last ACK s")
+    rows: list[tuple[str, ...]] = [
+        (name, _v(r.get("acked")), _v(r.get("sent")), str(r.get("lag_versions", "")), f"{r.get('lag_seconds', 0):.1f}",
+         str(r.get("inflight", "")), f"{r.get('ack_age_seconds', 0):.1f}")
+        for name, r in status["receivers"].items()
+    ]
+    lines += ["", *_grid(header, rows)]
+    if status["versions"]:
+        header = ("version", *(f"{p} s" for p in PHASES), "wire bytes", "dense bytes")
+        rows = [
+            (str(v["version"]), *(f"{v[p + '_s']:.3f}" if p + "_s" in v else "-" for p in PHASES),
+             str(v.get("wire_bytes", "-")), str(v.get("dense_bytes", "-")))
+            for v in status["versions"]
+        ]
+        lines += ["", *_grid(header, rows)]
+    return "\n".join(lines)
+
+
+def _v(x: Any) -> str:
+    return "-" if x is None or x < 0 else f"v{x}"
+
+
+def _grid(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m sender status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--metrics", required=True, metavar="URL", help="the sender's metrics endpoint (Sender.metrics_url), e.g. http://127.0.0.1:9400")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"its bearer token (default ${TOKEN_ENV})")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    args = p.parse_args(argv)
+    try:
+        text = fetch(args.metrics, args.token)
+    except (urllib.error.URLError, OSError) as e:
+        print(f"cannot read {args.metrics}/metrics: {e}", file=sys.stderr)
+        return 1
+    status = status_of(text)
+    print(json.dumps(status, indent=2) if args.json else table(status))
+    return 0
