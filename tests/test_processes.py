@@ -50,21 +50,21 @@ class Cluster:
         self.receivers: dict[str, Proc] = {}
         self.saves: dict[str, Path] = {}
 
-    async def start_sender(self) -> Proc:
+    async def start_sender(self, *extra: str) -> Proc:
         self.sender = await self.procs.spawn(
             "sender", "sender", "--watch", str(self.watch), "--model", MODEL, "--endpoint", self.endpoint,
-            "--config", str(self.config), *TIMING,
+            "--config", str(self.config), *TIMING, *extra,
         )
         listening = await self.sender.wait_event(lambda e: e.get("event") == "listening")
         assert listening["version"] == self.trainer.version
         self.endpoint = listening["endpoint"]  # the real port when asked for :0
         return self.sender
 
-    async def start_receiver(self, identity: str) -> Proc:
+    async def start_receiver(self, identity: str, *extra: str) -> Proc:
         save = self.saves[identity] = self.tmp / f"{identity}-{len(self.procs.procs)}.pt"
         proc = await self.procs.spawn(
             identity, "receiver", "--endpoint", self.endpoint, "--model", MODEL, "--identity", identity, "--digest",
-            "--save", str(save), "--config", str(self.config), *TIMING,
+            "--save", str(save), "--config", str(self.config), *TIMING, *extra,
         )
         self.receivers[identity] = proc
         return proc
@@ -191,3 +191,67 @@ def test_cli_flags_used_here_exist() -> None:
     assert s.heartbeat == HEARTBEAT and s.peer_timeout == PEER_TIMEOUT
     r = rmain.parse_args(["--endpoint", "ipc:///tmp/x", "--model", MODEL, "--identity", "r0", "--digest", "--save", "x.pt", *TIMING])
     assert r.digest and r.identity == "r0" and r.save == Path("x.pt")
+
+
+# -- metrics (issue 37) ----------------------------------------------------------------------------
+def _scraped(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+
+
+async def test_both_daemons_metrics_follow_lag_resyncs_and_bootstrap_bytes(procs: Processes, tmp_path: Path) -> None:
+    """The sender CLI with --metrics-address and two receiver CLIs with control APIs, scraped
+    over HTTP: a receiver paused through its API lags on both sides' metrics, is resynced (one
+    patch kept, one version in flight: it fell behind the ring) and is back at lag 0 once
+    resumed; its bootstrap byte counter reached the model's size."""
+    import aiohttp
+
+    cluster = Cluster(procs, tmp_path, "patch", "tcp://127.0.0.1:0")
+    sender = await cluster.start_sender("--metrics-address", "127.0.0.1:0", "--ring-size", "1", "--max-inflight", "1")
+    listening = await sender.wait_event(lambda e: e.get("event") == "listening")
+    sender_url = listening["metrics"]
+    urls = {}
+    for name in ("held", "running"):
+        proc = await cluster.start_receiver(name, "--control", "127.0.0.1:0")
+        urls[name] = (await proc.wait_event(lambda e: e.get("event") == "control"))["url"]
+    await cluster.converged(0)
+    model_bytes = sum({t.data_ptr(): t.numel() * 2 for t in cluster.trainer.model.state_dict().values()}.values())  # bf16, tied once
+    async with aiohttp.ClientSession() as http:
+
+        async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            async with http.get(url + "/metrics") as r:
+                assert r.status == 200
+                return _scraped(await r.text())
+
+        await cluster.step()
+        got = await scrape(sender_url)
+        assert got[("weightsync_sender_receivers_connected", ())] == 2
+        assert got[("weightsync_sender_receiver_lag_versions", (("receiver", "held"),))] == 0
+        held = await scrape(urls["held"])
+        assert held[("weightsync_receiver_bootstrap_bytes_total", ())] >= model_bytes
+
+        async with http.post(urls["held"] + "/v1/pause") as r:
+            assert r.status == 200
+        for _ in range(3):
+            await cluster.step(names=["running"])
+        await asyncio.sleep(4 * HEARTBEAT)  # the receiver hears the sender's version in its heartbeats
+        got = await scrape(sender_url)
+        assert got[("weightsync_sender_receiver_lag_versions", (("receiver", "held"),))] >= 2
+        assert got[("weightsync_sender_receiver_lag_seconds", (("receiver", "held"),))] > 0
+        assert got[("weightsync_sender_receiver_lag_versions", (("receiver", "running"),))] == 0
+        held = await scrape(urls["held"])
+        assert held[("weightsync_receiver_sender_version", ())] == cluster.trainer.version
+        assert held[("weightsync_receiver_lag_versions", ())] >= 2
+        resyncs = got[("weightsync_sender_resyncs_total", ())]
+
+        async with http.post(urls["held"] + "/v1/resume") as r:
+            assert r.status == 200
+        await cluster.converged(cluster.trainer.version, ["held"])
+        await asyncio.sleep(4 * HEARTBEAT)
+        got = await scrape(sender_url)
+        assert got[("weightsync_sender_receiver_lag_versions", (("receiver", "held"),))] == 0
+        assert got[("weightsync_sender_resyncs_total", ())] >= resyncs + 1  # behind the 1-patch ring: resynced
+        held = await scrape(urls["held"])
+        assert held[("weightsync_receiver_lag_versions", ())] == 0
+    await cluster.stop_and_compare()
