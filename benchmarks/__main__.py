@@ -123,6 +123,7 @@ def library_info() -> dict[str, Any]:
         "patch_defaults": dataclasses.asdict(load_config({"type": "patch"}).patch),
         "patch_options": dict(e2e.PATCH_OPTIONS),  # what this run's flags set over the defaults
         "encode_threads": encode_threads(e2e.PATCH_OPTIONS.get("encode_threads")),  # as resolved on this host
+        "metrics_scraped": e2e.METRICS,  # --metrics: the Senders' endpoints served and scraped every SCRAPE_EVERY s
     }
     try:
         git = ["git", "-C", str(root)]
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mbit", type=float, help="lowbw: the link's rate towards the receivers, Mbit/s (default 100)")
     p.add_argument("--rtt-ms", type=float, help="lowbw: the round trip the proxy adds, ms (default 40)")
     p.add_argument("--tiny", action="store_true", help="lowbw: one small synthetic workload (the smoke test)")
+    p.add_argument("--metrics", action="store_true", help="each Sender serves its metrics endpoint, scraped every second during the run")
     args = p.parse_args(argv)
+    e2e.METRICS = args.metrics
     if args.dense_above is not None:
         from protocol.config import dense_rule
 

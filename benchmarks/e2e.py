@@ -42,6 +42,10 @@ DAEMON_KW: dict[str, Any] = {"peer_timeout": 300.0}  # the harness blocks the lo
 
 EMPTY_SYNCS = 3  # per workload, after the measured steps: the state synced again unchanged
 PATCH_OPTIONS: dict[str, Any] = {}  # python -m benchmarks --dense-above sets one
+# python -m benchmarks --metrics: each Sender serves its metrics and a scraper reads them every
+# SCRAPE_EVERY seconds during the run (Prometheus scrapes every 15 s by default: this is harsher)
+METRICS = False
+SCRAPE_EVERY = 1.0
 
 
 def patch_config(workload: Workload | None = None) -> dict[str, Any]:
@@ -84,12 +88,26 @@ class Rig:
     def __init__(self, sender: Sender, receivers: RemoteReceivers, route: Any = None) -> None:
         self.sender, self.receivers, self.route = sender, receivers, route
         self.closed = False
+        self.scrapes = 0
+        self._scraper = asyncio.ensure_future(self._scrape()) if sender.metrics_url is not None else None
+
+    async def _scrape(self) -> None:
+        """Read the sender's /metrics over HTTP every ``SCRAPE_EVERY`` seconds (``METRICS``)."""
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            while True:
+                async with http.get(f"{self.sender.metrics_url}/metrics") as r:
+                    await r.read()
+                self.scrapes += 1
+                await asyncio.sleep(SCRAPE_EVERY)
 
     @classmethod
     async def open(cls, workload: Workload, config: dict[str, Any], name: str, count: int | None = None) -> Rig:
         count = RECEIVERS if count is None else count
         net = NETWORK
-        sender = Sender(f"tcp://{net.bind}:0", config, insecure_plaintext=net.insecure_plaintext, **DAEMON_KW)
+        sender = Sender(f"tcp://{net.bind}:0", config, insecure_plaintext=net.insecure_plaintext,
+                        metrics_address="127.0.0.1:0" if METRICS else None, **DAEMON_KW)
         await sender.start(workload.trainer_state(), version=0)
         endpoint, route = await net.route(sender.endpoint)
         receivers = await RemoteReceivers.start(workload.receiver_spec(), endpoint, config, name, count, prefix=net.prefix)
@@ -131,6 +149,9 @@ class Rig:
         if self.closed:
             return
         self.closed = True
+        if self._scraper is not None:
+            self._scraper.cancel()
+            await asyncio.gather(self._scraper, return_exceptions=True)
         try:
             await self.receivers.stop()
         finally:

@@ -2,18 +2,37 @@
 
 A transfer that has taken more than ``AFTER`` seconds logs a line at INFO every ``EVERY``
 seconds: bytes done and total, rate, ETA, and what it is (which receiver). Short ones log
-nothing. The figures also go in the log record's ``extra`` (``bytes_done``, ``bytes_total``,
+nothing. On a terminal the CLIs draw a tqdm bar instead (``use_bars``). The figures also go
+in the log record's ``extra`` (``bytes_done``, ``bytes_total``,
 ``rate_Bps``, ``eta_s``, ``peer``) for structured logs.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import sys
 import time
 from collections.abc import Callable
+from typing import IO, Any
 
 AFTER = 2.0  # seconds a transfer runs before its progress is logged
 EVERY = 5.0  # seconds between progress lines
+BARS = False  # a progress bar (tqdm) on stderr instead of the lines: ``use_bars``, for a terminal
+
+
+def use_bars(stream: IO[str] | None = None) -> bool:
+    """Draw progress bars instead of logging lines when ``stream`` (stderr) is a terminal and
+    tqdm is installed (the CLIs call this); plain lines otherwise. Returns whether bars are on."""
+    global BARS
+    stream = sys.stderr if stream is None else stream
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        BARS = False
+    else:
+        BARS = bool(getattr(stream, "isatty", lambda: False)())
+    return BARS
 
 
 def _size(n: float) -> str:
@@ -34,6 +53,7 @@ class Progress:
         self.started = self.last = clock()
         self.done = 0
         self.lines = 0
+        self._bar: Any = None  # a tqdm bar, once the transfer has run AFTER seconds (BARS)
 
     @property
     def rate(self) -> float:
@@ -52,13 +72,24 @@ class Progress:
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
         now = self.clock()
-        if now - self.started >= AFTER and now - self.last >= EVERY:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+        elif now - self.started >= AFTER and BARS:
+            from tqdm import tqdm
+
+            size = shutil.get_terminal_size((100, 20))  # where the terminal says 0x0 (tqdm would hide the bar)
+            self._bar = tqdm(total=self.total, initial=self.done, desc=self.what, unit="B", unit_scale=True, unit_divisor=1000,
+                             file=sys.stderr, leave=True, ncols=size.columns, nrows=size.lines)
+        elif now - self.started >= AFTER and now - self.last >= EVERY:
             self.last = now
             self._line("")
 
     def finish(self) -> None:
-        """The transfer is over: a last line, if any was logged."""
-        if self.lines:
+        """The transfer is over: a last line, if any was logged (or the bar closed)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.lines:
             self._line(f" done in {self.clock() - self.started:.1f}s")
 
     def _line(self, tail: str) -> None:

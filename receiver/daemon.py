@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from protocol import progress
 from protocol.errors import ConfigError
 from protocol.host.cli import load_object, report, run, setup_logging
 from protocol.host.logs import FORMATS
@@ -169,4 +170,6 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging(args.log_level, args.log_format)
+    if args.log_format == "text":
+        progress.use_bars()  # a bar for long transfers when stderr is a terminal
     run(lambda stop: serve(args, stop))

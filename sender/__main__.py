@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from protocol import progress
 from protocol.errors import ConfigError
 from protocol.host.cli import load_object, report, run, setup_logging
 from protocol.host.logs import FORMATS
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(status_main(argv[1:]))
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    if args.log_format == "text":
+        progress.use_bars()  # a bar for long transfers when stderr is a terminal
     run(lambda stop: serve_shm(args, stop) if args.load_strategy == "ipc" else serve(args, stop))
 
 

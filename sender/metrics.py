@@ -15,7 +15,6 @@ anywhere else (``/health`` open), no encryption (put TLS in front beyond a trust
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -92,7 +91,8 @@ class SenderMetrics:
         self.recent = [(s, seconds if s.version == version else sent) for s, sent in self.recent]
 
     def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type."""
+        """The Prometheus text exposition and its content type. Call it on the sender's event
+        loop thread: it reads records only that thread changes."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
@@ -134,6 +134,22 @@ class _Collector(Collector):
             sent.add_metric([p.name], -1 if p.sent is None else p.sent)
             ack_age.add_metric([p.name], now - (p.acked_at if p.acked_at is not None else p.joined_at))
         yield from (acked, lag, lag_s, credits, heard, sent, ack_age)
+        done = GaugeMetricFamily(
+            "weightsync_sender_transfer_bytes_done", "A whole model going to a receiver now (a bootstrap, resync or buckets): bytes done",
+            labels=["receiver"],
+        )
+        total = GaugeMetricFamily("weightsync_sender_transfer_bytes_total", "That transfer's bytes in all", labels=["receiver"])
+        eta = GaugeMetricFamily("weightsync_sender_transfer_eta_seconds", "That transfer's seconds left at its rate so far", labels=["receiver"])
+        connected = {p.identity for _, p in lags[:RECEIVER_SERIES]}
+        for identity, progress in list(server.transfers.items()):
+            if identity in connected:
+                name = identity.decode(errors="replace")
+                done.add_metric([name], progress.done)
+                total.add_metric([name], progress.total or 0)
+                left = progress.eta
+                if left is not None:
+                    eta.add_metric([name], left)
+        yield from (done, total, eta)
         furthest = max((x[0][0] for x in lags), default=0)
         yield GaugeMetricFamily("weightsync_sender_lag_versions_max", "The furthest any connected receiver is behind, in versions", furthest)
         yield CounterMetricFamily("weightsync_sender_resyncs", "Receivers resynced by bootstrap", server.counts.resyncs)
@@ -185,7 +201,9 @@ class MetricsServer:
             await runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body, content_type = await asyncio.to_thread(self.metrics.render)
+        # On the event loop's thread, not a worker's: the collector reads the server's records
+        # (peers, deliveries, transfers), which only that thread changes (a few ms at most).
+        body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _health(self, request: web.Request) -> web.Response:

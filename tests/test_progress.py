@@ -72,7 +72,26 @@ async def test_a_slow_bootstrap_logs_progress_on_both_sides(caplog: pytest.LogCa
         host, port = sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
         async with Proxy((host, int(port)), rate=96 << 10) as proxy:  # a few seconds for the bootstrap
             async with Receiver(rollout, proxy.endpoint, CONFIG, identity="slow") as receiver:
+                seen: list[tuple[float, float]] = []  # the sender's transfer gauges while the bootstrap goes
+
+                async def watch() -> None:
+                    while True:
+                        text = sender.metrics.render()[0].decode()
+                        got = {(x.name, tuple(x.labels.items())): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+                        key = (("receiver", "slow"),)
+                        if ("weightsync_sender_transfer_bytes_done", key) in got:
+                            seen.append((got[("weightsync_sender_transfer_bytes_done", key)], got[("weightsync_sender_transfer_bytes_total", key)]))
+                        await asyncio.sleep(0.2)
+
+                watching = asyncio.ensure_future(watch())
                 await receiver.start(timeout=60)
+                await asyncio.sleep(0.5)
+                watching.cancel()
+                done = [d for d, _ in seen]
+                assert len(seen) >= 2 and done == sorted(done) and done[0] < done[-1] <= seen[-1][1]  # rising bytes done, of the total
+                assert abs(seen[-1][1] - model_bytes) < 0.05 * model_bytes
+                after = {x.name for f in text_string_to_metric_families(sender.metrics.render()[0].decode()) for x in f.samples}
+                assert "weightsync_sender_transfer_bytes_done" not in after  # done: no series left
                 text = receiver.metrics.render()[0].decode()
                 got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
                 assert got["weightsync_receiver_bootstrap_bytes_total"] >= model_bytes  # headers on top
@@ -159,3 +178,52 @@ def test_both_clis_take_a_log_format(tmp_path: Path) -> None:
     assert receiver_args(["--model", "examples.tiny_model:build", "--log-format", "json"]).log_format == "json"
     with pytest.raises(SystemExit):
         sender_args(["--watch", str(tmp_path), "--log-format", "xml"])
+
+
+BAR_SCRIPT = """
+import logging, sys
+from protocol import progress
+from protocol.host.logs import setup_logging
+setup_logging("INFO")
+progress.AFTER = progress.EVERY = 0.0
+on = progress.use_bars()
+now = [0.0]
+p = progress.Progress(logging.getLogger("t"), "transfer", 1000, clock=lambda: now[0])
+for i in range(10):
+    now[0] += 1.0
+    p.advance(100)
+p.finish()
+print("bars", on, file=sys.stderr)
+"""
+
+
+def test_a_terminal_gets_a_bar_a_pipe_gets_plain_lines() -> None:
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    master, slave = pty.openpty()
+    try:
+        subprocess.run([sys.executable, "-c", BAR_SCRIPT], cwd=root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=slave, timeout=60, check=True)
+    finally:
+        os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: the child's side is closed and everything was read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    terminal = b"".join(chunks).decode(errors="replace")
+    assert "bars True" in terminal
+    assert "transfer: 100%|" in terminal and "1.00k/1.00k" in terminal  # tqdm's bar
+    assert " of 1.0 KB" not in terminal  # no progress lines beside it
+    piped = subprocess.run([sys.executable, "-c", BAR_SCRIPT], cwd=root, capture_output=True, text=True, timeout=60, check=True).stderr
+    assert "bars False" in piped and "|" not in piped
+    assert "transfer: 500 B of 1.0 KB (50%)" in piped and "done in 10.0s" in piped

@@ -176,6 +176,7 @@ class VersionServer:
         self._moved = asyncio.Event()  # set (and replaced) each time the version moves: deferred bootstraps retry
         self.counts = ServerCounts()  # resyncs and NACKs, for metrics
         self.deliveries = Deliveries()  # publication and delivery times, receivers' lag (set its on_delivered)
+        self.transfers: dict[bytes, Progress] = {}  # whole models going to receivers now, by identity (metrics)
         self._digest: tuple[int | None, str | None] | None = None
         self._peers: dict[bytes, Peer] = {}
         self._greeting: dict[bytes, asyncio.Task[None]] = {}  # HELLOs being answered
@@ -649,6 +650,7 @@ class VersionServer:
         they are queued."""
         total = sum(len(f) for frames in messages for f in frames)
         progress = Progress(log, f"{self.role} sending {what or 'messages'} to receiver {peer.name}", total, peer=peer.name)
+        self.transfers[peer.identity] = progress
         link = peer.link
         start = None if link is None else link.counts()
         if link is not None and start is not None:
@@ -658,7 +660,12 @@ class VersionServer:
             if start is None:
                 progress.advance(sum(len(f) for f in frames))
         if start is None:
-            progress.finish()
+            self._finished(peer, progress)
+
+    def _finished(self, peer: Peer, progress: Progress) -> None:
+        progress.finish()
+        if self.transfers.get(peer.identity) is progress:
+            del self.transfers[peer.identity]
 
     async def _watch(self, peer: Peer, link: TcpLink, start: int, progress: Progress) -> None:
         """``progress`` of a transfer to ``peer`` as its kernel acknowledges our bytes, until
@@ -677,7 +684,7 @@ class VersionServer:
             if done >= total:
                 break
             await asyncio.sleep(WATCH_EVERY)
-        progress.finish()
+        self._finished(peer, progress)
 
     async def _deliver(self, peer: Peer, frames: list[Buffer]) -> None:
         """Queue ``frames`` for ``peer``, waiting (never blocking the loop) while its queue is full."""
@@ -704,6 +711,7 @@ class VersionServer:
         if self._peers.get(peer.identity) is peer:
             del self._peers[peer.identity]
             self.deliveries.left(peer.identity)
+            self.transfers.pop(peer.identity, None)
             log.info("receiver %s dropped: %s", peer.name, why, extra={"receiver": peer.name, "reason": why, "version": peer.acked})
             if peer.task is not None and peer.task is not asyncio.current_task():
                 peer.task.cancel()
