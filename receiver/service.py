@@ -80,6 +80,37 @@ Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's addres
 WATCH_EVERY = 0.25  # seconds between reads of the connection's byte count during a bootstrap
 
 
+WHOLE_MODEL = (MessageType.BOOTSTRAP, MessageType.BUCKET)  # versions that carry the whole model: their progress is logged
+
+
+class _Incoming:
+    """A whole model arriving on ``link``: ``progress`` by the connection's received-byte count
+    where it can be read (TCP on Linux; a bucket can be large), else message by message."""
+
+    def __init__(self, link: Session, progress: Progress) -> None:
+        self.link, self.progress = link, progress
+        self.watcher: asyncio.Task[None] | None = None
+
+    def watch(self) -> None:
+        """Count the connection's bytes from now on, where it can be read."""
+        if self.watcher is None and self.link.bytes_received() is not None:
+            self.watcher = asyncio.create_task(_watch_received(self.link, self.progress))
+
+    def message(self, nbytes: int) -> None:
+        """A message of the transfer has arrived (the first one of a resync starts the count
+        of bytes: only once it is whole does its type say that a whole model comes)."""
+        if self.watcher is not None:
+            return  # counted as its bytes arrived
+        self.progress.advance(nbytes)
+        self.watch()
+
+    async def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+            await asyncio.gather(self.watcher, return_exceptions=True)
+        self.progress.finish()
+
+
 async def _watch_received(link: Session, progress: Progress) -> None:
     """Advance ``progress`` by the bytes ``link`` receives (its kernel's count), until cancelled."""
     start = link.bytes_received()
@@ -629,12 +660,12 @@ class Receiver:
         bound = self.peer_timeout + HANDSHAKE_GRACE
         # A long bootstrap's progress: over TCP on Linux as its bytes arrive (a bucket can be
         # large), elsewhere message by message.
-        progress = Progress(log, f"receiver {self.identity} bootstrap from {self.endpoint}", self._model_bytes(), peer=self.identity)
-        watcher: asyncio.Task[None] | None = None  # from WELCOME on (the connection is known once a message came)
+        incoming = _Incoming(link, Progress(log, f"receiver {self.identity} bootstrap from {self.endpoint}", self._model_bytes(),
+                                            peer=self.identity))
         welcomed = False
 
         async def recv() -> Sequence[Buffer]:
-            nonlocal welcomed, watcher
+            nonlocal welcomed
             before = link.bytes_received()
             while True:
                 try:
@@ -642,10 +673,9 @@ class Receiver:
                     if welcomed:  # every message after WELCOME is a bootstrap part
                         nbytes = sum(len(f) for f in frames)
                         self.metrics.bootstrap_bytes.inc(nbytes)
-                        if watcher is None:
-                            progress.advance(nbytes)
-                    elif link.bytes_received() is not None:
-                        watcher = asyncio.create_task(_watch_received(link, progress))
+                        incoming.message(nbytes)
+                    else:  # what follows WELCOME is the bootstrap: counted as its bytes arrive
+                        incoming.watch()
                     welcomed = True
                     return frames
                 except TimeoutError:
@@ -661,10 +691,7 @@ class Receiver:
                 raise
             raise MetadataMismatchError(self._names.explain(str(e))) from e
         finally:
-            if watcher is not None:
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
-        progress.finish()
+            await incoming.close()
         self.connected = True
         self._handshakes += 1
         boot = self.strategy.last_stats
@@ -683,10 +710,17 @@ class Receiver:
     async def _follow(self, link: Session) -> None:
         awaiting_resync = False
         last_type: list[MessageType | None] = [None]
+        incoming: list[_Incoming] = []  # a whole model arriving (a resync, a bucket version): its progress
 
         async def seen(*_: Any) -> Sequence[Buffer]:  # remembers what kind of message was rejected
             frames = await link.recv()
-            last_type[0] = peek_type(frames)
+            kind = last_type[0] = peek_type(frames)
+            if kind in WHOLE_MODEL or incoming:
+                if not incoming:
+                    what = "resync" if kind is MessageType.BOOTSTRAP else "buckets"
+                    progress = Progress(log, f"receiver {self.identity} {what} from {self.endpoint}", self._model_bytes(), peer=self.identity)
+                    incoming.append(_Incoming(link, progress))
+                incoming[0].message(sum(len(f) for f in frames))
             return frames
 
         async def gate(pending: PendingVersion) -> None:
@@ -719,6 +753,8 @@ class Receiver:
                 continue
             finally:
                 self.pending_version = None
+                if incoming:
+                    await incoming.pop().close()
             awaiting_resync = False
             self._record(pending.stats)
             await self._publish(pending.version, link)

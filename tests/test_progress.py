@@ -1,6 +1,6 @@
 """Progress of long transfers (issue 37): ``protocol.progress.Progress`` on a fake clock, and a
-real bootstrap slowed by the test proxy, logged on both sides with a falling ETA; the receiver's
-bootstrap byte counter, its lag behind the sender's version and its last phase times."""
+real bootstrap and resync slowed by the test proxy, logged on both sides with a falling ETA; the
+receiver's bootstrap byte counter, its lag behind the sender's version and its last phase times."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from protocol.progress import Progress
 from receiver import Receiver
 from sender import Sender
 
-CONFIG = {"weight_syncer": {"type": "patch"}}
+CONFIG = {"weight_syncer": {"type": "patch", "patch": {"init_sync": {"bucket_size": 32 << 10}}}}  # bootstraps of ~8 messages
 ETA = re.compile(r"ETA ([0-9.]+)s")
 
 
@@ -67,7 +67,8 @@ async def test_a_slow_bootstrap_logs_progress_on_both_sides(caplog: pytest.LogCa
     model = build(seed=0)  # ~120K parameters: ~250 KB at bf16
     rollout = build(seed=1).to(torch.bfloat16)
     model_bytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in rollout.state_dict().values()}.values())  # tied: once
-    async with Sender("tcp://127.0.0.1:0", CONFIG) as sender:
+    # one patch kept, one version in flight: paused for 3 versions, the receiver is resynced after
+    async with Sender("tcp://127.0.0.1:0", CONFIG, ring_size=1, max_inflight=1) as sender:
         await sender.start(model, version=0)
         host, port = sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
         async with Proxy((host, int(port)), rate=96 << 10) as proxy:  # a few seconds for the bootstrap
@@ -101,23 +102,26 @@ async def test_a_slow_bootstrap_logs_progress_on_both_sides(caplog: pytest.LogCa
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
                 generator = torch.Generator().manual_seed(0)
                 await receiver.pause()
-                for version in (1, 2):
+                for version in (1, 2, 3):
                     train_step(model, optimizer, generator)
                     await sender.sync(model, version)
                 for _ in range(300):  # heartbeats carry the sender's version (behind the patches, on this slow link)
                     got = {s.name: s.value for f in text_string_to_metric_families(receiver.metrics.render()[0].decode()) for s in f.samples}
-                    if got["weightsync_receiver_sender_version"] == 2:
+                    if got["weightsync_receiver_sender_version"] == 3:
                         break
                     await asyncio.sleep(0.1)
-                assert got["weightsync_receiver_sender_version"] == 2 and got["weightsync_receiver_lag_versions"] == 2
+                assert got["weightsync_receiver_sender_version"] == 3 and got["weightsync_receiver_lag_versions"] == 3
                 assert receiver.version == 0  # paused: nothing applied
                 await receiver.resume()
-                await receiver.wait_for_version(2, timeout=60)
+                await receiver.wait_for_version(3, timeout=60)
+                assert sender.receivers["slow"]["resyncs"] == 1  # behind the 1-patch ring: a whole model again
                 samples = {(s.name, tuple(s.labels.items())): s.value
                            for f in text_string_to_metric_families(receiver.metrics.render()[0].decode()) for s in f.samples}
                 assert samples[("weightsync_receiver_lag_versions", ())] == 0
                 assert samples[("weightsync_receiver_last_phase_seconds", (("phase", "decode"),))] > 0
-    for side, pattern in (("sender", "sending bootstrap to receiver slow"), ("receiver", "receiver slow bootstrap from")):
+    sides = (("sender", "sending bootstrap to receiver slow"), ("receiver", "receiver slow bootstrap from"),
+             ("sender's resync", "sending v3 to receiver slow"), ("receiver's resync", "receiver slow resync from"))
+    for side, pattern in sides:
         lines = [r.getMessage() for r in caplog.records if pattern in r.getMessage() and "done in" not in r.getMessage()]
         etas = [float(m.group(1)) for line in lines if (m := ETA.search(line))]
         assert len(etas) >= 2, f"{side}: {lines}"
