@@ -115,6 +115,11 @@ async def test_a_slow_bootstrap_logs_progress_on_both_sides(caplog: pytest.LogCa
                 await receiver.resume()
                 await receiver.wait_for_version(3, timeout=60)
                 assert sender.receivers["slow"]["resyncs"] == 1  # behind the 1-patch ring: a whole model again
+                for _ in range(100):  # the sender follows the resync until the receiver's kernel has all of it
+                    if not sender.server.transfers:
+                        break
+                    await asyncio.sleep(0.1)
+                assert not sender.server.transfers
                 samples = {(s.name, tuple(s.labels.items())): s.value
                            for f in text_string_to_metric_families(receiver.metrics.render()[0].decode()) for s in f.samples}
                 assert samples[("weightsync_receiver_lag_versions", ())] == 0
