@@ -17,7 +17,7 @@ def compile_main(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="python -m receiver compile", description=compile_main.__doc__).parse_args(argv)
     from protocol.host.cli import report
 
-    from .patch import compile_kernels
+    from .warmup import compile_kernels
 
     started = time.perf_counter()
     compile_kernels()

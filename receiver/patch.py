@@ -3,30 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from protocol.codec.compress import Codec
-from protocol.lazy import lazy_module
 from protocol.wire.framing import MessageType
 
+from . import warmup
 from .base import ReceiverBase
-
-if TYPE_CHECKING:
-    from protocol.codec import entropy, packed
-
-    from . import kernels
-else:  # numba loads on first use (protocol/lazy.py)
-    entropy, packed, kernels = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("receiver.kernels")
-
-
-def compile_kernels() -> None:
-    """Compile the decoders and the scatter kernels (or load them from numba's cache,
-    which a first run on a fresh install fills: ``python -m receiver compile``)."""
-    packed.warm_up()
-    entropy.warm_up()
-    kernels.warm_up()
 
 
 class PatchReceiver(ReceiverBase):
@@ -42,4 +27,4 @@ class PatchReceiver(ReceiverBase):
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     async def prepare(self) -> None:
-        await asyncio.to_thread(compile_kernels)  # now, not in the first patch
+        await asyncio.to_thread(warmup.compile_kernels)  # now, not in the first patch

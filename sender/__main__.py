@@ -183,7 +183,7 @@ def compile_kernels_main(argv: list[str]) -> int:
     """``python -m sender compile``: fill numba's cache now (an image build, an install)
     rather than beside the first receiver's bootstrap, which on a fresh install compiles
     for tens of seconds before the first sync can start."""
-    from .patch import COMMON_PAIRS, compile_kernels
+    from .warmup import COMMON_PAIRS, compile_kernels
 
     common = ",".join(f"{str(a).removeprefix('torch.')}:{str(b).removeprefix('torch.')}" for a, b in COMMON_PAIRS)
     p = argparse.ArgumentParser(prog="python -m sender compile", description=compile_kernels_main.__doc__)

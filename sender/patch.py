@@ -6,17 +6,16 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from protocol.codec.tensorcodec import EncodedTensor, assemble
 from protocol.config import PatchConfig
 from protocol.errors import WeightSyncError
-from protocol.lazy import lazy_module
 from protocol.state import ModelState, StateLike, is_dtensor, state_tensors
 from protocol.wire.framing import Encoding, Message, MessageType
 
@@ -29,32 +28,9 @@ from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
 
-if TYPE_CHECKING:
-    from protocol.codec import entropy, packed
-
-    from . import fastdiff
-else:  # numba loads on first use (protocol/lazy.py)
-    entropy, packed, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("sender.fastdiff")
-
 BACKLOG_SHARE = 32  # patch.encode_backlog_bytes by default: this fraction of the snapshot...
 BACKLOG_MIN = 4 << 20  # ...and at least this
 ENCODE_THREADS_MAX = 4  # patch.encode_threads by default: half the cores, at most this many
-# (model, receiver) dtypes ``python -m sender compile`` compiles by default: fp32 or bf16
-# training, bf16 or fp32 rollouts, and int64 buffers (step counters, position ids)
-COMMON_PAIRS = (
-    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.int64, torch.int64),
-)
-
-
-def compile_kernels(pairs: Iterable[tuple[torch.dtype, torch.dtype]] = COMMON_PAIRS) -> None:
-    """Compile the compare kernels for these (model, receiver) dtype pairs and the
-    encoders (or load them from numba's cache, which a first run on a fresh install
-    fills: ``python -m sender compile``)."""
-    fastdiff.warm_up(set(pairs))
-    packed.warm_up()
-    entropy.warm_up()
-
-
 def encode_threads(configured: int | None) -> int:
     """``patch.encode_threads``, or by default half this host's cores (the compare and the
     receivers' side of the host keep the rest), 1 to ``ENCODE_THREADS_MAX``."""
