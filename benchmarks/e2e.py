@@ -149,14 +149,18 @@ class Rig:
         if self.closed:
             return
         self.closed = True
+        failed: BaseException | None = None
         if self._scraper is not None:
             self._scraper.cancel()
-            await asyncio.gather(self._scraper, return_exceptions=True)
+            (outcome,) = await asyncio.gather(self._scraper, return_exceptions=True)
+            failed = None if isinstance(outcome, asyncio.CancelledError) else outcome
         try:
             await self.receivers.stop()
         finally:
             await self.sender.close()
             await NETWORK.unroute(self.route)
+        if failed is not None:  # the run's "metrics on" figures would not be what they say
+            raise RuntimeError(f"the metrics scraper failed after {self.scrapes} scrapes") from failed
 
 
 def link_deltas(marks: dict[str, int | None]) -> dict[str, int] | None:
@@ -293,6 +297,8 @@ async def _measure(workload: Workload, peers: PeerGroup, memory_pass: bool) -> d
         "steps": steps, "warmup": warmup, "empty": empty, "read_bytes": read_bytes, "memory": mem, "verified": verified,
         "receivers": RECEIVERS, "model_bytes": sum(t.numel() * t.element_size() for t in tracked.values()),
         "patch_options": dict(workload.patch), "targets_counted": workload.counted,
+        # --metrics: the scrapes of both Senders' endpoints this workload's run made (None: off)
+        "metrics_scrapes": patch.scrapes + bucket.scrapes if METRICS else None,
     }
 
 
@@ -379,6 +385,7 @@ def finish(run: dict[str, Any], copy_bps: float, zmq_bps: float) -> dict[str, An
         "wall_s": run.get("wall_s"),
         "patch_options": run.get("patch_options", {}),  # the workload's own, over the run's (library_info: patch_options)
         "targets_counted": run.get("targets_counted", True),
+        "metrics_scrapes": run.get("metrics_scrapes"),  # --metrics: both Senders' endpoints scraped this often (None: off)
         "config": run["config"],
         "steps": steps,
         "warmup": run.get("warmup", []),
