@@ -16,7 +16,7 @@ applied again and again to the receiver's state of the version before it, timing
 * ``index_put``: what a sender of raw indices and values (RLinf's ``sparse_nccl`` format)
   leaves its receiver to do: ``target.view(-1).index_put_((flat,), values)`` per tensor, with
   the int64 indices and bf16 values already in memory (nothing decoded, nothing checked);
-* ``seed``: the seed's patch apply from its own format (``benchmarks.floor``'s
+* ``seed``: RLinf's patch apply from its own format (``benchmarks.floor``'s
   ``seed_format_bytes``: the 2-D COO view, rows and cols delta-encoded, each in the smallest
   unsigned dtype that holds it, raw bf16 values): widen to int64, undo the deltas in a few
   torch passes (``seed_positions``: cumsums, no checks), then ``index_put_`` per tensor.
@@ -75,14 +75,14 @@ def _timed(fn: Callable[[], Any], restore: Callable[[], Any], repeat: int) -> di
 
 
 def seed_buffers(flat: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seed's rows and cols of sorted ``flat``: delta-encoded, each in the smallest unsigned
+    """RLinf's rows and cols of sorted ``flat``: delta-encoded, each in the smallest unsigned
     dtype that holds its largest entry (what its sender puts on the wire, ``floor.seed_format_bytes``)."""
     drows, dcols = delta_encode(*split_rows_cols(flat, tuple(shape)))
     return _narrowest(drows), _narrowest(dcols)
 
 
 def seed_positions(drows: torch.Tensor, dcols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Flat int64 positions from the seed's delta-encoded rows and cols, in as few torch passes
+    """Flat int64 positions from RLinf's delta-encoded rows and cols, in as few torch passes
     as it takes (``coo.delta_decode`` less its checks): a row's cols are deltas after its first,
     so each col is the cumsum less that sum at its row's start; the starts' sums never
     decrease (the deltas are unsigned), so a running max carries each row's forward."""
@@ -191,7 +191,7 @@ async def case(lr: float, repeat: int, config: dict[str, Any], shape: dict[str, 
     out["index_put"] = _timed(index_put, restore, repeat)
     assert exact(), "index_put's apply is not bit-exact"
     out["seed"] = _timed(seed, restore, repeat)
-    assert exact(), "the seed's apply is not bit-exact"
+    assert exact(), "RLinf's apply is not bit-exact"
     out["seed_bytes"] = sum(sum(b.numel() * b.element_size() for b in bufs) for _, *bufs in seeded)
     out["ratio"] = out["weightsync"]["median_s"] / out["index_put"]["median_s"]
     out["ratio_seed"] = out["weightsync"]["median_s"] / out["seed"]["median_s"]
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
               f"wire {r['wire_bytes']:,} B; weightsync {r['weightsync']['median_s'] * 1e3:.1f} ms "
               f"(serial {r['weightsync_serial']['median_s'] * 1e3:.1f} ms, {r['ns_per_change']:.1f} ns/change), "
               f"index_put {r['index_put']['median_s'] * 1e3:.1f} ms: ratio {r['ratio']:.2f} (serial {r['ratio_serial']:.2f}); "
-              f"the seed's apply ({r['seed_bytes']:,} B) {r['seed']['median_s'] * 1e3:.1f} ms: {r['ratio_seed']:.2f}x; "
+              f"RLinf's apply ({r['seed_bytes']:,} B) {r['seed']['median_s'] * 1e3:.1f} ms: {r['ratio_seed']:.2f}x; "
               f"the commit alone (what holds the model) {r['weightsync_commit']['median_s'] * 1e3:.1f} ms: {r['ratio_commit']:.2f}x")
     if args.json:
         doc = {"command": "python -m benchmarks.apply " + " ".join(sys.argv[1:] if argv is None else argv), "model": MODEL,

@@ -9,7 +9,7 @@ version 0. Each step the trainer moves, then:
   start until ``wait_acked`` says both receivers applied the version;
 * bucket: the same, with ``{"type": "bucket", "bucket": {"bucket_dtype": <receiver dtype>}}``;
 * safetensors and gloo through ``PeerGroup`` (two worker processes);
-* reference sizes (entropy floor, the seed's format) from the bitwise difference.
+* reference sizes (entropy floor, RLinf's format) from the bitwise difference.
 
 Every receiver is checked bit for bit against the trainer's state at the receivers'
 dtype after each measured step (not timed).

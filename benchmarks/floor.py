@@ -1,4 +1,4 @@
-"""Pure reference sizes of one update: the entropy floor and the seed's format.
+"""Pure reference sizes of one update: the entropy floor and RLinf's format.
 
 Both take a tensor's old and new values at the receiver's dtype and look only at the
 bits, so NaN and -0.0 count as changes exactly as the library's bitwise comparison does.
@@ -7,7 +7,7 @@ bits, so NaN and -0.0 count as changes exactly as the library's bitwise comparis
   values cost ``changed * H0`` bits, ``H0`` the order-0 (empirical) entropy of the value
   change: the lower of the ulp difference (``new_bits - old_bits`` as integers) and the
   XOR of the bit patterns.
-* ``seed_format_bytes``: the seed's patch, no compression: the 2-D COO view, rows/cols
+* ``seed_format_bytes``: RLinf's patch, no compression: the 2-D COO view, rows/cols
   delta-encoded as in ``protocol/codec/coo.py`` and each downscaled to the smallest unsigned
   dtype that holds its maximum, plus the raw new values at the receiver's dtype.
 """
@@ -92,7 +92,7 @@ def entropy_floor_bits(change: TensorChange) -> float:
 
 
 def seed_format_bytes(change: TensorChange) -> int:
-    """Bytes of the seed's patch of one tensor: delta rows + delta cols + raw values."""
+    """Bytes of RLinf's patch of one tensor: delta rows + delta cols + raw values."""
     k = change.changed
     if k == 0:
         return 0

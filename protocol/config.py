@@ -1,4 +1,4 @@
-"""Configuration in the seed's YAML shape, shared by both sides.
+"""Configuration in RLinf's YAML shape, shared by both sides.
 
 ::
 
@@ -56,14 +56,14 @@ class InitSyncConfig:
 class PatchConfig:
     snapshot_device: str = "cpu"  # where the sender's snapshot lives (pinned when CUDA is present)
     transport_device: str = "cpu"  # where patch buffers are packed: cuda for nvcomp_lz4
-    delta_encoding: bool = True  # seed COO only: delta-encode rows/cols
+    delta_encoding: bool = True  # RLinf's COO only: delta-encode rows/cols
     compression: str = "zstd"  # none | lz4 | zstd | nvcomp_lz4
     # Which codec codes sparse changes: host (numba, entropy coded: the fewest bytes), device
     # (batched torch ops on the tensors' device: protocol/codec/devicecodec.py), or auto: the
     # device codec where the tracked tensors are on CUDA, else the host's. A receiver decodes either.
     codec: str = "auto"
-    position_encoding: str = "auto"  # auto | ans (entropy-coded gaps) | gaps | bitmap | coo (the seed's)
-    value_encoding: str = "ulp"  # ulp (entropy-coded bit differences) | xor | raw (the seed's new values)
+    position_encoding: str = "auto"  # auto | ans (entropy-coded gaps) | gaps | bitmap | coo (RLinf's)
+    value_encoding: str = "ulp"  # ulp (entropy-coded bit differences) | xor | raw (RLinf's new values)
     # How each changed tensor travels: "auto" whole, coded or plain (raw gaps and values),
     # whichever is estimated fastest (at 1 Gb/s a receiver, 25 ns of CPU a coded change, 12 a
     # plain one; {link_gbps: G, ns_per_change: N, plain_ns_per_change: P} sets

@@ -58,7 +58,7 @@ def parse_tags(tags: str | Iterable[str] | None) -> frozenset[str]:
 
 def parse_version(version: object) -> int | None:
     """A version for ``update_weights``: an int, or a string whose trailing digits are the
-    version (``"1200"``, ``"global_step_1200"``: checkpoint names as the seed's API passes
+    version (``"1200"``, ``"global_step_1200"``: checkpoint names as FastDeploy's API passes
     them). ``None`` means the sender's current version. Anything else: ``ConfigError``."""
     if version is None:
         return None

@@ -17,7 +17,7 @@ import torch
 
 from protocol.errors import ConfigError
 
-# The seed names an ``is_agent`` naming option without defining it. weightsync defines it
+# RLinf's weight syncer names an ``is_agent`` naming option without defining it. weightsync defines it
 # as: the trainer holds the rollout's model as the ``model`` submodule of an agent
 # wrapper, so every trainer name is the rollout name with this prefix.
 AGENT_PREFIX = "model."

@@ -1,4 +1,4 @@
-"""The seed's 2-D COO view and its delta encoding of rows and cols.
+"""RLinf's 2-D COO view and its delta encoding of rows and cols.
 
 Every tensor is seen as a matrix: a scalar as (1, 1), a vector as (1, N), a matrix as
 is, and an N-D tensor as (shape[0], prod(shape[1:])). Changed positions, in row-major
@@ -33,7 +33,7 @@ def split_rows_cols(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.T
 
 
 def delta_encode(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seed's delta encoding of row-major sorted (rows, cols)."""
+    """RLinf's delta encoding of row-major sorted (rows, cols)."""
     if rows.numel() == 0:
         return rows, cols
     drows = torch.diff(rows, prepend=rows.new_zeros(1))

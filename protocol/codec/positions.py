@@ -1,4 +1,4 @@
-"""Encodings of a tensor's changed positions: the seed's COO (plain or delta), flat-index
+"""Encodings of a tensor's changed positions: RLinf's COO (plain or delta), flat-index
 gaps (raw or entropy coded) and a bitmap.
 
 Encoders take sorted int32 or int64 flat indices and return index tensors downscaled to the

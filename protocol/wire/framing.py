@@ -71,8 +71,8 @@ class Encoding(IntEnum):
     """How a tensor's changed positions travel."""
 
     DENSE = 0  # the whole tensor, no positions
-    COO = 1  # the seed's 2-D COO: absolute rows and cols
-    COO_DELTA = 2  # the seed's delta-encoded rows and cols
+    COO = 1  # RLinf's 2-D COO: absolute rows and cols
+    COO_DELTA = 2  # RLinf's delta-encoded rows and cols
     GAPS = 3  # flat-index gaps (zero-run lengths between changes)
     BITMAP = 4  # one bit per element
     ANS_GAPS = 5  # gaps, entropy coded (protocol/codec/entropy.py)
