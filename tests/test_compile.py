@@ -220,3 +220,15 @@ def test_after_the_compile_steps_no_encoding_compiles_anything() -> None:
     every = {("DENSE", "RAW"), ("COO", "RAW"), ("COO_DELTA", "RAW"), ("GAPS", "RAW"), ("GAPS", "XOR"), ("BITMAP", "XOR"),
              ("ANS_GAPS", "ULP"), ("ANS_GAPS", "XOR"), ("BLOCKS", "ULP")}
     assert every <= seen, every - seen
+
+
+def test_the_compare_compiles_its_builds_for_huge_tensors_only_where_one_is_compared() -> None:
+    """Positions past 2**31 elements are int64, which only the threaded kernels meet: the
+    compile step builds those too, a sender whose tensors are all smaller does not."""
+    from sender import fastdiff
+
+    pairs = [(torch.float32, torch.bfloat16), (torch.int64, torch.int64)]
+    every, small = fastdiff.signatures(pairs), fastdiff.signatures(pairs, 1 << 30)
+    assert set(small) < set(every) and fastdiff.signatures(pairs, 1 << 31) == every
+    huge = {fastdiff._KERNELS[True].collect, fastdiff._THREADED_ONE_PASS.mark_collect, fastdiff._THREADED_ONE_PASS.compact}
+    assert {row.kernel for row in set(every) - set(small)} == huge
