@@ -134,6 +134,29 @@ async def _sync_all(pairs: list[tuple[torch.dtype, torch.dtype]]) -> set[tuple[s
     return seen
 
 
+async def _over_sockets(model_dtype: torch.dtype, receiver_dtype: torch.dtype) -> None:
+    """The daemons over TCP, as the report that found the gap ran them: the receiver decodes
+    frames as ZeroMQ hands them over, not the copies ``tests/channel.py`` makes."""
+    from receiver import Receiver
+    from sender import Sender
+
+    config = {"type": "patch", "patch": {}}
+    state, target = _state(model_dtype, 0), _state(receiver_dtype, 1)
+    s = Sender("tcp://127.0.0.1:0", config)
+    await s.start(state, version=0)
+    r = Receiver(target, s.endpoint, config, identity="compile")
+    try:
+        await r.start(timeout=60)
+        g = torch.Generator().manual_seed(2)
+        for version in range(1, 4):
+            _step(state, version, g)
+            await s.sync(state, version)
+            await r.wait_for_version(version, timeout=60)
+    finally:
+        await r.close()
+        await s.close()
+
+
 def _spans_and_large(pairs: list[tuple[torch.dtype, torch.dtype]]) -> None:
     """What the syncs above do not reach on a small model: span entries (decoded onto a range
     of their target, written through the receiver's commit), and the compare of a tensor past
@@ -197,6 +220,7 @@ def compile_then_sync(pairs_text: str) -> None:
     receiver.warmup.compile_kernels(receiver_dtypes(pairs))
     before = signatures()
     seen = asyncio.run(_sync_all(pairs))
+    asyncio.run(_over_sockets(*pairs[0]))
     _spans_and_large(pairs)
     after = signatures()
     new = sorted(f"{k}{s}" for k, sigs in after.items() for s in sigs - before.get(k, set()))
@@ -207,7 +231,8 @@ def compile_then_sync(pairs_text: str) -> None:
 def test_after_the_compile_steps_no_encoding_compiles_anything() -> None:
     """The compile steps, given the pairs, leave nothing for numba to compile: every encoding
     encoded and applied at each pair (tied tensors, int64 buffers, spans, a strided target,
-    a tensor the threaded compare takes) keeps every dispatcher's signatures as they were."""
+    a tensor the threaded compare takes; the daemons over TCP at the first pair, fp32 to
+    bf16) keeps every dispatcher's signatures as they were."""
     root = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     code = f"from test_compile import compile_then_sync; compile_then_sync({COVERED!r})"

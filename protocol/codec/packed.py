@@ -184,8 +184,9 @@ def decode_signatures(dtypes: Iterable[torch.dtype]) -> list[Signature]:
 
 
 def _frozen(buf: np.ndarray) -> np.ndarray:
-    """``buf``, read-only (a view where it is writable): frames usually are, and the
-    decoder is compiled for the one layout (``decode_signatures``)."""
+    """``buf``, read-only (a view where it is writable): a frame may be either (ZeroMQ's are
+    writable, a copy's bytes are not), and numba compiles the decoder once for each layout
+    it meets; this way, once (``decode_signatures``)."""
     if buf.flags.writeable:
         buf = buf.view()
         buf.flags.writeable = False
