@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protocol.codec.aot import COMMON_PAIRS, Signature, compile_all, receiver_dtypes
+from protocol.codec.aot import COMMON_DTYPES, Signature, compile_all
 from protocol.lazy import lazy_module
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 else:  # numba loads on first use (protocol/lazy.py)
     entropy, packed, kernels = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("receiver.kernels")
 
-COMMON_DTYPES = tuple(receiver_dtypes(COMMON_PAIRS))
+__all__ = ["COMMON_DTYPES", "compile_kernels", "signatures"]
 
 
 def signatures(dtypes: Iterable[torch.dtype]) -> list[Signature]:

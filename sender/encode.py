@@ -70,7 +70,7 @@ class HostEncoder:
         self.options = options
 
     def warm_up(self) -> None:
-        warmup.compile_encoders(warmup.receiver_dtypes(warmup.COMMON_PAIRS))
+        warmup.compile_encoders()  # the common receiver dtypes (the compile step's --pairs adds others)
 
     def encode(self, changes: list[Changes], stats: SyncStats | None = None) -> list[EncodedTensor]:
         return map_ordered(self.encode_one, changes)

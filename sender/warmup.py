@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protocol.codec.aot import COMMON_PAIRS, Pair, Signature, compile_all, receiver_dtypes
+from protocol.codec.aot import COMMON_DTYPES, COMMON_PAIRS, Pair, Signature, compile_all, receiver_dtypes
 from protocol.lazy import lazy_module
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 else:  # numba loads on first use (protocol/lazy.py)
     entropy, packed, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("sender.fastdiff")
 
-__all__ = ["COMMON_PAIRS", "compile_encoders", "compile_kernels", "encode_signatures", "receiver_dtypes", "signatures"]
+__all__ = ["COMMON_PAIRS", "compile_encoders", "compile_kernels", "encode_signatures", "signatures"]
 
 
 def encode_signatures(dtypes: Iterable[torch.dtype]) -> list[Signature]:
@@ -42,6 +42,6 @@ def compile_kernels(pairs: Iterable[Pair] = COMMON_PAIRS) -> None:
     compile_all(signatures(pairs))
 
 
-def compile_encoders(dtypes: Iterable[torch.dtype]) -> None:
+def compile_encoders(dtypes: Iterable[torch.dtype] = COMMON_DTYPES) -> None:
     """Compile (or load) the host encoder's kernels for changes of these (receiver) dtypes."""
     compile_all(encode_signatures(dtypes))

@@ -70,6 +70,9 @@ def receiver_dtypes(pairs: Iterable[Pair]) -> list[torch.dtype]:
     return list(dict.fromkeys(receiver for _, receiver in pairs))
 
 
+COMMON_DTYPES = tuple(receiver_dtypes(COMMON_PAIRS))  # the rollout side's of ``COMMON_PAIRS``
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
