@@ -10,18 +10,27 @@ import sys
 
 def compile_main(argv: list[str]) -> int:
     """``python -m receiver compile``: fill numba's cache now (an image build, an install)
-    rather than in the first start, which on a fresh install compiles for tens of seconds."""
+    rather than in the first start, which on a fresh install compiles for tens of seconds.
+    ``--pairs`` as the sender's: the receiver compiles for their rollout (second) dtypes."""
     import argparse
     import time
 
-    argparse.ArgumentParser(prog="python -m receiver compile", description=compile_main.__doc__).parse_args(argv)
+    from protocol.codec.aot import pairs_option, parse_pairs, receiver_dtypes
+    from protocol.errors import ConfigError
     from protocol.host.cli import report
 
     from .warmup import compile_kernels
 
+    p = argparse.ArgumentParser(prog="python -m receiver compile", description=compile_main.__doc__)
+    pairs_option(p.add_argument)
+    args = p.parse_args(argv)
+    try:
+        pairs = parse_pairs(args.pairs)
+    except ConfigError as e:
+        p.error(f"--pairs {args.pairs!r}: {e}")
     started = time.perf_counter()
-    compile_kernels()
-    report("compiled", side="receiver", seconds=round(time.perf_counter() - started, 2))
+    compile_kernels(receiver_dtypes(pairs))
+    report("compiled", side="receiver", pairs=args.pairs, seconds=round(time.perf_counter() - started, 2))
     return 0
 
 

@@ -5,9 +5,13 @@ and dtypes use torch indexing (``supported`` says which)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numba
 import numpy as np
 import torch
+
+from protocol.codec.aot import Signature, array
 
 _SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -42,8 +46,7 @@ def gather_add(target: torch.Tensor, flat: torch.Tensor, diffs: torch.Tensor) ->
     """``target``'s elements at ``flat`` with ``diffs`` added to their bit patterns (a new tensor)."""
     size = target.element_size()
     out = np.empty(flat.numel(), dtype=_NP_SIGNED[size])
-    wide = diffs if diffs.dtype == torch.int64 else diffs.to(_SIGNED[size])
-    _gather_add(_bits(target), flat.numpy(), wide.numpy(), out)
+    _gather_add(_bits(target), flat.numpy(), diffs.to(torch.int64).numpy(), out)  # one signature a width (``signatures``)
     return torch.from_numpy(out).view(target.dtype)
 
 
@@ -52,8 +55,12 @@ def scatter(target: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> N
     _scatter(_bits(target), flat.numpy(), _bits(values.contiguous()))
 
 
-def warm_up() -> None:
-    for dtype in (torch.bfloat16, torch.float32, torch.int64):
-        t = torch.zeros(4, dtype=dtype)
-        flat = torch.tensor([1, 3])
-        scatter(t, flat, gather_add(t, flat, torch.tensor([1, -1])))
+def signatures(dtypes: Iterable[torch.dtype]) -> list[Signature]:
+    """What ``gather_add`` and ``scatter`` hand the kernels for targets of ``dtypes`` (those
+    ``supported``; ``protocol/codec/aot.py``): their bits, int64 positions and differences."""
+    int64 = array(np.int64)
+    rows = []
+    for size in dict.fromkeys(d.itemsize for d in dtypes if supported(torch.empty(0, dtype=d))):
+        bits = array(_NP_SIGNED[size])
+        rows += [Signature(_gather_add, (bits, int64, int64, bits)), Signature(_scatter, (bits, int64, bits))]
+    return rows

@@ -27,4 +27,6 @@ class PatchReceiver(ReceiverBase):
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     async def prepare(self) -> None:
-        await asyncio.to_thread(warmup.compile_kernels)  # now, not in the first patch
+        """Compile (or load) the kernels for this model's dtypes now, not in the first patch."""
+        dtypes = warmup.COMMON_DTYPES if self.metadata is None else dict.fromkeys(self.metadata.dtypes)
+        await asyncio.to_thread(warmup.compile_kernels, dtypes)

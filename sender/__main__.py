@@ -37,7 +37,6 @@ from protocol.host.logs import FORMATS
 from protocol.host.snapfile import read_snapshot
 from protocol.net.context import IO_THREADS, shared_context
 from protocol.net.security import CurveServer, write_keypair
-from protocol.wire.dtypes import parse_float_dtype
 
 from .metrics import TOKEN_ENV as METRICS_TOKEN_ENV
 from .service import Sender
@@ -169,32 +168,20 @@ def keygen(argv: list[str]) -> int:
     return 0
 
 
-def _dtype(name: str) -> torch.dtype:
-    """A float dtype as configs name it (``bf16``, ``float32``), or any torch dtype by name (``int64``)."""
-    found = getattr(torch, name.removeprefix("torch."), None)
-    if isinstance(found, torch.dtype):
-        return found
-    dtype = parse_float_dtype(name)  # the aliases, or a ConfigError that lists them
-    assert dtype is not None
-    return dtype
-
-
 def compile_kernels_main(argv: list[str]) -> int:
     """``python -m sender compile``: fill numba's cache now (an image build, an install)
     rather than beside the first receiver's bootstrap, which on a fresh install compiles
     for tens of seconds before the first sync can start."""
-    from .warmup import COMMON_PAIRS, compile_kernels
+    from protocol.codec.aot import pairs_option, parse_pairs
 
-    common = ",".join(f"{str(a).removeprefix('torch.')}:{str(b).removeprefix('torch.')}" for a, b in COMMON_PAIRS)
+    from .warmup import compile_kernels
+
     p = argparse.ArgumentParser(prog="python -m sender compile", description=compile_kernels_main.__doc__)
-    p.add_argument("--pairs", default=common, help=f"MODEL:RECEIVER dtypes, comma-separated (default: {common})")
+    pairs_option(p.add_argument)
     args = p.parse_args(argv)
-    pairs: list[tuple[torch.dtype, torch.dtype]] = []
     try:
-        for pair in args.pairs.split(","):
-            model, receiver = pair.split(":")
-            pairs.append((_dtype(model), _dtype(receiver)))
-    except (ValueError, ConfigError) as e:
+        pairs = parse_pairs(args.pairs)
+    except ConfigError as e:
         p.error(f"--pairs {args.pairs!r}: {e}")
     started = time.perf_counter()
     compile_kernels(pairs)

@@ -68,6 +68,7 @@ class HostCompare:
         # changes in each key's (or run's, by its first key) last compare: the next one collects as it compares
         self._expect: dict[str, int] = {}
         self._lent = LentSnapshots()  # host snapshots lent as whole new values, and their spares
+        self._largest = 0  # elements of the largest tensor (or run) captured: the kernels' positions dtype
 
     def capture(self, tensors: Mapping[str, torch.Tensor], keys: Sequence[str] | None = None) -> None:
         """Take the snapshot of ``keys`` (default: every tracked key): what the receivers
@@ -85,11 +86,13 @@ class HostCompare:
                     if k in chosen:
                         self.snapshot.capture(k, self._receiver_copy(tensors, k))
         if keys:  # JIT now (or load from numba's cache), rather than in the first sync
+            self._largest = max(self._largest, *(tensors[k].numel() for k in keys), *(run.numel() for run in self._runs.values()))
             self.warm_up({(tensors[k].dtype, self.plan.receiver_dtype(k)) for k in keys})
 
     def warm_up(self, pairs: Iterable[tuple[torch.dtype, torch.dtype]]) -> None:
-        """Compile the fused kernels for these (model, receiver) dtype pairs now, not in the first sync."""
-        fastdiff.warm_up(set(pairs))
+        """Compile the fused kernels for these (model, receiver) dtype pairs now, not in the
+        first sync (for tensors up to the largest captured: ``fastdiff.signatures``)."""
+        fastdiff.warm_up(set(pairs), self._largest)
 
     def _receiver_copy(self, tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
         return materialize(tensors[key]).detach().to(self.plan.receiver_dtype(key))

@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from protocol.codec.parallel import map_ordered
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, pack_entry, raw_nbytes, sampled_differences, sparse_buffers
-from protocol.lazy import lazy_module
 from protocol.wire.framing import Encoding, ValueEncoding
 
+from . import warmup
 from .changes import Changes, whole
 from .encode_device import DeviceEncoder
 from .stats import SyncStats
 from .streams import CopyStream
-
-if TYPE_CHECKING:
-    from protocol.codec import entropy, packed
-else:  # numba loads on first use (protocol/lazy.py)
-    entropy, packed = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed")
 
 
 def make_encoder(options: PatchOptions, stream: Callable[[torch.device], CopyStream]) -> Encoder:
@@ -75,8 +70,7 @@ class HostEncoder:
         self.options = options
 
     def warm_up(self) -> None:
-        packed.warm_up()
-        entropy.warm_up()
+        warmup.compile_encoders()  # the common receiver dtypes (the compile step's --pairs adds others)
 
     def encode(self, changes: list[Changes], stats: SyncStats | None = None) -> list[EncodedTensor]:
         return map_ordered(self.encode_one, changes)

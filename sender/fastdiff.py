@@ -25,12 +25,14 @@ fp32 -> bf16 rounds exactly as torch's CPU cast does: to nearest even, NaN to 0x
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import FunctionType
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from protocol.codec.aot import Signature, array, compile_all, scalar
 
 try:
     import numba
@@ -414,18 +416,49 @@ def _differences(cur_u: np.ndarray, old: np.ndarray, rounding: bool, step: int) 
     return torch.from_numpy(diffs[diffs != 0])
 
 
-def warm_up(pairs: set[tuple[torch.dtype, torch.dtype]]) -> None:
+def signatures(pairs: Iterable[tuple[torch.dtype, torch.dtype]], largest: int | None = None) -> list[Signature]:
+    """What ``diff_and_update`` and ``sampled_differences`` hand the kernels for these
+    (state, snapshot) dtype pairs (those ``supported``; ``protocol/codec/aot.py``): the
+    elements' unsigned bits, and the changes' positions as ``position_dtype`` collects them.
+    Positions are int64 only past 2**31 elements, which the threaded kernels alone see: their
+    builds (~40% of the whole JIT) are left out where ``largest``, the most elements a tensor
+    compared has, is below (None: any tensor, the compile step's)."""
+    if numba is None:  # pragma: no cover - numba is a dependency
+        return []
+    builds: list[tuple[bool, type[np.signedinteger[Any]]]] = [(False, np.int32), (True, np.int32)]
+    if largest is None or position_dtype(largest) is np.int64:
+        builds.append((True, np.int64))
+    flag, size, u8, u64, i64 = scalar(bool), scalar(int), array(np.uint8), array(np.uint64), array(np.int64)
+    rows = []
+    for state, snapshot in dict.fromkeys(pairs):
+        if not supported(torch.empty(0, dtype=state), torch.empty(0, dtype=snapshot)):
+            continue
+        cur, snap = array(_UINT[state.itemsize]), array(_UINT[snapshot.itemsize])
+        rows.append(Signature(_sample_new, (cur, flag, size, snap)))
+        for parallel, positions in builds:
+            flat, kernels = array(positions), _KERNELS[parallel]
+            rows += [
+                Signature(kernels.mark, (cur, snap, flag, u64, i64)),
+                Signature(kernels.collect, (cur, snap, flag, u64, i64, u8, flat, snap, snap)),
+            ]
+            if parallel:
+                rows += [
+                    Signature(_THREADED_ONE_PASS.mark_collect, (cur, snap, flag, u64, i64, flat, snap, snap, size, u8)),
+                    Signature(_THREADED_ONE_PASS.compact, (size, i64, u8, flat, snap, snap, flat, snap, snap)),
+                ]
+            else:
+                rows += [
+                    Signature(_SERIAL_ONE_PASS.mark_collect, (cur, snap, flag, u64, flat, snap, snap)),
+                    Signature(_SERIAL_ONE_PASS.collect_from, (cur, snap, flag, u64, size, flat, snap, snap, size)),
+                ]
+    return rows
+
+
+def warm_up(pairs: Iterable[tuple[torch.dtype, torch.dtype]], largest: int | None = None) -> None:
     """Compile (or load from numba's cache) the kernels for these (state, snapshot) dtype
-    pairs now, rather than in the first sync: each new pair costs seconds of JIT."""
-    for state_dtype, snapshot_dtype in pairs:
-        # n changes each (the compare moves the snapshot: a fresh one for each); against 1
-        # expected, 9 fit the one pass's room and 200 overflow it (collected after)
-        for n in (9, 200, PARALLEL_MIN):
-            cur = torch.ones(n, dtype=state_dtype)
-            if supported(cur, torch.zeros(1, dtype=snapshot_dtype)):
-                sampled_differences(cur, torch.zeros(n, dtype=snapshot_dtype), 2)
-                diff_and_update(cur, torch.zeros(n, dtype=snapshot_dtype))
-                diff_and_update(cur, torch.zeros(n, dtype=snapshot_dtype), expect=1)
+    pairs (and tensors up to ``largest`` elements: ``signatures``) now, rather than in the
+    first sync: each new pair costs seconds of JIT."""
+    compile_all(signatures(pairs, largest))
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -202,9 +202,21 @@ def cli_parsers() -> dict[str, tuple[Callable[[], Any], list[str]]]:
 
         http_client.parse_args([])
 
+    def sender_compile() -> None:
+        from sender import __main__ as m
+
+        m.compile_kernels_main([])
+
+    def receiver_compile() -> None:
+        from receiver import __main__ as m
+
+        m.compile_main([])
+
     return {
         "python -m sender": (sender_main, ["sender"]),
         "python -m sender keygen": (sender_keygen, ["sender", "keygen"]),
+        "python -m sender compile": (sender_compile, ["sender", "compile"]),
+        "python -m receiver compile": (receiver_compile, ["receiver", "compile"]),
         "python -m receiver": (receiver_main, ["receiver"]),
         "python -m receiver ctl": (receiver_ctl, ["receiver", "ctl"]),
     }

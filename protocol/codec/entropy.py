@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from protocol.codec import rans
+from protocol.codec.aot import Signature, array, scalar
 from protocol.errors import ProtocolError
 from protocol.wire.dtypes import bits_dtype
 
@@ -93,17 +94,23 @@ def _get_wide(buf, bit, width):  # pragma: no cover - numba
     return np.uint64(0)
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) this module's kernels before they are timed.
-    The packed entries' (``protocol.codec.packed``, which codes with these and so imports
-    this module) have their own ``packed.warm_up``: the ``compile_kernels`` of
-    ``sender/patch.py`` and ``receiver/patch.py`` call both."""
-    gaps = torch.tensor([0, 3, 1 << 20, 7] * 200, dtype=torch.int64)
-    coded = encode_gaps(gaps)
-    decode_gaps(coded["words"], coded["low"], coded["model"], coded["escapes"], gaps.numel())
-    diffs = torch.tensor([0, 1, -1, 40, -(1 << 40), 1 << 62] * 200, dtype=torch.int64)
-    coded = encode_values(diffs)
-    decode_values(coded["words"], coded["model"], coded["extra"], diffs.numel())
+def encode_signatures() -> list[Signature]:
+    """What ``encode_gaps`` and ``encode_values`` hand the kernels (``protocol/codec/aot.py``):
+    int64 gaps and differences, whatever the tensor's dtype."""
+    i64, u8 = array(np.int64), array(np.uint8)
+    return [
+        Signature(_choose_k, (i64, scalar(int))),
+        Signature(_split_gaps, (i64, scalar(int), u8, u8, i64)),
+        Signature(_value_symbols, (i64, u8, i64)),
+        Signature(_value_extra, (i64, u8, u8)),
+        *rans.encode_signatures(),
+    ]
+
+
+def decode_signatures() -> list[Signature]:
+    """What ``decode_gaps`` and ``decode_values`` hand the kernels."""
+    i64, u8 = array(np.int64), array(np.uint8)
+    return [Signature(_join_gaps, (u8, scalar(int), u8, i64, i64)), Signature(_unzigzag, (u8, u8, i64)), *rans.decode_signatures()]
 
 
 def _symbols(words: torch.Tensor, freq: np.ndarray, cum: np.ndarray, lut: np.ndarray, n: int, what: str) -> np.ndarray:

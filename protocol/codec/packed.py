@@ -34,12 +34,15 @@ A count ``c`` of ``r`` changes still to count is coded as its bit length ``L`` i
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
+from typing import Any
 
 import numba
 import numpy as np
 import torch
 
 from protocol.codec import entropy, rans
+from protocol.codec.aot import Signature, array, scalar
 from protocol.codec.entropy import DIRECT, DIRECT_BITS, ESCAPE, HIGH_SYMBOLS, MAX_K, VALUE_SYMBOLS
 from protocol.codec.rans import FLUSH_WORDS, PROB_SCALE
 from protocol.errors import ProtocolError
@@ -94,7 +97,7 @@ def decode(buf: np.ndarray, nnz: int, numel: int) -> tuple[torch.Tensor, torch.T
     ``numel`` elements, from an untrusted packed buffer; ``ProtocolError`` if it is off."""
     flat = np.empty(nnz, dtype=np.int64)
     diffs = np.empty(nnz, dtype=np.int64)
-    _check(_decode(buf, numel, _NO_BASE, False, flat, diffs))
+    _check(_decode(_frozen(buf), numel, _NO_BASE, False, flat, diffs))
     return torch.from_numpy(flat), torch.from_numpy(diffs)
 
 
@@ -114,7 +117,7 @@ def decode_onto(buf: np.ndarray, nnz: int, base: torch.Tensor, *, fused: bool | 
         fused = nnz >= FUSED_FROM * bits.shape[0]
     flat = np.empty(nnz, dtype=np.int64)
     values = np.empty(nnz, dtype=bits.dtype)
-    _check(_decode(buf, bits.shape[0], bits, fused, flat, values))
+    _check(_decode(_frozen(buf), bits.shape[0], bits, fused, flat, values))
     return torch.from_numpy(flat), torch.from_numpy(values).view(base.dtype)
 
 
@@ -126,7 +129,7 @@ def _check(code: int) -> None:
 def layout(buf: np.ndarray, nnz: int) -> dict[str, int]:
     """The header's fields and each section's offset of a packed buffer of ``nnz`` changes
     (what its bytes are spent on, for tests and measurements); ``ProtocolError`` if it is off."""
-    at = _layout(buf, nnz, np.zeros(HIGH_SYMBOLS, dtype=np.int64), np.zeros(VALUE_SYMBOLS, dtype=np.int64))
+    at = _layout(_frozen(buf), nnz, np.zeros(HIGH_SYMBOLS, dtype=np.int64), np.zeros(VALUE_SYMBOLS, dtype=np.int64))
     if at[_CODE]:
         raise ProtocolError(f"packed entry: {_message(int(at[_CODE]))}")
     names = ("k", "G", "V", "gap_words", "value_words", "escapes", "tables_at", "words_at", "value_at", "escapes_at", "low_at", "extra_at")
@@ -145,18 +148,49 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy()
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernels for the common dtypes."""
-    for positions in (torch.int64, torch.int32):  # the compare collects int32 (sender.fastdiff.position_dtype)
-        flat = torch.arange(0, 4000, 3, dtype=positions)
-        gaps_and_top(flat.numpy())  # raw GAPS entries (positions.gaps_and_top)
-        for dtype in (torch.bfloat16, torch.float32):
-            old = torch.zeros(flat.numel(), dtype=dtype)
-            buf = encode(flat, old + 1, old).numpy()
-            decode(buf, flat.numel(), 4000)
-            decode_onto(buf, flat.numel(), torch.zeros(4000, dtype=dtype))
-    for gaps in (np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.uint16), np.zeros(1, dtype=np.uint32)):
-        positions_into(gaps, 4, np.empty(1, dtype=np.int64))  # raw GAPS entries (positions.decode_positions)
+# -- the kernels' signatures (protocol/codec/aot.py) ----------------------------------------
+POSITIONS = (torch.int32, torch.int64)  # what ``encode`` and ``gaps_and_top`` are given (fastdiff.position_dtype, or torch's)
+GAPS = (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int64)  # raw GAPS buffers (positions), entropy.decode_gaps'
+
+
+def _numpy(dtype: torch.dtype) -> np.dtype[Any]:
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _bits_numpy(dtype: torch.dtype) -> np.dtype[Any]:
+    """The numpy dtype of ``dtype``'s bits as ``encode`` and ``decode_onto`` view them."""
+    return _numpy(_bits_of(dtype))
+
+
+def encode_signatures(dtypes: Iterable[torch.dtype]) -> list[Signature]:
+    """What ``encode`` and ``positions.gaps_and_top`` hand the kernels, for changes to
+    tensors of ``dtypes`` (the receivers')."""
+    rows = [Signature(gaps_and_top, (array(_numpy(p)),)) for p in POSITIONS]
+    for dtype in dict.fromkeys(_bits_of(d) for d in dtypes if d.itemsize in (1, 2, 4, 8)):
+        bits = array(_numpy(dtype))
+        rows += [Signature(_encode, (array(_numpy(p)), bits, bits, scalar(int))) for p in POSITIONS]
+    return rows
+
+
+def decode_signatures(dtypes: Iterable[torch.dtype]) -> list[Signature]:
+    """What ``decode``, ``decode_onto`` (onto targets of ``dtypes``: those it takes,
+    ``decodes_onto``) and raw gaps' positions hand the kernels."""
+    int64 = array(np.int64)
+    rows = [Signature(positions_into, (array(_numpy(g)), scalar(int), int64)) for g in GAPS]
+    onto = [d for d in dtypes if decodes_onto(torch.empty(0, dtype=d))]
+    for bits in dict.fromkeys([np.dtype(np.int64), *(_bits_numpy(d) for d in onto)]):  # int64: ``decode``'s differences
+        rows.append(Signature(_decode, (array(np.uint8, readonly=True), scalar(int), array(bits), scalar(bool), int64, array(bits))))
+    return rows
+
+
+def _frozen(buf: np.ndarray) -> np.ndarray:
+    """``buf``, read-only (a view where it is writable): a frame may be either (ZeroMQ's are
+    writable, a copy's bytes are not), and numba compiles the decoder once for each layout
+    it meets; this way, once (``decode_signatures``)."""
+    if buf.flags.writeable:
+        buf = buf.view()
+        buf.flags.writeable = False
+    return buf
 
 
 # -- kernels --------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from protocol.codec.aot import Signature, array
+
 PROB_BITS = 15
 PROB_SCALE = 1 << PROB_BITS
 LANES = 4  # interleaved states
@@ -208,3 +210,15 @@ def encode(symbols: np.ndarray, counts: np.ndarray) -> np.ndarray:
     out = np.empty(len(symbols) + FLUSH_WORDS, dtype=np.uint16)
     start = encode_into(symbols, freq, cum, out)
     return out[start:].copy()
+
+
+def encode_signatures() -> list[Signature]:
+    """What ``quantize`` and ``encode`` hand the kernels (``protocol/codec/aot.py``)."""
+    u32 = array(np.uint32)
+    return [Signature(quantize_into, (array(np.int64),)), Signature(encode_into, (array(np.uint8), u32, u32, array(np.uint16)))]
+
+
+def decode_signatures() -> list[Signature]:
+    """What ``quantize`` and ``entropy``'s decoders hand the kernels."""
+    u8, u32 = array(np.uint8), array(np.uint32)
+    return [Signature(quantize_into, (array(np.int64),)), Signature(decode_into, (array(np.uint16), u32, u32, u8, u8))]
