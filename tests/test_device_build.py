@@ -183,7 +183,7 @@ async def main():
     for v in (1, 2):
         structure_step(state)
         state["steps"] += 1
-        msg, stats = await builder.build(state, v, v - 1)
+        msg, stats = await builder.message(state, v, v - 1)
         assert msg.tensors and stats.changed_elements
 asyncio.run(main())
 """
