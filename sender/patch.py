@@ -65,13 +65,12 @@ class PatchBuilder(VersionBuilder):
         # once where the changes live, so the compare leaves them there (no staging).
         self.encoder: Encoder = make_encoder(self.options.resolved(plan.on_cuda), self.snapshot.stream)
         self.encoding = PartEncoder(self.encoder, encode_threads(config.encode_threads))
-        # host or device (``compare``, else ``patch.codec``: auto compares on the device where
-        # the tensors are on CUDA). A compare on CUDA copies its changes to pinned host memory
-        # unless they are packed on the device (``transport_device: cuda``) or the device
-        # encoder codes them there.
-        stage = transport.type != "cuda" and self.encoder.on_host
+        # A compare on CUDA copies its changes to pinned host memory unless they are packed on
+        # the device (``transport_device: cuda``) or the device encoder codes them there.
+        self.stages = transport.type != "cuda" and self.encoder.on_host
+        # host or device (``compare``, else ``patch.codec``: auto compares on the device where the tensors are on CUDA)
         kind = compare or _requested(config)
-        self.compare = make_compare(kind, plan, self.options, self.snapshot, plan_groups(plan, grouped), stage=stage)
+        self.compare = make_compare(kind, plan, self.options, self.snapshot, plan_groups(plan, grouped), stage=self.stages)
         self.collector = Collector(plan, self.compare, self.encoding, transport, config.encode_backlog_bytes)
 
     @property

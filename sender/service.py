@@ -119,10 +119,10 @@ class Sender:
         ``sharded``: the versions are built by a sharded trainer's ranks and handed to
         ``publish`` (``ShardedSync`` starts its Sender so), not by ``sync``.
         """
-        if self._source is not None:
-            raise WeightSyncError("sender already started")
         if self._closing is not None:
             raise WeightSyncError("sender is closed")
+        if self._source is not None:
+            raise WeightSyncError("sender already started")
         state = resolve_state(model, self._trainable_keys)
         if sharded:
             self._source = self._sharded = ShardedSource(state, self.config)
