@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from typing import Any
 
-import torch
 import zmq
 import zmq.asyncio
 
@@ -31,7 +29,7 @@ from protocol.wire.framing import Message, MessageType
 from protocol.wire.limits import Limits
 
 from .base import check_next_version
-from .builder import BuildFailed, VersionBuilder
+from .feed import VersionFeed
 from .metrics import MetricsServer, SenderMetrics
 from .plan import SyncPlan
 from .shard_source import ShardedSource
@@ -102,14 +100,12 @@ class Sender:
         self._trainer: TrainerSource | None = None  # the trainer's model, built here (``sync``)
         self._sharded: ShardedSource | None = None  # or a sharded trainer's, built by its ranks (``publish``)
         self._closing: asyncio.Task[None] | None = None  # ``close``, once called
-        self._encoding: asyncio.Task[None] | None = None  # the newest patch being encoded
         self.metrics = SenderMetrics(self)
         self.server.deliveries.on_delivered = self.metrics.delivered
         # opt-in, checked now (a token off loopback), served from start() to close()
         self._metrics_server = None if metrics_address is None else MetricsServer(self.metrics, metrics_address, metrics_token)
         self.metrics_url: str | None = None
-        self._recorded_later: int | None = None  # the version whose stats _serve_parts records once served
-        self._moved: asyncio.Future[bool] | None = None  # the version being encoded became the server's, or not (``_serve_parts``)
+        self._feed = VersionFeed(self.server, self.strategy, self._synced)
 
     # -- public API -----------------------------------------------------------------
     async def start(self, model: StateLike, *, version: int | None = None, sharded: bool = False) -> Sender:
@@ -174,13 +170,13 @@ class Sender:
             check_next_version(self.version, version)
             source.model = model
             try:
-                stats = await self._build(source, tensors, version)
+                stats = await self._feed.build(source, tensors, version)
             except BaseException:
-                self._settle_moved(False)
+                self._feed.settle(False)
                 raise
             self.server.moved(version)
-            self._settle_moved(True)
-        if self._recorded_later != version:
+            self._feed.settle(True)
+        if not self._feed.reports(version):
             self._synced(stats)
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
@@ -226,7 +222,7 @@ class Sender:
                     count = 0
                     async for msg in parts:
                         if held is not None:
-                            self._publish_part(held, base, version, stats)
+                            self._feed.publish_part(held, base, version, stats)
                         msg.version, msg.base_version, msg.part, msg.last = version, base, count, False
                         held, count = msg, count + 1
                     if held is None:  # no change on any rank: one empty part says so
@@ -243,7 +239,7 @@ class Sender:
                     self.server.abandon_patch(base, version)
                 raise
             if held is not None:
-                self._publish_part(held, base, version, stats)
+                self._feed.publish_part(held, base, version, stats)
             else:
                 self.server.forget()  # no patch: every receiver behind is resynced
             self.server.moved(version)
@@ -270,13 +266,6 @@ class Sender:
             raise WeightSyncError("sender is closed")
         self.server.check_running()
 
-    def _publish_part(self, msg: Message, base: int | None, version: int, stats: SyncStats) -> None:
-        """One part of the patch from ``base`` to ``version`` stamped, counted and served."""
-        frames = self.server.stamp(msg)
-        stats.messages += 1
-        stats.wire_bytes += sum(len(f) for f in frames)
-        self.server.publish_patch(base, version, frames, last=msg.last)
-
     @property
     def plan(self) -> SyncPlan | None:
         """The receivers' plan (their ordinals and dtypes), fixed by the first receiver's HELLO."""
@@ -294,8 +283,7 @@ class Sender:
 
     async def flush(self) -> None:
         """Wait until every synced version is encoded and queued for the receivers."""
-        if self._encoding is not None:
-            await asyncio.shield(self._encoding)
+        await self._feed.flush()
 
     async def close(self) -> None:
         """Stop everything the sender started: say goodbye to the receivers, cancel and await
@@ -314,7 +302,7 @@ class Sender:
 
     async def _close(self) -> None:
         async with self.server.lock:  # after a sync or publish under way
-            self._settle_moved(False)
+            self._feed.settle(False)
             try:
                 await self.server.close()
             finally:
@@ -375,69 +363,3 @@ class Sender:
 
     async def wait_for_receivers(self, count: int, timeout: float | None = None) -> None:
         await self.server.wait_for_receivers(count, timeout)
-
-    # -- building ---------------------------------------------------------------------
-    async def _build(self, source: TrainerSource, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
-        builder = source.builder
-        if builder is None:  # no receiver yet: nothing to diff against, only the version moves
-            source.hold(tensors)
-            return SyncStats(version, self.strategy)
-        if builder.diverged:  # a failed sync moved what is at rest: patches from it would be wrong
-            return await self._resync_all(builder, tensors, version)
-        base, stats = self.version, SyncStats(version, self.strategy)
-        build = builder.build(tensors, version, base, stats)
-        if not builder.streams:  # a whole version: read, built, then served at once before it moves
-            started = time.perf_counter()
-            await build.read()
-            frames_list = [self.server.stamp(m) async for m in build.parts]
-            self.server.publish_buckets(version, frames_list)
-            stats.messages, stats.wire_bytes = len(frames_list), sum(len(f) for fr in frames_list for f in fr)
-            stats.build_seconds = time.perf_counter() - started
-            return stats
-        # A patch, encoded and published part by part while the model is read, after the
-        # versions before it: the first parts travel before the last tensors are compared.
-        previous = self._encoding
-        self._moved = asyncio.get_running_loop().create_future()
-        self.server.expect_patch(base)
-        self._encoding = self.server.spawn(self._serve_parts(previous, build.parts, version, base, stats, self._moved), f"encode-v{version}")
-        self._recorded_later = version
-        await build.read()
-        return stats
-
-    def _settle_moved(self, moved: bool) -> None:
-        if self._moved is not None and not self._moved.done():
-            self._moved.set_result(moved)
-
-    async def _resync_all(self, builder: VersionBuilder, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
-        """``version`` as a new snapshot and no patch: every receiver, none of which is at
-        it, is resynced to it by bootstrap (the ring is dropped)."""
-        started = time.perf_counter()
-        if self._encoding is not None:  # the versions before it reach the ring first
-            await asyncio.shield(self._encoding)
-        await builder.recapture(tensors)
-        self.server.forget()
-        log.warning("sender %s: a failed sync left the snapshot ahead of the receivers; v%s resyncs them all",
-                    self.session[:8], version)
-        stats = SyncStats(version, self.strategy)
-        stats.build_seconds = time.perf_counter() - started
-        return stats
-
-    async def _serve_parts(
-        self, previous: asyncio.Task[None] | None, parts: AsyncGenerator[Message, None], version: int, base: int | None,
-        stats: SyncStats, moved: asyncio.Future[bool],
-    ) -> None:
-        """Serve a version's patch as it is built, after the versions before it, part by
-        part: receivers get each part as soon as it is encoded, the last once the server is
-        at ``version`` (``moved``: no receiver acknowledges a version ahead of it). A read
-        that fails abandons the parts already out (its error reaches ``sync()``'s caller)."""
-        if previous is not None:
-            await previous
-        try:
-            async with contextlib.aclosing(parts):
-                async for msg in parts:
-                    if msg.last and not await moved:  # the sync failed or was cancelled after its read
-                        raise BuildFailed(f"v{version} was not synced")
-                    self._publish_part(msg, base, version, stats)
-            self._synced(stats)
-        except BuildFailed:
-            self.server.abandon_patch(base, version)

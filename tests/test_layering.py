@@ -209,7 +209,7 @@ def test_the_checker_sees_every_kind_of_import() -> None:
 
 # -- the sender daemon knows builders only by their interface ------------------------------------
 BUILDER_INTERFACE = "sender.builder"  # VersionBuilder
-BUILDER_USERS = ("sender/service.py", "sender/source.py")  # they get builders from sender/builders.py
+BUILDER_USERS = ("sender/service.py", "sender/feed.py", "sender/source.py")  # source.py gets them from sender/builders.py
 
 
 def builder_modules() -> set[str]:
@@ -234,5 +234,8 @@ def test_the_daemon_imports_no_concrete_builder(user: str) -> None:
 
 
 def test_the_sender_service_asks_the_builder_interface_never_the_type() -> None:
-    assert BUILDER_INTERFACE in _imported("sender/service.py")
-    assert "isinstance(" not in (ROOT / "sender/service.py").read_text()
+    for user in ("sender/feed.py", "sender/source.py"):  # where the daemon handles its builder
+        assert BUILDER_INTERFACE in _imported(user), user
+    assert "sender.builders" in _imported("sender/source.py")
+    for user in ("sender/service.py", "sender/feed.py"):
+        assert "isinstance(" not in (ROOT / user).read_text(), user
