@@ -96,7 +96,7 @@ class Sender:
         self._trainable_keys = None if trainable_keys is None else list(trainable_keys)
         self.stats: collections.OrderedDict[int, SyncStats] = collections.OrderedDict()
         self._stats_history = stats_history
-        self._source: TrainerSource | ShardedSource | None = None  # what the server serves: one of
+        self._source: TrainerSource | ShardedSource | None = None  # what the server serves: one of these two
         self._trainer: TrainerSource | None = None  # the trainer's model, built here (``sync``)
         self._sharded: ShardedSource | None = None  # or a sharded trainer's, built by its ranks (``publish``)
         self._closing: asyncio.Task[None] | None = None  # ``close``, once called
