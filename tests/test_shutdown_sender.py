@@ -1,8 +1,9 @@
 """``Sender.close()`` stops everything the sender started (issue 38, *Shutdown*).
 
 A real Sender serves a real Receiver over real sockets for a few versions of a real model
-stepped by its optimizer, then closes: no thread the sender started is alive and no task it
-created is pending. The receiver runs on its own event loop, in its own thread, so the
+stepped by its optimizer, then closes: no thread the sender started (its builder's compare
+and encoder threads; with CURVE, its socket's ZAP handler) is alive and no task it created
+(pumps, heartbeat, the patch being served, the metrics endpoint's) is pending. The receiver runs on its own event loop, in its own thread, so the
 sender's loop holds only the sender's tasks; each loop's default executor has threads named
 for it (a loop's executor is the loop's, shut down by ``asyncio.run``). Not the sender's:
 the process-wide codec pool (``protocol/codec/parallel.py``, ``weightsync-codec``), shared
@@ -13,6 +14,7 @@ frees the zero-copy frames sent, one for the process, started by the first such 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,20 +26,28 @@ from zmq.utils.garbage import GarbageCollectorThread
 
 from examples.tiny_model import build, train_step
 from protocol.errors import WeightSyncError
+from protocol.net.security import CurveClient, CurveServer, KeyPair
 from receiver import Receiver
 from sender import Sender
 from sender.collector import Collector
 from sender.compare_host import HostCompare
 
 T = TypeVar("T")
+PATCH_HOST = {"type": "patch", "patch": {"codec": "host", "part_bytes": 4096}}
 CASES: dict[str, dict[str, Any]] = {
-    "patch-host": {"type": "patch", "patch": {"codec": "host", "part_bytes": 4096}},
+    "patch-host": PATCH_HOST,
     "patch-device": {"type": "patch", "patch": {"codec": "device", "part_bytes": 4096}},  # the device codec, on CPU tensors
     "bucket": {"type": "bucket"},
+    "patch-host-curve": PATCH_HOST,  # encrypted: the socket's ZAP handler thread too
 }
 # The threads of its own each runs (by name): the host codec's tensors are encoded on encoder
 # threads beside the compare; the device codec codes a part at once, when it is cut.
-OWN_THREADS = {"patch-host": ["weightsync-compare", "weightsync-encode"], "patch-device": ["weightsync-compare"], "bucket": []}
+OWN_THREADS = {
+    "patch-host": ["weightsync-compare", "weightsync-encode"],
+    "patch-device": ["weightsync-compare"],
+    "bucket": [],
+    "patch-host-curve": ["weightsync-compare", "weightsync-encode", "weightsync-zap"],
+}
 NOT_THE_SENDERS = ("rx-", "weightsync-codec")  # the receiver's thread and loop executor; the shared codec pool
 SENDER_LOOP = "tx-loop"  # the sender's loop's default executor (asyncio.to_thread)
 JOIN_S = 10.0  # the most a thread may take to end once close returned (it ends at once when all is well)
@@ -46,8 +56,8 @@ JOIN_S = 10.0  # the most a thread may take to end once close returned (it ends 
 class ReceiverThread:
     """A Receiver of a bf16 model on its own event loop, in its own thread."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
+    def __init__(self, config: dict[str, Any], curve: CurveClient | None = None) -> None:
+        self.config, self.curve = config, curve
         self.loop = asyncio.new_event_loop()
         self.loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="rx-loop"))
         self.thread = threading.Thread(target=self.loop.run_forever, name="rx-thread", daemon=True)
@@ -60,7 +70,7 @@ class ReceiverThread:
 
     async def join(self, endpoint: str) -> None:
         async def start() -> None:
-            self.receiver = Receiver(build(seed=3).to(torch.bfloat16), endpoint, self.config)
+            self.receiver = Receiver(build(seed=3).to(torch.bfloat16), endpoint, self.config, curve=self.curve)
             await self.receiver.start(timeout=30)
 
         await self.call(start)
@@ -116,13 +126,16 @@ def compare_on_its_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_close_leaves_no_thread_or_task_of_the_sender(case: str) -> None:
     config = CASES[case]
     before = set(threading.enumerate())
+    tx_keys, rx_keys = KeyPair.generate(), KeyPair.generate()
+    curve = case.endswith("-curve")
 
     async def main() -> dict[str, Any]:
-        rx = ReceiverThread(config)
+        rx = ReceiverThread(config, CurveClient(rx_keys, tx_keys.public) if curve else None)
         model = build(seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(0)
-        sender = Sender("tcp://127.0.0.1:0", config, metrics_address="127.0.0.1:0")
+        server = CurveServer(tx_keys, frozenset({rx_keys.public})) if curve else None
+        sender = Sender("tcp://127.0.0.1:0", config, metrics_address="127.0.0.1:0", curve=server)
         try:
             await sender.start(model, version=0)
             await rx.join(sender.endpoint)
@@ -139,7 +152,7 @@ def test_close_leaves_no_thread_or_task_of_the_sender(case: str) -> None:
         return {"running": running, "left": left, "tasks": tasks}
 
     out = run_in_fresh_loop(main)
-    assert sorted({name.rpartition("_")[0] for name in out["running"]}) == OWN_THREADS[case], out["running"]
+    assert sorted({re.sub(r"_\d+$", "", name) for name in out["running"]}) == OWN_THREADS[case], out["running"]
     assert out["tasks"] == []  # the pumps, the heartbeat, the patch being served, the metrics endpoint's
     assert out["left"] == []
     assert joined(alive(before, NOT_THE_SENDERS)) == []  # the sender loop's executor, shut down with its loop
