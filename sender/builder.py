@@ -34,9 +34,9 @@ class Build:
     ``read()``: until the model has been read whole (the trainer may change it from then
     on), raising what the read raised: what ``Sender.sync`` waits for. ``parts``: the
     version's messages, in order, each as soon as it is built; iterated once (and
-    ``aclose``d by whoever stops early). A builder
-    whose ``streams`` is true yields its first parts while ``read`` still runs (iterate
-    them in another task); otherwise iterate them after ``read`` returned.
+    ``aclose``d by whoever stops early). A builder whose ``streams`` is true yields its
+    first parts while ``read`` still runs (iterate them in another task); otherwise
+    iterate them after ``read`` returned.
     """
 
     read: Callable[[], Awaitable[None]]
