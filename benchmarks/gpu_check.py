@@ -121,7 +121,7 @@ async def build_time(gb: float, density: float, snapshot: str) -> tuple[float, f
         bits += mask.to(torch.int16)
         torch.cuda.synchronize()
         started = time.perf_counter()
-        await builder.build(state, version, version - 1)
+        await builder.message(state, version, version - 1)
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - started)
     read_floor = 2 * n * 2 / copy_bandwidth(min(n * 2, 2**31))

@@ -356,13 +356,13 @@ def build_cases(repeat: int) -> dict[str, Any]:
         times: list[float] = []
         kernels: list[tuple[float, float]] = []
         last: list[Any] = []
-        encode = builder._encode
+        encode = builder.encoding._encode
 
         def kept(changes: Any) -> Any:
             last.append(changes)
             return encode(changes)
 
-        builder._encode = kept  # type: ignore[method-assign]
+        builder.encoding._encode = kept  # type: ignore[method-assign]
         with phases.sender_timers():
             for version in range(1, repeat + 3):  # two untimed: AdamW's first step, and the first one-pass compare
                 last.clear()
@@ -377,7 +377,7 @@ def build_cases(repeat: int) -> dict[str, Any]:
                 if version > 2:
                     times.append(elapsed)
                     kernels.append((sums.get("mark", 0) * 1e-9, sums.get("collect", 0) * 1e-9))
-        read_floor = builder._read_bytes / copy_bps
+        read_floor = builder.collector.read_bytes / copy_bps
         median = statistics.median(times)
         out[f"build {suite} real lr={lr:g}"] = {
             "median_s": median, "best_s": min(times), "read_floor_s": read_floor, "vs_read_floor": median / read_floor,

@@ -7,7 +7,7 @@ bytes handed to the encoder and not yet coded (``Changes.pending_nbytes``: not t
 copies the sender keeps from version to version anyway, which holding back would not save),
 and the compare waits, before it goes on to the next tensor, until the bytes waiting ahead
 of the one it just handed over fit the limit: the encoder is never left idle, and at most
-the limit plus about two tensors' changes are held. With patch parts sent while the compare runs (``encode_stream``), the
+the limit plus about two tensors' changes are held. With patch parts sent while the compare runs (``PatchBuilder.build``), the
 wait does not hold back the first parts, only ``sync()``'s return.
 """
 

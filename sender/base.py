@@ -109,6 +109,9 @@ class SenderBase:
     async def _sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
         raise NotImplementedError
 
+    async def close(self) -> None:
+        """Stop every thread the strategy owns (the patch builder's). Idempotent."""
+
     def require_plan(self, version: int) -> SyncPlan:
         if self.plan is None:
             raise WeightSyncError("init_sender() must complete before sync()")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import torch
@@ -17,16 +17,19 @@ from protocol.state import StateLike, state_tensors
 from protocol.wire.framing import Message, MessageType
 
 from .base import Send, SenderBase
+from .builder import Build, VersionBuilder
 from .plan import SyncPlan
 from .stats import SyncStats
 
 
-class BucketBuilder:
+class BucketBuilder(VersionBuilder):
     """Builds the BUCKET messages of a version.
 
     ``bucket_dtype`` converts floating tensors only (integer and bool buffers keep
     their dtype); ``bucket_device`` is where that cast happens before the host copy.
     """
+
+    streams = False
 
     def __init__(self, plan: SyncPlan, config: BucketConfig) -> None:
         self.plan = plan
@@ -56,10 +59,22 @@ class BucketBuilder:
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
-    def build(
-        self, tensors: dict[str, torch.Tensor], version: int, *, copy: bool = True
-    ) -> tuple[Iterator[Message], SyncStats]:
-        """The version's buckets, built lazily one at a time, and its stats so far.
+    def build(self, tensors: dict[str, torch.Tensor], version: int, base: int | None, stats: SyncStats) -> Build:
+        """``version`` whole: ``read`` keeps its copy (``hold``), whose buckets ``parts``
+        then yields, built off the event loop and sharing memory with that copy."""
+
+        async def read() -> None:
+            await self.hold(tensors)
+            stats.d2h_seconds = self.held_d2h_seconds
+
+        async def parts() -> AsyncGenerator[Message, None]:
+            for msg in await asyncio.to_thread(list, self.messages(self.held(), version, stats, copy=False)):
+                yield msg
+
+        return Build(read, parts())
+
+    def messages(self, tensors: dict[str, torch.Tensor], version: int, stats: SyncStats, *, copy: bool = True) -> Iterator[Message]:
+        """The version's buckets, built lazily one at a time; ``stats`` gets its figures.
 
         ``copy`` False lets frames share memory with ``tensors`` (see ``bucket_messages``).
         """
@@ -72,15 +87,13 @@ class BucketBuilder:
             MessageType.BUCKET, buckets or [[]], tensors.__getitem__, self.plan.ordinal,
             lambda _, t: self.wire_dtype(t), self.device, version=version, copy=copy, copied=spent.append,
         )
-        stats = SyncStats(version, "bucket")
-        messages = _timed(messages, stats, spent)
         for key in keys:
             n = tensors[key].numel()
             stats.total_elements += n
             stats.dense_bytes += n * self.plan.receiver_dtype(key).itemsize
         stats.changed_elements = stats.total_elements
         stats.tensors_changed = stats.tensors_dense = len(keys)
-        return messages, stats
+        return _timed(messages, stats, spent)
 
     def retain(self, tensors: dict[str, torch.Tensor], spent: list[float] | None = None) -> dict[str, torch.Tensor]:
         """Host copies of the tracked tensors at their wire dtypes: a consistent version
@@ -122,7 +135,8 @@ class BucketSender(SenderBase):
     async def _sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
         """Send every tracked tensor as version ``version``."""
         plan = self.require_plan(version)
-        messages, stats = BucketBuilder(plan, self.config.bucket).build(state_tensors(model), version)
+        stats = SyncStats(version, self.strategy)
+        messages = BucketBuilder(plan, self.config.bucket).messages(state_tensors(model), version, stats)
         self.version = version
         started = time.perf_counter()
         while (msg := await asyncio.to_thread(next, messages, None)) is not None:

@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from typing import Any
 
-import torch
 import zmq
 import zmq.asyncio
 
@@ -30,8 +29,8 @@ from protocol.wire.framing import Message, MessageType
 from protocol.wire.limits import Limits
 
 from .base import check_next_version
+from .feed import VersionFeed
 from .metrics import MetricsServer, SenderMetrics
-from .patch import CapturedStream, CompareFailed, PatchBuilder
 from .plan import SyncPlan
 from .shard_source import ShardedSource
 from .source import TrainerSource
@@ -97,15 +96,16 @@ class Sender:
         self._trainable_keys = None if trainable_keys is None else list(trainable_keys)
         self.stats: collections.OrderedDict[int, SyncStats] = collections.OrderedDict()
         self._stats_history = stats_history
-        self._source: TrainerSource | ShardedSource | None = None
-        self._encoding: asyncio.Task[None] | None = None  # the newest patch being encoded
+        self._source: TrainerSource | ShardedSource | None = None  # what the server serves: one of these two
+        self._trainer: TrainerSource | None = None  # the trainer's model, built here (``sync``)
+        self._sharded: ShardedSource | None = None  # or a sharded trainer's, built by its ranks (``publish``)
+        self._closing: asyncio.Task[None] | None = None  # ``close``, once called
         self.metrics = SenderMetrics(self)
         self.server.deliveries.on_delivered = self.metrics.delivered
         # opt-in, checked now (a token off loopback), served from start() to close()
         self._metrics_server = None if metrics_address is None else MetricsServer(self.metrics, metrics_address, metrics_token)
         self.metrics_url: str | None = None
-        self._recorded_later: int | None = None  # the version whose stats _encode records once encoded
-        self._moved: asyncio.Future[bool] | None = None  # the version being encoded became the server's, or not (``_encode``)
+        self._feed = VersionFeed(self.server, self.strategy, self._synced)
 
     # -- public API -----------------------------------------------------------------
     async def start(self, model: StateLike, *, version: int | None = None, sharded: bool = False) -> Sender:
@@ -115,10 +115,15 @@ class Sender:
         ``sharded``: the versions are built by a sharded trainer's ranks and handed to
         ``publish`` (``ShardedSync`` starts its Sender so), not by ``sync``.
         """
+        if self._closing is not None:
+            raise WeightSyncError("sender is closed")
         if self._source is not None:
             raise WeightSyncError("sender already started")
         state = resolve_state(model, self._trainable_keys)
-        self._source = ShardedSource(state, self.config) if sharded else TrainerSource(state, model, self.config)
+        if sharded:
+            self._source = self._sharded = ShardedSource(state, self.config)
+        else:
+            self._source = self._trainer = TrainerSource(state, model, self.config)
         if self.server.ring_bytes is None:
             self.server.ring_bytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
         self.server.moved(version)
@@ -152,25 +157,26 @@ class Sender:
         on what it compared: the next sync waits for that compare to end, then resyncs
         every receiver to its version by bootstrap, and patches resume after it.
         """
-        self.server.check_running()
-        source = self._source
-        assert source is not None
-        if isinstance(source, ShardedSource):
+        self._check_open()
+        source = self._trainer
+        if source is None:
             raise ConfigError("this sender was started for a sharded build: its versions come from ShardedSync.sync (publish)")
         tensors = state_tensors(model)
         async with self.server.lock:
             # Checked under the lock: of two syncs racing, the one that waited for the other
-            # sees its version, and a stale one (sync(5) after sync(6)) is refused here.
+            # sees its version, and a stale one (sync(5) after sync(6)) is refused here; so
+            # is one that waited for close().
+            self._check_open()
             check_next_version(self.version, version)
             source.model = model
             try:
-                stats = await self._build(source, tensors, version)
+                stats = await self._feed.build(source, tensors, version)
             except BaseException:
-                self._settle_moved(False)
+                self._feed.settle(False)
                 raise
             self.server.moved(version)
-            self._settle_moved(True)
-        if self._recorded_later != version:
+            self._feed.settle(True)
+        if not self._feed.reports(version):
             self._synced(stats)
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
@@ -199,12 +205,13 @@ class Sender:
         abandoned) and the error is raised. Serialised with everything else that moves the
         version; a version not above the current one is a ``StaleVersionError``.
         """
-        self.server.check_running()
-        source = self._source
-        if not isinstance(source, ShardedSource):
+        self._check_open()
+        source = self._sharded
+        if source is None:
             raise ConfigError("publish() is for a sender started with sharded=True (ShardedSync); call sync()")
         stats = SyncStats(version, self.strategy) if stats is None else stats
         async with self.server.lock:
+            self._check_open()
             check_next_version(self.version, version)
             base = self.version
             started = time.perf_counter()
@@ -215,7 +222,7 @@ class Sender:
                     count = 0
                     async for msg in parts:
                         if held is not None:
-                            self._publish_part(held, base, version, stats)
+                            self._feed.publish_part(held, base, version, stats)
                         msg.version, msg.base_version, msg.part, msg.last = version, base, count, False
                         held, count = msg, count + 1
                     if held is None:  # no change on any rank: one empty part says so
@@ -232,7 +239,7 @@ class Sender:
                     self.server.abandon_patch(base, version)
                 raise
             if held is not None:
-                self._publish_part(held, base, version, stats)
+                self._feed.publish_part(held, base, version, stats)
             else:
                 self.server.forget()  # no patch: every receiver behind is resynced
             self.server.moved(version)
@@ -253,11 +260,11 @@ class Sender:
                    "changed_elements": stats.changed_elements, "build_s": stats.build_seconds, "encode_s": stats.encode_seconds},
         )
 
-    def _publish_part(self, msg: Message, base: int | None, version: int, stats: SyncStats) -> None:
-        frames = self.server.stamp(msg)
-        stats.messages += 1
-        stats.wire_bytes += sum(len(f) for f in frames)
-        self.server.publish_patch(base, version, frames, last=msg.last)
+    def _check_open(self) -> None:
+        """Raise why no version can be built now: the server is not running, or ``close`` began."""
+        if self._closing is not None:
+            raise WeightSyncError("sender is closed")
+        self.server.check_running()
 
     @property
     def plan(self) -> SyncPlan | None:
@@ -267,26 +274,44 @@ class Sender:
     @property
     def encode_backlog_bytes(self) -> int:
         """Collected bytes waiting for the encoder threads now (patch strategy; else 0)."""
-        builder = None if self._source is None else getattr(self._source, "builder", None)
-        return builder.backlog_bytes if isinstance(builder, PatchBuilder) else 0
+        return 0 if self._trainer is None else self._trainer.backlog_bytes
 
     @property
     def bootstrap_wanted(self) -> bool:
         """A sharded build's receivers wait for a bootstrap (``ShardedSource``)."""
-        return isinstance(self._source, ShardedSource) and self._source.wanted
+        return self._sharded is not None and self._sharded.wanted
 
     async def flush(self) -> None:
         """Wait until every synced version is encoded and queued for the receivers."""
-        if self._encoding is not None:
-            await asyncio.shield(self._encoding)
+        await self._feed.flush()
 
     async def close(self) -> None:
-        """Say goodbye to the receivers, stop every task and close the socket (and the metrics endpoint)."""
-        try:
-            await self.server.close()
-        finally:
-            if self._metrics_server is not None:
-                await self._metrics_server.close()
+        """Stop everything the sender started: say goodbye to the receivers, cancel and await
+        every task (the pumps, the patch being encoded: its parts not yet served are
+        dropped) before the socket closes, then stop the builder's compare and encoder
+        threads and the metrics endpoint.
+
+        A ``sync`` or ``publish`` under way is finished first (close waits for the version
+        lock: a model read midway cannot be interrupted, and its version moves); one called
+        after close began raises ``WeightSyncError``. Called again, or while it runs, close
+        waits for the first call to end (and raises what it raised); a caller cancelled while
+        waiting does not stop it."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        async with self.server.lock:  # after a sync or publish under way
+            self._feed.settle(False)
+            try:
+                await self.server.close()
+            finally:
+                try:
+                    if self._trainer is not None:
+                        await self._trainer.close()
+                finally:
+                    if self._metrics_server is not None:
+                        await self._metrics_server.close()
 
     async def __aenter__(self) -> Sender:
         return self
@@ -338,75 +363,3 @@ class Sender:
 
     async def wait_for_receivers(self, count: int, timeout: float | None = None) -> None:
         await self.server.wait_for_receivers(count, timeout)
-
-    # -- building ---------------------------------------------------------------------
-    async def _build(self, source: TrainerSource, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
-        builder = source.builder
-        if builder is None:  # no receiver yet: nothing to diff against, only the version moves
-            source.hold(tensors)
-            return SyncStats(version, self.strategy)
-        if isinstance(builder, PatchBuilder):  # encoded as it is compared, in version order
-            if builder.diverged:  # a failed sync moved the snapshot: patches from it would be wrong
-                return await self._resync_all(builder, tensors, version)
-            # Encoded and published part by part while the compare goes on: the first parts
-            # travel before the last tensors are compared (``PatchBuilder.encode_stream``).
-            base, previous = self.version, self._encoding
-            stream, stats = CapturedStream(), SyncStats(version, self.strategy)
-            self._moved = asyncio.get_running_loop().create_future()
-            self.server.expect_patch(base)
-            self._encoding = self.server.spawn(
-                self._encode(builder, previous, stream, version, base, stats, self._moved), f"encode-v{version}"
-            )
-            self._recorded_later = version
-            await builder.collect(tensors, version, stream, stats)
-            return stats
-        started = time.perf_counter()
-        await builder.hold(tensors)
-        messages, stats = builder.build(builder.held(), version, copy=False)
-        stats.d2h_seconds = builder.held_d2h_seconds
-        frames_list = [self.server.stamp(m) for m in await asyncio.to_thread(list, messages)]
-        self.server.publish_buckets(version, frames_list)
-        stats.messages, stats.wire_bytes = len(frames_list), sum(len(f) for fr in frames_list for f in fr)
-        stats.build_seconds = time.perf_counter() - started
-        return stats
-
-    def _settle_moved(self, moved: bool) -> None:
-        if self._moved is not None and not self._moved.done():
-            self._moved.set_result(moved)
-
-    async def _resync_all(self, builder: PatchBuilder, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
-        """``version`` as a new snapshot and no patch: every receiver, none of which is at
-        it, is resynced to it by bootstrap (the ring is dropped)."""
-        started = time.perf_counter()
-        if self._encoding is not None:  # the versions before it reach the ring first
-            await asyncio.shield(self._encoding)
-        await builder.recapture(tensors)
-        self.server.forget()
-        log.warning("sender %s: a failed sync left the snapshot ahead of the receivers; v%s resyncs them all",
-                    self.session[:8], version)
-        stats = SyncStats(version, self.strategy)
-        stats.build_seconds = time.perf_counter() - started
-        return stats
-
-    async def _encode(
-        self, builder: PatchBuilder, previous: asyncio.Task[None] | None, stream: CapturedStream, version: int, base: int | None,
-        stats: SyncStats, moved: asyncio.Future[bool],
-    ) -> None:
-        """Encode a version into the ring as it is collected, after the versions before it,
-        part by part: receivers get each part as soon as it is encoded, the last once the
-        server is at ``version`` (``moved``: no receiver acknowledges a version ahead of
-        it). A compare that fails abandons the parts already out (its error reaches
-        ``sync()``'s caller)."""
-        if previous is not None:
-            await previous
-        try:
-            async for msg in builder.encode_stream(stream, version, base, stats):
-                frames = self.server.stamp(msg)
-                stats.messages += 1
-                stats.wire_bytes += sum(len(f) for f in frames)
-                if msg.last and not await moved:  # the sync failed or was cancelled after its compare
-                    raise CompareFailed(f"v{version} was not synced")
-                self.server.publish_patch(base, version, frames, last=msg.last)
-            self._synced(stats)
-        except CompareFailed:
-            self.server.abandon_patch(base, version)

@@ -21,8 +21,8 @@ from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
 from .base import plan_for
-from .bucket import BucketBuilder
-from .patch import PatchBuilder
+from .builder import VersionBuilder
+from .builders import make_builder
 from .plan import Source, SyncPlan
 
 
@@ -33,7 +33,7 @@ class TrainerSource:
     def __init__(self, state: ModelState, model: StateLike, config: SyncConfig) -> None:
         self.state, self.model, self.config = state, model, config
         self.plan: SyncPlan | None = None
-        self.builder: PatchBuilder | BucketBuilder | None = None
+        self.builder: VersionBuilder | None = None
         self._held: dict[str, torch.Tensor] | None = None  # the current version, before any receiver
         self.hold(state.tensors)
 
@@ -60,6 +60,16 @@ class TrainerSource:
         held = self.builder.held()
         return lambda key: held[key] if key in held else model[key]
 
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes read and waiting for the builder's encoder (0 before the first receiver)."""
+        return 0 if self.builder is None else self.builder.backlog_bytes
+
+    async def close(self) -> None:
+        """Stop the builder's threads, once a read under way has ended."""
+        if self.builder is not None:
+            await self.builder.close()
+
     # -- VersionSource ----------------------------------------------------------------
     async def admit(self, hello: Hello) -> Welcome:
         """The first receiver fixes the plan; later ones must match it exactly."""
@@ -67,7 +77,7 @@ class TrainerSource:
             plan = plan_for(self.state, hello, self.config)
             held = self._held
             assert held is not None
-            builder = PatchBuilder(plan, self.config.patch) if self.config.type == "patch" else BucketBuilder(plan, self.config.bucket)
+            builder = make_builder(plan, self.config)
             await builder.hold(held)
             self.plan, self.builder = plan, builder
             self._held = None  # the snapshot (or retained copy) holds the version from now on

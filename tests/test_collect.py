@@ -147,7 +147,7 @@ async def test_a_compare_on_a_worker_thread_hands_each_tensor_to_the_encoder_as_
     messages = {}
     for inline in (True, False):
         builder = builder_for(state, torch.bfloat16, group_numel=1000)
-        builder._inline = lambda tensors, inline=inline: inline  # type: ignore[method-assign]
+        builder.collector._inline = lambda tensors, inline=inline: inline  # type: ignore[method-assign]
         moved = {k: t + 0.01 * (torch.rand(t.shape, generator=torch.Generator().manual_seed(7)) < 0.1) for k, t in state.items()}
         captured, stats = await builder.collect(moved, 1)
         assert len(captured) == 5 and stats.tensors_changed == 10  # 4 matrices, one group of 6
@@ -158,12 +158,12 @@ async def test_a_compare_on_a_worker_thread_hands_each_tensor_to_the_encoder_as_
     assert [bytes(f) for f in messages[True].frames] == [bytes(f) for f in messages[False].frames]
 
     builder = builder_for(state, torch.bfloat16, group_numel=1000)
-    builder._inline = lambda tensors: False  # type: ignore[method-assign]
+    builder.collector._inline = lambda tensors: False  # type: ignore[method-assign]
 
     def broken(changes: object) -> object:
         raise RuntimeError("encoder down")
 
-    builder._encode = broken  # type: ignore[assignment, method-assign]
+    builder.encoding._encode = broken  # type: ignore[assignment, method-assign]
     captured, stats = await builder.collect({k: t + 1 for k, t in state.items()}, 1)
     with pytest.raises(RuntimeError, match="encoder down"):
         await builder.encode(captured, 1, 0, stats)
@@ -183,9 +183,9 @@ async def test_the_compare_waits_while_too_much_waits_for_the_encoder(limit: int
     state = {f"w{i}": torch.randn(300, 70, generator=g) for i in range(8)}
     moved = {k: t + 0.01 * (torch.rand(t.shape, generator=g) < 0.1) for k, t in state.items()}
     builder = builder_for(state, torch.bfloat16, encode_backlog_bytes=limit)
-    builder._inline = lambda tensors: False  # type: ignore[method-assign]
+    builder.collector._inline = lambda tensors: False  # type: ignore[method-assign]
     gate, compared = threading.Event(), []
-    encode, compare = builder._encode, builder.compare._compare
+    encode, compare = builder.encoding._encode, builder.compare._compare
 
     def held(changes: Any) -> Any:
         gate.wait(30)
@@ -195,7 +195,7 @@ async def test_the_compare_waits_while_too_much_waits_for_the_encoder(limit: int
         compared.append(args[0])
         return compare(*args)
 
-    builder._encode, builder.compare._compare = held, counted  # type: ignore[assignment, method-assign]
+    builder.encoding._encode, builder.compare._compare = held, counted  # type: ignore[assignment, method-assign]
     collect = asyncio.ensure_future(builder.collect(moved, 1))
     if limit:
         # w0 and w1 are handed over at once (0 and ~25 kB ahead); w2 has ~50 kB ahead: it waits
@@ -224,14 +224,14 @@ async def test_whole_copies_the_sender_keeps_anyway_do_not_hold_the_compare_back
     state = {f"w{i}": torch.randn(300, 70, generator=g) for i in range(8)}
     moved = {k: t + 0.01 for k, t in state.items()}
     builder = builder_for(state, torch.float32, encode_backlog_bytes=1)
-    builder._inline = lambda tensors: False  # type: ignore[method-assign]
-    gate, encode = threading.Event(), builder._encode
+    builder.collector._inline = lambda tensors: False  # type: ignore[method-assign]
+    gate, encode = threading.Event(), builder.encoding._encode
 
     def held(changes: Any) -> Any:
         gate.wait(30)
         return encode(changes)
 
-    builder._encode = held  # type: ignore[method-assign]
+    builder.encoding._encode = held  # type: ignore[method-assign]
     collect = asyncio.ensure_future(builder.collect(moved, 1))
     try:
         captured, stats = await asyncio.wait_for(asyncio.shield(collect), 10)
@@ -264,9 +264,9 @@ def test_encode_backlog_bytes_is_checked() -> None:
         with pytest.raises(ConfigError, match="encode_backlog_bytes"):
             load_config({"type": "patch", "patch": {"encode_backlog_bytes": bad}})
     state = {"w": torch.randn(4, 4)}
-    assert builder_for(state, torch.float32).backlog_limit == 4 << 20  # the floor, for a small model
-    assert builder_for(state, torch.float32, encode_backlog_bytes=0).backlog_limit == 0
-    assert builder_for(state, torch.float32, encode_backlog_bytes=12345).backlog_limit == 12345
+    assert builder_for(state, torch.float32).collector.backlog_limit == 4 << 20  # the floor, for a small model
+    assert builder_for(state, torch.float32, encode_backlog_bytes=0).collector.backlog_limit == 0
+    assert builder_for(state, torch.float32, encode_backlog_bytes=12345).collector.backlog_limit == 12345
 
 
 async def test_several_encoder_threads_keep_each_tensor_in_its_place() -> None:
@@ -281,9 +281,9 @@ async def test_several_encoder_threads_keep_each_tensor_in_its_place() -> None:
     moved = {k: t + 0.01 * (torch.rand(t.shape, generator=g) < 0.1) for k, t in state.items()}
     builder = builder_for(state, torch.bfloat16, encode_threads=3, encode_backlog_bytes=0)
     assert builder.encode_threads == 3
-    builder._inline = lambda tensors: False  # type: ignore[method-assign]
+    builder.collector._inline = lambda tensors: False  # type: ignore[method-assign]
     gate, done = threading.Event(), []
-    encode = builder._encode
+    encode = builder.encoding._encode
 
     def first_last(changes: Any) -> Any:
         if changes.key == 0:
@@ -294,7 +294,7 @@ async def test_several_encoder_threads_keep_each_tensor_in_its_place() -> None:
             gate.set()
         return out
 
-    builder._encode = first_last  # type: ignore[method-assign]
+    builder.encoding._encode = first_last  # type: ignore[method-assign]
     captured, stats = await builder.collect(moved, 1)
     msg = decode_message(encode_message(await builder.encode(captured, 1, 0, stats)))
     assert done[0] != 0 and 0 in done  # the first finished after others
@@ -308,7 +308,7 @@ async def test_several_encoder_threads_keep_each_tensor_in_its_place() -> None:
 
 def test_encode_threads_is_checked_and_defaults_to_half_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     from protocol.errors import ConfigError
-    from sender import patch
+    from sender import part_encoder as patch
 
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(ConfigError, match="encode_threads"):
@@ -369,22 +369,28 @@ def test_a_backlog_releases_what_the_encoder_is_done_with_however_it_ended() -> 
     assert unbounded.wait() == 0.0
 
 
-def test_a_builders_encoder_threads_end_with_it() -> None:
-    """The encoder threads belong to their builder: nothing else keeps them (or the builder)
-    alive, so a dropped builder's threads end."""
-    import gc
+async def test_a_builders_threads_end_when_it_is_closed() -> None:
+    """The compare thread and the encoder threads belong to their builder, and ``close``
+    stops them (after a compare under way); a collect after it is refused."""
     import threading
+
+    from protocol.errors import WeightSyncError
 
     state = {"w": torch.randn(300, 70)}
     builder = builder_for(state, torch.bfloat16, encode_threads=2)
+    builder.collector._inline = lambda tensors: False  # type: ignore[method-assign]
     before_threads = set(threading.enumerate())
     both = threading.Barrier(2, timeout=10)
-    for f in [builder._encoder.submit(both.wait) for _ in range(2)]:  # two threads, started
+    for f in [builder.encoding._pool.submit(both.wait) for _ in range(2)]:  # two threads, started
         f.result()
-    threads = [t for t in threading.enumerate() if t.name.startswith("weightsync-encode") and t not in before_threads]
-    assert len(threads) == 2
-    del builder
-    gc.collect()
+    captured, stats = await builder.collect({"w": state["w"] + 1}, 1)  # the compare on its thread
+    await builder.encode(captured, 1, 0, stats)
+    threads = [t for t in threading.enumerate() if t.name.startswith(("weightsync-encode", "weightsync-compare")) and t not in before_threads]
+    assert sorted(t.name.rpartition("_")[0] for t in threads) == ["weightsync-compare", "weightsync-encode", "weightsync-encode"]
+    await builder.close()
+    await builder.close()  # again: nothing left to stop
     for thread in threads:
         thread.join(timeout=10)
         assert not thread.is_alive()
+    with pytest.raises(WeightSyncError, match="closed"):
+        await builder.collect(state, 2)

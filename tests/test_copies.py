@@ -108,7 +108,7 @@ def test_a_dense_version_still_being_sent_keeps_its_bytes_while_the_next_is_buil
         versions = []
         for v in (1, 2, 3):
             state["w"].add_(1.0)
-            msg, _ = await builder.build(dict(state), v, v - 1)
+            msg, _ = await builder.message(dict(state), v, v - 1)
             (entry,) = msg.tensors
             assert entry.encoding is Encoding.DENSE
             versions.append((msg, state["w"].clone()))
@@ -143,7 +143,7 @@ def test_a_dense_version_no_one_holds_is_sent_from_the_snapshot_itself() -> None
         ptr = builder.snapshot.tensors["w"].data_ptr()
         for v in (1, 2, 3):
             state["w"].add_(1.0)
-            msg, _ = await builder.build(dict(state), v, v - 1)
+            msg, _ = await builder.message(dict(state), v, v - 1)
             frame = msg.frames[msg.tensors[0].buffers[0].frame - 1]
             assert msg.tensors[0].encoding is Encoding.DENSE
             assert np.frombuffer(frame, dtype=np.uint8).ctypes.data == ptr  # zero-copy, from the snapshot
@@ -159,7 +159,7 @@ def test_a_recapture_does_not_write_into_a_held_dense_version() -> None:
     async def main() -> None:
         state, builder = await one_tensor_builder()
         state["w"].add_(1.0)
-        msg, _ = await builder.build(dict(state), 1, 0)
+        msg, _ = await builder.message(dict(state), 1, 0)
         want = state["w"].clone()
         state["w"].add_(5.0)
         await builder.recapture(dict(state))

@@ -283,9 +283,9 @@ async def test_a_sync_broken_off_midway_resyncs_every_receiver(how: str, daemons
     it moved part of the snapshot: the next version resyncs every receiver by bootstrap
     (a patch from that snapshot would leave them behind on those tensors), then patches resume."""
     from sender import fastdiff
-    from sender.patch import PatchBuilder
+    from sender.collector import Collector
 
-    monkeypatch.setattr(PatchBuilder, "_inline", lambda self, tensors: False)  # the compare on its thread
+    monkeypatch.setattr(Collector, "_inline", lambda self, tensors: False)  # the compare on its thread
     trainer = Trainer()
     s = await daemons.sender(trainer, "patch")
     rs = [await daemons.start_receiver(s.endpoint, "patch", f"r{i}") for i in range(2)]

@@ -135,9 +135,9 @@ def test_the_codec_chooses_the_encoder_and_whether_the_compare_stages() -> None:
     host = builder_of(state, codec="host")
     auto = builder_of(state, codec="auto")  # CPU tensors: the host codec
     assert isinstance(device.encoder, DeviceEncoder) and not device.encoder.streams
-    assert isinstance(host.encoder, HostEncoder) and host.encoder.streams and host._stages()
+    assert isinstance(host.encoder, HostEncoder) and host.encoder.streams and host.stages
     assert isinstance(auto.encoder, HostEncoder)
-    assert not device._stages()  # the device encoder codes changes where they are
+    assert not device.stages  # the device encoder codes changes where they are
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -183,7 +183,7 @@ async def main():
     for v in (1, 2):
         structure_step(state)
         state["steps"] += 1
-        msg, stats = await builder.build(state, v, v - 1)
+        msg, stats = await builder.message(state, v, v - 1)
         assert msg.tensors and stats.changed_elements
 asyncio.run(main())
 """

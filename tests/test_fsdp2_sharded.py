@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,25 @@ def full_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         out[key] = full.detach().to(torch.bfloat16 if full.is_floating_point() else full.dtype, copy=True)
     return out
+
+
+Part = Callable[..., bytes]  # ``ShardBuild.part``
+
+
+@contextlib.contextmanager
+def part_wrapped(sharded: ShardedSync, wrap: Callable[[Part], Part] | None) -> Iterator[None]:
+    """Inside, this rank's ``ShardBuild.part`` is ``wrap`` of the real one (None: this rank's is left alone)."""
+    build = sharded._build
+    if wrap is None:
+        yield
+        return
+    assert build is not None
+    real = build.part
+    build.part = wrap(real)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        build.part = real  # type: ignore[method-assign]
 
 
 async def _waiting(sender: Sender, timeout: float = 30.0) -> None:
@@ -175,20 +195,17 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
             # (c) one rank's build fails: every rank raises the same typed error, nothing published
             version += 1
             train_step(model, optimizer, generator)
-            if rank == world - 1:
-                assert sharded._build is not None
-                real = sharded._build.part
-
-                def failing(*args: Any) -> bytes:
+            def failing(part: Part) -> Part:
+                def failed(*args: Any) -> bytes:
                     raise RuntimeError("injected: this rank's compare failed")
 
-                sharded._build.part = failing  # type: ignore[method-assign]
-            try:
-                await sharded.sync(sender, version)
-            except WeightSyncError as e:
-                out["failed_build"] = type(e).__name__
-            if rank == world - 1:
-                sharded._build.part = real  # type: ignore[method-assign,union-attr]
+                return failed
+
+            with part_wrapped(sharded, failing if rank == world - 1 else None):
+                try:
+                    await sharded.sync(sender, version)
+                except WeightSyncError as e:
+                    out["failed_build"] = type(e).__name__
             out["after_failed_build"] = None if sender is None else sender.version
             version += 1
             train_step(model, optimizer, generator)
@@ -216,20 +233,17 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
             # (e) the last rank compares slowly: the leader's own part is out before that rank's is built
             version += 1
             train_step(model, optimizer, generator)
-            if rank == world - 1:
-                assert sharded._build is not None
-                build_part = sharded._build.part
-
-                def slow(*args: Any) -> bytes:
+            def slow(part: Part) -> Part:
+                def slowed(*args: Any) -> bytes:
                     time.sleep(1.5)
-                    built = build_part(*args)
+                    built = part(*args)
                     out["slow"] = {"version": version, "built_at": time.time()}
                     return built
 
-                sharded._build.part = slow  # type: ignore[method-assign]
-            await sharded.sync(sender, version)
-            if rank == world - 1:
-                sharded._build.part = build_part  # type: ignore[method-assign,union-attr]
+                return slowed
+
+            with part_wrapped(sharded, slow if rank == world - 1 else None):
+                await sharded.sync(sender, version)
             expected = full_bf16_digest(model)
             if sender is not None:
                 await check(version, expected)

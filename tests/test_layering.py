@@ -205,3 +205,37 @@ def test_the_checker_sees_every_kind_of_import() -> None:
     )
     names = {name for _, name in imports(source, "protocol.codec.sub.mod")}
     assert {"zmq", "asyncio", "protocol.net", "sender", "protocol.codec.net.server", "protocol.net.sockets"} <= names
+
+
+# -- the sender daemon knows builders only by their interface ------------------------------------
+BUILDER_INTERFACE = "sender.builder"  # VersionBuilder
+BUILDER_USERS = ("sender/service.py", "sender/feed.py", "sender/source.py")  # source.py gets them from sender/builders.py
+
+
+def builder_modules() -> set[str]:
+    """The modules of ``sender`` that define a class deriving from ``VersionBuilder``."""
+    found = set()
+    for path in sorted((ROOT / "sender").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == "VersionBuilder" for b in node.bases):
+                found.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    return found
+
+
+def _imported(user: str) -> set[str]:
+    return {name for _, name in imports((ROOT / user).read_text(), ".".join(Path(user).with_suffix("").parts))}
+
+
+@pytest.mark.parametrize("user", BUILDER_USERS)
+def test_the_daemon_imports_no_concrete_builder(user: str) -> None:
+    concrete = builder_modules()
+    assert {"sender.patch", "sender.bucket"} <= concrete  # it reads the real tree
+    assert not {n for n in _imported(user) if any(n == c or n.startswith(c + ".") for c in concrete)}
+
+
+def test_the_sender_service_asks_the_builder_interface_never_the_type() -> None:
+    for user in ("sender/feed.py", "sender/source.py"):  # where the daemon handles its builder
+        assert BUILDER_INTERFACE in _imported(user), user
+    assert "sender.builders" in _imported("sender/source.py")
+    for user in ("sender/service.py", "sender/feed.py"):
+        assert "isinstance(" not in (ROOT / user).read_text(), user

@@ -18,7 +18,8 @@ from protocol.wire.checksum import checksum, state_digest
 from protocol.wire.framing import Encoding, Message, MessageType, Role, decode_message, encode_message
 from receiver import Receiver
 from sender import Sender
-from sender.patch import PatchBuilder
+from sender.collector import Collector
+from sender.part_encoder import PartEncoder
 
 # every tensor on its own (group_numel 0): this small model's tensors would otherwise make one group
 PARTS = {"type": "patch", "patch": {"part_bytes": 4096, "group_numel": 0, "init_sync": {"bucket_size": 96 << 10}}}
@@ -94,15 +95,15 @@ async def test_a_part_is_served_before_the_next_is_encoded(fleet: Fleet, monkeyp
     r = await fleet.receiver(s.endpoint, "r0")
     seen = published_versions_are_whole(r, trainer)
     release = asyncio.Event()
-    encode_part = PatchBuilder._encode_part
+    encode_part = PartEncoder.part
 
-    async def held_after_the_first(self: PatchBuilder, changes: list[Any], version: int, base: int | None, stats: Any,
+    async def held_after_the_first(self: PartEncoder, changes: list[Any], version: int, base: int | None, stats: Any,
                                    part: int, parts: int) -> Message:
         if part == 1:
             await release.wait()
         return await encode_part(self, changes, version, base, stats, part, parts)
 
-    monkeypatch.setattr(PatchBuilder, "_encode_part", held_after_the_first)
+    monkeypatch.setattr(PartEncoder, "part", held_after_the_first)
     delivered = delivered_parts(monkeypatch, s)
     version = await trainer.step_and_sync(s)
     # Part 1 waits: part 0 is on its way to the receiver all the same, and the version is not published.
@@ -180,7 +181,7 @@ def compare_hooked(monkeypatch: pytest.MonkeyPatch, hook: Any) -> None:
         hook(calls[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(PatchBuilder, "_inline", lambda self, tensors: False)
+    monkeypatch.setattr(Collector, "_inline", lambda self, tensors: False)
     monkeypatch.setattr(fastdiff, "diff_and_update", hooked)
 
 

@@ -9,6 +9,7 @@ into the messages the leader would publish. Real sockets and receivers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -64,10 +65,7 @@ class Trainer:
     def parts(self, version: int) -> list[Message]:
         assert self.build is not None
         part = self.build.part(self.model.state_dict(), version)
-        messages = unpack_part(part) if part else [Message(0, part=0, last=True)]  # type: ignore[arg-type]
-        for i, m in enumerate(messages):
-            m.part, m.last = i, i == len(messages) - 1
-        return messages
+        return unpack_part(part) if part else []  # no change: Sender.publish makes the one empty part
 
 
 async def stream(messages: list[Message], fail_after: int | None = None) -> AsyncIterator[Message]:
@@ -83,7 +81,11 @@ async def _waiting(sender: Sender) -> None:
         await asyncio.sleep(0.005)
 
 
-async def test_a_receiver_is_bootstrapped_at_the_next_version_then_patched() -> None:
+@contextlib.asynccontextmanager
+async def at_v1() -> AsyncIterator[tuple[Sender, Trainer, Receiver, torch.nn.Module]]:
+    """A sharded sender started at v0, a receiver joined (its bootstrap deferred to the next
+    version) and bootstrapped at v1, published with no patch: the sender, trainer, receiver
+    and the receiver's model."""
     async with Sender("tcp://127.0.0.1:0", CONFIG) as sender:
         trainer = Trainer(sender)
         await sender.start(trainer.model, version=0, sharded=True)
@@ -98,56 +100,55 @@ async def test_a_receiver_is_bootstrapped_at_the_next_version_then_patched() -> 
             await sender.publish(1, None, bootstrap=trainer.bootstrap(1))
             await asyncio.wait_for(joined, 30)
             assert receiver.version == 1 and not sender.bootstrap_wanted
+            yield sender, trainer, receiver, rollout
+
+
+async def test_a_receiver_is_bootstrapped_at_the_next_version_then_patched() -> None:
+    async with at_v1() as (sender, trainer, receiver, rollout):
+        async with receiver.reading():
+            assert state_digest(rollout.state_dict()) == bf16(trainer.model)
+        for version in (2, 3):
+            trainer.step()
+            messages = trainer.parts(version)
+            stats = await sender.publish(version, stream(messages))
+            assert stats.messages == len(messages) and stats.wire_bytes > 0
+            await receiver.wait_for_version(version, timeout=30)
             async with receiver.reading():
                 assert state_digest(rollout.state_dict()) == bf16(trainer.model)
-            for version in (2, 3):
-                trainer.step()
-                messages = trainer.parts(version)
-                stats = await sender.publish(version, stream(messages))
-                assert stats.messages == len(messages) and stats.wire_bytes > 0
-                await receiver.wait_for_version(version, timeout=30)
-                async with receiver.reading():
-                    assert state_digest(rollout.state_dict()) == bf16(trainer.model)
-            assert len(messages) > 1  # part_bytes 2048: several parts
+        assert len(messages) > 1  # part_bytes 2048: several parts
+        # a version with no change: no part from the trainer, one empty part served
+        stats = await sender.publish(4, stream(trainer.parts(4)))
+        assert stats.messages == 1
+        await receiver.wait_for_version(4, timeout=30)
 
 
 async def test_a_failed_version_publishes_nothing_and_the_next_resyncs() -> None:
-    async with Sender("tcp://127.0.0.1:0", CONFIG) as sender:
-        trainer = Trainer(sender)
-        await sender.start(trainer.model, version=0, sharded=True)
-        rollout = build(seed=3).to(torch.bfloat16)
-        async with Receiver(rollout, sender.endpoint, CONFIG) as receiver:
-            joined = asyncio.ensure_future(receiver.start(timeout=30))
-            await _waiting(sender)
-            trainer.step()
-            trainer.capture()
-            await sender.publish(1, None, bootstrap=trainer.bootstrap(1))
-            await joined
-            at_v1 = bf16(trainer.model)
-            # a part lost midway, then a bootstrap that fails after every part: neither moves the version
-            trainer.step()
-            messages = trainer.parts(2)
-            with pytest.raises(WeightSyncError, match="injected"):
-                await sender.publish(2, stream(messages, fail_after=len(messages) - 1))
+    async with at_v1() as (sender, trainer, receiver, rollout):
+        at_v1_digest = bf16(trainer.model)
+        # a part lost midway, then a bootstrap that fails after every part: neither moves the version
+        trainer.step()
+        messages = trainer.parts(2)
+        with pytest.raises(WeightSyncError, match="injected"):
+            await sender.publish(2, stream(messages, fail_after=len(messages) - 1))
 
-            async def failing(plan: SyncPlan) -> list[Message]:
-                raise WeightSyncError("injected: the bootstrap's gather failed")
+        async def failing(plan: SyncPlan) -> list[Message]:
+            raise WeightSyncError("injected: the bootstrap's gather failed")
 
-            with pytest.raises(WeightSyncError, match="gather failed"):
-                await sender.publish(2, stream(messages), bootstrap=failing)
-            assert sender.version == 1
-            await asyncio.sleep(0.3)  # nothing of v2 completes at the receiver
-            assert receiver.version == 1
-            async with receiver.reading():
-                assert state_digest(rollout.state_dict()) == at_v1
-            # the next version has no patch (the snapshot moved): every receiver resynced by bootstrap
-            trainer.step()
-            trainer.build.recapture(trainer.model.state_dict())  # type: ignore[union-attr]
-            await sender.publish(3, None, bootstrap=trainer.bootstrap(3))
-            await receiver.wait_for_version(3, timeout=30)
-            async with receiver.reading():
-                assert state_digest(rollout.state_dict()) == bf16(trainer.model)
-            assert sender.receivers[receiver.identity]["resyncs"] >= 1
+        with pytest.raises(WeightSyncError, match="gather failed"):
+            await sender.publish(2, stream(messages), bootstrap=failing)
+        assert sender.version == 1
+        await asyncio.sleep(0.3)  # nothing of v2 completes at the receiver
+        assert receiver.version == 1
+        async with receiver.reading():
+            assert state_digest(rollout.state_dict()) == at_v1_digest
+        # the next version has no patch (the snapshot moved): every receiver resynced by bootstrap
+        trainer.step()
+        trainer.build.recapture(trainer.model.state_dict())  # type: ignore[union-attr]
+        await sender.publish(3, None, bootstrap=trainer.bootstrap(3))
+        await receiver.wait_for_version(3, timeout=30)
+        async with receiver.reading():
+            assert state_digest(rollout.state_dict()) == bf16(trainer.model)
+        assert sender.receivers[receiver.identity]["resyncs"] >= 1
 
 
 async def test_publish_is_serialised_refuses_stale_versions_and_the_wrong_sender() -> None:
