@@ -11,7 +11,7 @@ entry says its encoding.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -46,8 +46,9 @@ class Encoder(Protocol):
     # where they are
     on_host: bool
 
-    def warm_up(self) -> None:
-        """Compile or load what the first encode would (called at capture, off the hot path)."""
+    def warm_up(self, dtypes: Iterable[torch.dtype]) -> None:
+        """Compile or load what the first encode of changes of these (receiver) dtypes would
+        (called at capture, off the hot path)."""
         ...
 
     def encode_one(self, changes: Changes) -> EncodedTensor:
@@ -69,8 +70,8 @@ class HostEncoder:
     def __init__(self, options: PatchOptions) -> None:
         self.options = options
 
-    def warm_up(self) -> None:
-        warmup.compile_encoders()  # the common receiver dtypes (the compile step's --pairs adds others)
+    def warm_up(self, dtypes: Iterable[torch.dtype]) -> None:
+        warmup.compile_encoders(set(dtypes))
 
     def encode(self, changes: list[Changes], stats: SyncStats | None = None) -> list[EncodedTensor]:
         return map_ordered(self.encode_one, changes)

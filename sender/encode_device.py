@@ -18,7 +18,7 @@ payload no smaller than its tensor sends the tensor whole instead, as the host e
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +65,7 @@ class DeviceEncoder:
     def __init__(self, stream: Callable[[torch.device], CopyStream]) -> None:
         self._stream = stream  # the snapshot's copy stream of a device
 
-    def warm_up(self) -> None:
+    def warm_up(self, dtypes: Iterable[torch.dtype]) -> None:
         """Nothing to compile: batched torch operations, no numba."""
 
     def encode_one(self, changes: Changes) -> EncodedTensor:

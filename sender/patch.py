@@ -59,7 +59,7 @@ class PatchBuilder(VersionBuilder):
         self.part_bytes = config.part_bytes
         self.snapshot = Snapshot(config.snapshot_device)
         transport = torch.device(config.transport_device)
-        # the seed's COO positions are 2-D: its format keeps each tensor to itself
+        # RLinf's COO positions are 2-D: its format keeps each tensor to itself
         grouped = 0 if self.options.positions in (Encoding.COO, Encoding.COO_DELTA) else config.group_numel
         # patch.codec auto: the device codec for tensors on CUDA. Its encoder codes a part at
         # once where the changes live, so the compare leaves them there (no staging).
@@ -83,7 +83,7 @@ class PatchBuilder(VersionBuilder):
         self.collector.capture(tensors)
         # JIT now, while the first receiver's HELLO is answered (the server heartbeats it
         # meanwhile), rather than in the first sync (the device encoder has nothing to compile).
-        self.encoder.warm_up()
+        self.encoder.warm_up(self.plan.metadata.dtypes)
 
     async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
         """Start holding the version in ``tensors`` (the first receiver's dtypes are known)."""

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 class Sender:
     """The trainer-side daemon. An async context manager; see ``start``, ``sync``, ``close``.
 
-    ``config`` is the seed's YAML shape (a path, mapping or ``SyncConfig``). The first
+    ``config`` is RLinf's weight-syncer YAML shape (a path, mapping or ``SyncConfig``). The first
     receiver's metadata fixes the receivers' dtypes: every later receiver must match it.
 
     ``curve`` (``protocol.net.security.CurveServer``) encrypts the connection and admits only
