@@ -61,14 +61,20 @@ log = logging.getLogger(__name__)
 SNDHWM = 1000  # frames queued per peer before sends report "full"; credits bound it first
 
 
+def transport_error(what: str, error: zmq.ZMQError) -> TransportError:
+    """ZeroMQ's ``error`` as a ``TransportError`` saying ``what`` failed (the operation and
+    its address); raise it ``from error``."""
+    return TransportError(f"{what}: {error}", errno=error.errno)
+
+
 @contextlib.contextmanager
 def transport_errors(what: str) -> Iterator[None]:
-    """Raise ZeroMQ's errors inside as a ``TransportError`` saying ``what`` failed (the
-    operation and its address). Catch ``zmq.Again`` inside it where it is expected."""
+    """Raise ZeroMQ's errors inside as ``transport_error(what, ...)``. Catch ``zmq.Again``
+    inside it where it is expected. (The per-message paths use a plain ``try``: free.)"""
     try:
         yield
     except zmq.ZMQError as e:
-        raise TransportError(f"{what}: {e}", errno=e.errno) from e
+        raise transport_error(what, e) from e
 
 
 def bindable(endpoint: str) -> str:
@@ -127,24 +133,26 @@ class RouterSocket:
         of the connection it came on (``source_fd``; ``TcpLink.of`` reads it). Messages
         over a limit are drained part by part, logged and skipped."""
         while True:
-            with transport_errors(f"receiving on {self.endpoint}"):
+            try:
                 first = await self.sock.recv(copy=False)
                 identity, fd = bytes(first.buffer), source_fd(first)
                 del first
-            try:
-                with transport_errors(f"receiving on {self.endpoint}"):
-                    frames = await read_bounded(lambda: self.sock.recv(copy=False), self.limits)
+                frames = await read_bounded(lambda: self.sock.recv(copy=False), self.limits)
             except LimitError as e:
                 self.oversized += 1
                 log.warning("discarded a message from %r: %s", identity, e)
                 continue
+            except zmq.ZMQError as e:
+                raise transport_error(f"receiving on {self.endpoint}", e) from e
             return identity, frames, fd
 
     def try_send(self, identity: bytes, frames: Sequence[Buffer]) -> bool:
         """Queue a whole message for ``identity`` without blocking; False when its queue is
         full, ``PeerGone`` when its connection is gone."""
-        with transport_errors(f"sending on {self.endpoint}"):
+        try:
             future: Any = self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # a closed socket
+            raise transport_error(f"sending on {self.endpoint}", e) from e
         if not future.done():  # cannot happen with NOBLOCK; keep the message either way
             return True
         error = future.exception()
@@ -156,7 +164,7 @@ class RouterSocket:
         if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
             raise PeerGone(f"receiver {name} is gone", errno=error.errno) from error
         if isinstance(error, zmq.ZMQError):
-            raise TransportError(f"sending to receiver {name} on {self.endpoint}: {error}", errno=error.errno) from error
+            raise transport_error(f"sending to receiver {name} on {self.endpoint}", error) from error
         raise error  # not ZeroMQ's (a frame that is no buffer): the caller's bug, as it was
 
     async def aclose(self, timeout: float = 1.0) -> None:
@@ -329,21 +337,25 @@ class DealerSocket:
             self._connections[fd] = link
 
     async def send(self, frames: Sequence[Buffer]) -> None:
-        with transport_errors(f"sending to {self.endpoint}"):
+        try:
             await self.sock.send_multipart(list(frames), copy=False)
+        except zmq.ZMQError as e:
+            raise transport_error(f"sending to {self.endpoint}", e) from e
 
     def try_send(self, frames: Sequence[Buffer]) -> bool:
         """Queue a message without waiting; False when it cannot be queued now (no
         connection, or a full queue). Acks and heartbeats repeat, so dropping one is safe."""
-        with transport_errors(f"sending to {self.endpoint}"):
+        try:
             future: Any = self.sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # a closed socket
+            raise transport_error(f"sending to {self.endpoint}", e) from e
         return not future.done() or future.exception() is None
 
     async def recv(self) -> list[memoryview]:
         """The next message; ``LimitError`` (after draining it) when it exceeds ``limits``.
         The header's size is checked before anything reads it (the first part counted)."""
         counter = MessageCounter(self.limits)
-        with transport_errors(f"receiving from {self.endpoint}"):
+        try:
             frame = await self.sock.recv(copy=False)
             kept = [frame.buffer] if counter.add(len(frame)) else []
             more = frame.more
@@ -359,6 +371,8 @@ class DealerSocket:
                     kept.clear()
                 more = frame.more
                 del frame
+        except zmq.ZMQError as e:
+            raise transport_error(f"receiving from {self.endpoint}", e) from e
         if counter.error is not None:
             raise counter.error
         return kept
