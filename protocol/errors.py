@@ -9,8 +9,9 @@ engine whose loader transforms a tensor: ``PlacementError``), a call that does n
 current state (``StateError``), a socket that failed (``TransportError``), a
 receiver that kept refusing its resyncs and was given up on (``ResyncLimitError``), or a
 wait that ran out of time (``WeightSyncTimeout``, which is also a ``TimeoutError``).
-Nothing else leaves a public call but ``asyncio.CancelledError`` (docs/errors.md lists the
-few other exceptions and why; tests/test_error_family.py walks every raise).
+weightsync raises nothing else out of a public call but ``asyncio.CancelledError``; what the
+code it calls raises (torch, your callbacks) passes through. docs/errors.md lists the few
+other exceptions and why; tests/test_error_family.py walks every raise.
 
 Errors travel by ``code``: the ERROR message a server sends a receiver and the sidecar
 hand-off's error reply carry ``error_code(err)``; the side that reads one raises
