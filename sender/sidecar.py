@@ -20,7 +20,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, WeightSyncError
+from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, TransportError, WeightSyncError
 from protocol.host.cli import report
 from protocol.host.shm import Layout, Region
 from protocol.net.context import shared_context
@@ -68,6 +68,8 @@ class ShmSidecar:
             if msg["op"] != "publish":
                 raise ProtocolError(f"unknown hand-off op {msg['op']!r}")
             await self._publish(version, msg.get("generation"))
+        except TransportError:
+            raise  # this sidecar's own socket (its endpoint taken, say): it cannot serve, it stops
         except WeightSyncError as e:
             log.error("publish v%s refused: %s", version, e)
             return error_reply(version, e)
