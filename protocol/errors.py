@@ -1,13 +1,17 @@
 """The error family every weightsync failure belongs to.
 
 Callers catch ``WeightSyncError`` for everything, or one of the narrower classes
-for what they can act on: a bad message (``ProtocolError``), corrupted bytes
-(``IntegrityError``), two models that do not match (``MetadataMismatchError``),
-an update that does not apply on top of the current version
-(``StaleVersionError``), a setting that cannot work here (``ConfigError``; an engine
-whose loader transforms a tensor: ``PlacementError``), or a
+for what they can act on: a bad message (``ProtocolError``; one over a bound:
+``LimitError``), corrupted bytes (``IntegrityError``), two models that do not match
+(``MetadataMismatchError``), an update that does not apply on top of the current version
+(``StaleVersionError``), a setting or argument that cannot work here (``ConfigError``; an
+engine whose loader transforms a tensor: ``PlacementError``), a call that does not fit the
+current state (``StateError``), a socket that failed (``TransportError``), a
 receiver that kept refusing its resyncs and was given up on (``ResyncLimitError``), or a
 wait that ran out of time (``WeightSyncTimeout``, which is also a ``TimeoutError``).
+weightsync raises nothing else out of a public call but ``asyncio.CancelledError``; what the
+code it calls raises (torch, your callbacks) passes through. docs/errors.md lists the few
+other exceptions and why; tests/test_error_family.py walks every raise.
 
 Errors travel by ``code``: the ERROR message a server sends a receiver and the sidecar
 hand-off's error reply carry ``error_code(err)``; the side that reads one raises
@@ -25,6 +29,15 @@ class WeightSyncError(Exception):
 
 class ProtocolError(WeightSyncError):
     """A message is malformed: wrong frame count, bad header, bad index, bad size."""
+
+
+class LimitError(ProtocolError):
+    """A message exceeds a configured bound (``protocol.wire.limits.Limits``); ``limit``
+    names which, ``value`` says by how much."""
+
+    def __init__(self, limit: str, value: int, allowed: int, where: str = "message") -> None:
+        super().__init__(f"{where}: {limit} {value} exceeds the limit of {allowed}")
+        self.limit, self.value, self.allowed = limit, value, allowed
 
 
 class IntegrityError(WeightSyncError):
@@ -49,7 +62,9 @@ class StaleVersionError(WeightSyncError):
 
 
 class ConfigError(WeightSyncError, ValueError):
-    """A setting is invalid, or needs a package or device that is not available."""
+    """A setting or an argument is invalid, or needs a package or device that is not
+    available. Also a ``ValueError``: what Python raises for a bad argument, which callers
+    and vLLM's own checks of ``init_info`` / ``update_info`` catch."""
 
 
 class PlacementError(ConfigError):
@@ -75,6 +90,21 @@ class SharedMemoryError(WeightSyncError):
 class StateError(WeightSyncError):
     """A control call does not fit the receiver's state (``update_weights`` while not
     paused, waking the weights while the KV cache sleeps): change the state, then retry."""
+
+
+class TransportError(WeightSyncError):
+    """A socket could not do what was asked: bind an address (in use: ``errno`` is
+    ``EADDRINUSE``), connect to a malformed endpoint, send or receive on a socket whose
+    context is gone. Names the operation and the address; ``__cause__`` is ZeroMQ's error."""
+
+    def __init__(self, message: str, *, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class PeerGone(TransportError):
+    """A server's send found the receiver's connection gone (``EHOSTUNREACH``): drop that
+    receiver, serve the others."""
 
 
 class ResyncLimitError(WeightSyncError):

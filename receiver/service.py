@@ -35,6 +35,7 @@ from protocol.config import SyncConfig, load_config
 from protocol.errors import (
     ConfigError,
     IntegrityError,
+    LimitError,
     MetadataMismatchError,
     ProtocolError,
     ResyncLimitError,
@@ -49,7 +50,7 @@ from protocol.state import Placed, StateLike, state_tensors
 from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType, peek_type
-from protocol.wire.limits import LimitError, Limits
+from protocol.wire.limits import Limits
 from protocol.wire.messages import Ack, Nack
 
 from . import memory

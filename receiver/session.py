@@ -24,13 +24,13 @@ from collections.abc import Callable, Sequence
 
 import zmq.asyncio
 
-from protocol.errors import UNKNOWN_PEER, WIRE_CODES, StateError, WeightSyncError, WeightSyncTimeout
+from protocol.errors import UNKNOWN_PEER, WIRE_CODES, LimitError, StateError, WeightSyncError, WeightSyncTimeout
 from protocol.net.heartbeat import ticks
 from protocol.net.security import CurveClient
 from protocol.net.sockets import DealerSocket
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type
-from protocol.wire.limits import LimitError, Limits
+from protocol.wire.limits import Limits
 from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from protocol.errors import (
 )
 from protocol.host.shm import Layout, Region
 from protocol.host.snapfile import write_snapshot
-from protocol.net.sockets import handoff_socket
+from protocol.net.sockets import handoff_socket, transport_errors
 from protocol.state import StateLike, materialize, resolve_state
 
 __all__ = ["SidecarClient", "write_snapshot"]
@@ -97,7 +97,12 @@ class SidecarClient:
         self._region: Region | None = None
         self._pending: int | None = None
         self._socket = handoff_socket(context or zmq.Context.instance(), zmq.DEALER)
-        self._socket.connect(handoff)
+        try:
+            with transport_errors(f"cannot connect to the sender sidecar's hand-off at {handoff}"):
+                self._socket.connect(handoff)
+        except BaseException:
+            self._socket.close(0)
+            raise
         self._closed = False
 
     def publish(self, model: StateLike, version: int) -> None:
@@ -107,7 +112,8 @@ class SidecarClient:
         the region, and returns: the trainer may change the model right away. Raises
         ``MetadataMismatchError`` if the state no longer matches the region (names,
         shapes, dtypes), ``StaleVersionError`` if ``version`` does not increase, and
-        ``WeightSyncTimeout`` (a ``TimeoutError``) if the sidecar does not answer within ``timeout``.
+        ``WeightSyncTimeout`` (a ``TimeoutError``) if the sidecar does not answer within ``timeout``,
+        ``TransportError`` if the hand-off socket fails.
         """
         if self._closed:
             raise WeightSyncError("client is closed")
@@ -134,8 +140,10 @@ class SidecarClient:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._pending is not None:
-            if self._socket.poll(max(1, int(self.resend_interval * 1000))):
-                self._on_reply(decode(self._socket.recv()))
+            with transport_errors(f"receiving from the sender sidecar at {self.handoff}"):
+                reply = self._socket.recv() if self._socket.poll(max(1, int(self.resend_interval * 1000))) else None
+            if reply is not None:
+                self._on_reply(decode(reply))
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 raise WeightSyncTimeout(f"the sender sidecar at {self.handoff} did not collect v{self._pending} within {timeout}s")
@@ -164,10 +172,11 @@ class SidecarClient:
     def _send(self) -> None:
         assert self._region is not None and self._pending is not None
         msg = encode("publish", version=self._pending, region=self.shm, generation=self._region.generation)
-        try:
-            self._socket.send(msg, zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the queue towards a sidecar that is down is full: flush() resends
+        with transport_errors(f"sending to the sender sidecar at {self.handoff}"):
+            try:
+                self._socket.send(msg, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the queue towards a sidecar that is down is full: flush() resends
 
     def _on_reply(self, msg: dict[str, Any]) -> None:
         if msg["version"] != self._pending:

@@ -26,6 +26,7 @@ import torch
 from protocol.codec import devicecodec
 from protocol.codec.compress import Codec
 from protocol.codec.tensorcodec import EncodedTensor, pack_entry
+from protocol.errors import ConfigError
 from protocol.timing import DeviceSpan
 from protocol.wire.framing import Encoding, Role, ValueEncoding
 
@@ -78,7 +79,7 @@ class DeviceEncoder:
             c.wait()
             held = c.flat if c.flat is not None else c.dense
             if held is None:
-                raise ValueError(f"tensor {c.key}: changes with neither positions nor a whole copy")
+                raise ConfigError(f"tensor {c.key}: changes with neither positions nor a whole copy")
             by_device.setdefault(held.device, []).append(i)
         for device, ids in by_device.items():
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

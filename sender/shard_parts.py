@@ -140,9 +140,9 @@ class PartMover:
         them). ``part`` None: this rank has no part (its build failed); every rank raises.
         ``figures``: this rank's counts (``FIGURES``, zeros where not given), shared too."""
         if not 0 <= version <= DIGEST_MASK or not 0 <= digest <= DIGEST_MASK:
-            raise ValueError(f"version and digest are non-negative int64s, got {version}, {digest}")
+            raise ConfigError(f"version and digest are non-negative int64s, got {version}, {digest}")
         if len(figures) > len(FIGURES):
-            raise ValueError(f"at most {len(FIGURES)} figures ({', '.join(FIGURES)}), got {len(figures)}")
+            raise ConfigError(f"at most {len(FIGURES)} figures ({', '.join(FIGURES)}), got {len(figures)}")
         nbytes = NO_PART if part is None else memoryview(part).nbytes
         counts = [*figures, *[0] * (len(FIGURES) - len(figures))]
         mine = torch.tensor([version, nbytes, digest, *counts], dtype=torch.int64)
@@ -171,7 +171,7 @@ class PartMover:
             raise ConfigError("the leader does not send its part: iterate parts()")
         view = memoryview(part).cast("B")
         if view.nbytes != agreed.sizes[self.rank]:
-            raise ValueError(f"rank {self.rank}: a part of {view.nbytes} bytes where {agreed.sizes[self.rank]} were agreed")
+            raise ConfigError(f"rank {self.rank}: a part of {view.nbytes} bytes where {agreed.sizes[self.rank]} were agreed")
         if not view.nbytes:
             return
         with warnings.catch_warnings():  # a read-only buffer: sending only reads it
@@ -217,7 +217,7 @@ class PartMover:
         if not self.is_leader:
             raise ConfigError(f"only rank {self.leader} takes the parts; rank {self.rank} sends its own")
         if memoryview(part).nbytes != agreed.sizes[self.rank]:
-            raise ValueError(f"the leader's part has {memoryview(part).nbytes} bytes where {agreed.sizes[self.rank]} were agreed")
+            raise ConfigError(f"the leader's part has {memoryview(part).nbytes} bytes where {agreed.sizes[self.rank]} were agreed")
         pending = []
         for rank, nbytes in enumerate(agreed.sizes):
             if rank == self.rank or not nbytes:

@@ -49,9 +49,9 @@ def row_range(shape: Sequence[int], rank: int, world: int) -> tuple[int, int]:
     its rows (dim 0) are chunked as ``torch.chunk`` (and DTensor's ``Shard(0)``) chunk them:
     ceil(rows / world) rows a rank, the last shard shorter, trailing ones empty (lo == hi)."""
     if not shape:
-        raise ValueError("a 0-dim tensor has no rows to shard")
+        raise ConfigError("a 0-dim tensor has no rows to shard")
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside a world of {world}")
+        raise ConfigError(f"rank {rank} outside a world of {world}")
     rows = shape[0]
     row_numel = 1
     for d in shape[1:]:

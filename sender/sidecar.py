@@ -20,11 +20,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, WeightSyncError
+from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, TransportError, WeightSyncError
 from protocol.host.cli import report
 from protocol.host.shm import Layout, Region
 from protocol.net.context import shared_context
-from protocol.net.sockets import handoff_socket
+from protocol.net.sockets import handoff_socket, transport_errors
 
 from .client import decode, encode, error_reply
 from .service import Sender
@@ -68,6 +68,8 @@ class ShmSidecar:
             if msg["op"] != "publish":
                 raise ProtocolError(f"unknown hand-off op {msg['op']!r}")
             await self._publish(version, msg.get("generation"))
+        except TransportError:
+            raise  # this sidecar's own socket (its endpoint taken, say): it cannot serve, it stops
         except WeightSyncError as e:
             log.error("publish v%s refused: %s", version, e)
             return error_reply(version, e)
@@ -133,7 +135,12 @@ async def serve_shm(args: argparse.Namespace, stop: asyncio.Event) -> None:
     """Run the ``ipc`` sidecar until ``stop``."""
     context = shared_context(args.io_threads)
     handoff = handoff_socket(context, zmq.ROUTER)
-    handoff.bind(args.handoff)
+    try:
+        with transport_errors(f"cannot bind the hand-off at {args.handoff}"):
+            handoff.bind(args.handoff)
+    except BaseException:
+        handoff.close(0)
+        raise
     sidecar = ShmSidecar(args, context)
     report("handoff", endpoint=args.handoff, shm=args.shm)
     stopping = asyncio.ensure_future(stop.wait())
@@ -145,7 +152,8 @@ async def serve_shm(args: argparse.Namespace, stop: asyncio.Event) -> None:
             if not receiving.done():
                 receiving.cancel()
                 break
-            frames = receiving.result()
+            with transport_errors(f"receiving on the hand-off at {args.handoff}"):
+                frames = receiving.result()
             if len(frames) != 2:
                 log.warning("dropping a hand-off message of %d frames", len(frames))
                 continue
@@ -156,7 +164,8 @@ async def serve_shm(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 log.warning("dropping a bad hand-off message: %s", e)
                 continue
             reply = await sidecar.handle(msg)
-            await handoff.send_multipart([identity, reply])
+            with transport_errors(f"answering on the hand-off at {args.handoff}"):
+                await handoff.send_multipart([identity, reply])
     finally:
         stopping.cancel()
         await sidecar.close()

@@ -531,7 +531,7 @@ async def test_endpoint_is_free_once_close_returns(daemons: Daemons) -> None:
                 d.connect(endpoint)
             await asyncio.sleep(0.02)  # the connections are established
             await asyncio.wait_for(s.close(), T)
-            s = await daemons.sender(trainer, "patch", endpoint)  # raises ZMQError EADDRINUSE when it is still bound
+            s = await daemons.sender(trainer, "patch", endpoint)  # raises TransportError (EADDRINUSE) when it is still bound
             for d in dealers:
                 d.close(linger=0)
     finally:

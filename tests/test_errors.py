@@ -1,5 +1,5 @@
-"""One error family (protocol/errors.py): the wire codes of both directions, and the
-timeout every public wait raises.
+"""One error family (protocol/errors.py): the wire codes of both directions, the
+timeout every public wait raises, and ZeroMQ's errors raised as ``TransportError``.
 
 The codes are on the wire (an ERROR message's ``code``, a sidecar hand-off's error reply):
 the strings below are written out literally so that renaming one fails here.
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 from pathlib import Path
 
 import msgpack
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 from daemon_helpers import CONFIGS, DAEMON_KW, T, Trainer, receiver_model
 
 from protocol.errors import (
@@ -29,11 +32,13 @@ from protocol.errors import (
     SharedMemoryError,
     StaleVersionError,
     StateError,
+    TransportError,
     WeightSyncError,
     WeightSyncTimeout,
     error_code,
     error_from_code,
 )
+from protocol.net.sockets import DealerSocket, RouterSocket
 from protocol.wire.framing import MessageType, decode_message, encode_message
 from protocol.wire.messages import ErrorReport
 from receiver import Receiver
@@ -145,3 +150,46 @@ def test_a_sidecar_that_never_answers_is_a_timeout(tmp_path: Path) -> None:
             client.publish(model, 0)
             client.flush()
     _is_our_timeout(info)
+
+
+def _from_zmq(info: pytest.ExceptionInfo[TransportError], *names: str) -> None:
+    """ZeroMQ's error is the cause, and the message names what failed, where."""
+    assert isinstance(info.value.__cause__, zmq.ZMQError) and info.value.errno == info.value.__cause__.errno, info.value
+    assert all(name in str(info.value) for name in names), info.value
+
+
+async def test_an_endpoint_in_use_is_a_transport_error() -> None:
+    trainer = Trainer()
+    first = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **DAEMON_KW)
+    await asyncio.wait_for(first.start(trainer.model, version=0), T)
+    try:
+        second = Sender(first.endpoint, CONFIGS["patch"], **DAEMON_KW)
+        with pytest.raises(TransportError) as info:
+            await second.start(trainer.model, version=0)
+        _from_zmq(info, "bind", first.endpoint)
+        assert info.value.errno == errno.EADDRINUSE
+    finally:
+        await first.close()
+
+
+async def test_socket_failures_are_transport_errors(tmp_path: Path) -> None:
+    context = zmq.asyncio.Context()
+    try:
+        with pytest.raises(TransportError) as info:
+            DealerSocket(context, "tcp://nowhere", b"r")  # no port
+        _from_zmq(info, "connect", "tcp://nowhere")
+        with pytest.raises(TransportError) as info:
+            RouterSocket(context, "nosuch://endpoint")
+        _from_zmq(info, "bind", "nosuch://endpoint")
+        router = RouterSocket(context, f"ipc://{tmp_path}/router")
+        dealer = DealerSocket(context, router.endpoint, b"r")
+        router.sock.close(linger=0)
+        with pytest.raises(TransportError) as info:  # sending on a closed socket
+            router.try_send(b"r", [b"x"])
+        _from_zmq(info, "send", router.endpoint)
+        dealer.close()
+    finally:
+        context.destroy(linger=0)
+    with pytest.raises(TransportError) as info:
+        SidecarClient("nosuch://handoff", f"ws-errors-{tmp_path.name[-8:]}")
+    _from_zmq(info, "hand-off", "nosuch://handoff")

@@ -449,8 +449,9 @@ async def test_dealer_receives_a_many_frame_message_whole_and_bounded():
     import zmq
     import zmq.asyncio
 
+    from protocol.errors import LimitError
     from protocol.net.sockets import DealerSocket
-    from protocol.wire.limits import LimitError, Limits
+    from protocol.wire.limits import Limits
 
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)

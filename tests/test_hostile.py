@@ -465,7 +465,8 @@ def test_hostile_manifest_is_a_protocol_error(name):
 
 
 def test_a_group_longer_than_the_tensor_limit_is_a_limit_error():
-    from protocol.wire.limits import LimitError, Limits
+    from protocol.errors import LimitError
+    from protocol.wire.limits import Limits
 
     frames = message([sparse(0, (3, 5), torch.float32, [1, 7, 14], PatchOptions(Encoding.GAPS, ValueEncoding.RAW))])
     bad = mutate(frames, lambda h: h["tensors"][0].append(list(range(5))))

@@ -50,7 +50,7 @@ from daemon_helpers import (
 
 from protocol.codec.compress import Codec
 from protocol.codec.tensorcodec import assemble, encode_dense
-from protocol.errors import ConfigError, ProtocolError, WeightSyncError
+from protocol.errors import ConfigError, LimitError, ProtocolError, WeightSyncError
 from protocol.net.security import (
     CurveClient,
     CurveServer,
@@ -63,7 +63,7 @@ from protocol.net.security import (
 )
 from protocol.net.sockets import DealerSocket, RouterSocket
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message
-from protocol.wire.limits import LimitError, Limits
+from protocol.wire.limits import Limits
 from receiver import Receiver
 from sender import Sender
 

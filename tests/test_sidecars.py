@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import subprocess
 import sys
@@ -27,10 +28,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from daemon_helpers import HEARTBEAT, PEER_TIMEOUT, ROOT, YAML, Proc, Processes, Trainer, bf16_state, wait_until
 
 from examples.tiny_model import build
-from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError
+from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryError, StaleVersionError, TransportError
 from protocol.host.shm import Layout, Region, leftover_regions, region_path, shm_dir
 from protocol.host.snapfile import read_snapshot, snapshot_path, write_snapshot
 from protocol.wire.checksum import state_digest
@@ -271,6 +273,27 @@ async def test_client_handshake_and_typed_errors(tmp_path: Path, prefix: str) ->
     finally:
         stop.set()
         await asyncio.wait_for(sidecar, T)
+
+
+@pytest.mark.timeout(60)
+async def test_a_sidecar_whose_endpoint_is_taken_stops_with_a_transport_error(tmp_path: Path, prefix: str) -> None:
+    """Its own socket failing is not the trainer's error to answer: the sidecar stops, the
+    ``TransportError`` (ZeroMQ's EADDRINUSE its cause) says where."""
+    holder = zmq.Context.instance().socket(zmq.ROUTER)
+    holder.setsockopt(zmq.LINGER, 0)
+    port = holder.bind_to_random_port("tcp://127.0.0.1")
+    args = sidecar_args(tmp_path, f"{prefix}-b", endpoint=f"tcp://127.0.0.1:{port}")
+    sidecar = asyncio.ensure_future(serve_shm(args, asyncio.Event()))
+    try:
+        with SidecarClient(args.handoff, args.shm, timeout=T) as client:
+            await asyncio.to_thread(client.publish, Trainer(seed=7).model, 0)  # returns once copied: the sidecar binds now
+            with pytest.raises(TransportError) as info:
+                await asyncio.wait_for(sidecar, T)
+            assert info.value.errno == errno.EADDRINUSE and f"tcp://127.0.0.1:{port}" in str(info.value)
+            client.close(wait=False)
+    finally:
+        sidecar.cancel()
+        holder.close()
 
 
 # -- real processes -----------------------------------------------------------------------------------

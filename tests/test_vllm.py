@@ -57,16 +57,18 @@ def check_summary(summary: dict[str, Any], steps: int, dense: tuple[int, ...] = 
 
 
 def test_init_and_update_info_are_checked_at_the_boundary() -> None:
+    from protocol.errors import ConfigError
     from receiver.vllm.engine import WeightsyncInitInfo, WeightsyncUpdateInfo
 
+    assert issubclass(ConfigError, ValueError)  # what vLLM, and Python, expect of a bad argument
     assert WeightsyncInitInfo(endpoint="tcp://127.0.0.1:5555").endpoints == ["tcp://127.0.0.1:5555"]
     for bad in ({"endpoint": []}, {"endpoint": "tcp://x:1", "timeout": 0}, {"endpoint": "tcp://x:1", "curve": {"public": "k"}},
                 {"endpoint": "tcp://x:1", "name_mapping": "guess"}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError):
             WeightsyncInitInfo(**bad)
     assert WeightsyncUpdateInfo(version="global_step_12").version == "global_step_12"
     for bad_update in ({"version": "latest"}, {"version": -1}, {"timeout": True}, {"verify_checksum": "yes"}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError):
             WeightsyncUpdateInfo(**bad_update)
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.errors import ProtocolError
+from protocol.errors import ConfigError, ProtocolError
 
 VERSION = 1
 # Changes a block, a power of two (the header stores its log2). 128 codes the real bf16 steps of
@@ -276,9 +276,9 @@ class Prepared:
 def prepare(flat: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, *, block: int = BLOCK) -> Prepared:
     """``encode`` up to the payload's size, with no host sync (see ``Prepared``)."""
     if flat.dim() != 1 or new_bits.shape != flat.shape or old_bits.shape != flat.shape or new_bits.dtype != old_bits.dtype:
-        raise ValueError(f"changes of {list(flat.shape)} positions, {list(new_bits.shape)} new and {list(old_bits.shape)} old values")
+        raise ConfigError(f"changes of {list(flat.shape)} positions, {list(new_bits.shape)} new and {list(old_bits.shape)} old values")
     if block < 1 or block & (block - 1):
-        raise ValueError(f"block size {block} is not a power of two")
+        raise ConfigError(f"block size {block} is not a power of two")
     nnz, device = flat.numel(), flat.device
     blocks = _Blocks.of(nnz, block, device)
     width = value_width(new_bits.dtype)
@@ -434,7 +434,7 @@ def decode(payload: torch.Tensor, nnz: int, numel: int, dtype: torch.dtype, *, b
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise ProtocolError(f"device payload of {payload.dtype}{list(payload.shape)}, expected uint8 bytes")
     if not 0 <= numel < 1 << 62:
-        raise ValueError(f"a target of {numel} elements")
+        raise ConfigError(f"a target of {numel} elements")
     device, width = payload.device, value_width(dtype)
     body = min_nbytes(nnz, block=block)
     if not 0 <= nnz <= numel or payload.numel() < body:  # before allocating anything nnz long

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from protocol.errors import ConfigError
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -44,9 +46,9 @@ def _from_env() -> int:
     try:
         workers = int(value)
     except ValueError:
-        raise ValueError(f"{ENV}={value!r}: expected a whole number of threads (1 or more)") from None
+        raise ConfigError(f"{ENV}={value!r}: expected a whole number of threads (1 or more)") from None
     if workers < 1:
-        raise ValueError(f"{ENV}={value!r}: expected a whole number of threads (1 or more)")
+        raise ConfigError(f"{ENV}={value!r}: expected a whole number of threads (1 or more)")
     return workers
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from protocol.codec.coo import coo_shape, delta_decode, delta_encode, split_rows_cols
-from protocol.errors import ProtocolError
+from protocol.errors import ConfigError, ProtocolError
 from protocol.lazy import lazy_module
 from protocol.wire.dtypes import smallest_unsigned
 from protocol.wire.framing import Encoding, Role
@@ -57,7 +57,7 @@ def encode_positions(flat: torch.Tensor, shape: tuple[int, ...], encoding: Encod
         mask[flat] = 1
         packed = (mask.view(-1, 8) * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8)
         return {Role.POSITIONS: packed}
-    raise ValueError(f"{encoding!r} has no positions")
+    raise ConfigError(f"{encoding!r} has no positions")
 
 
 def gaps_of(flat: torch.Tensor) -> torch.Tensor:

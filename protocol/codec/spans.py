@@ -19,13 +19,14 @@ import torch
 
 from protocol.codec.compress import Codec
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, encode_dense, encode_sparse
+from protocol.errors import ConfigError
 from protocol.wire.framing import Encoding
 
 
 def _checked(span: tuple[int, int]) -> tuple[int, int]:
     lo, hi = span
     if not 0 <= lo < hi:
-        raise ValueError(f"span [{lo}, {hi}) is empty or negative")
+        raise ConfigError(f"span [{lo}, {hi}) is empty or negative")
     return lo, hi
 
 
@@ -35,9 +36,9 @@ def as_span(entry: EncodedTensor, span: tuple[int, int], key: int | None = None)
     its own) it then is, byte for byte. The one place a span entry is made."""
     lo, hi = _checked(span)
     if entry.group or entry.span is not None:
-        raise ValueError(f"tensor {entry.key}: a grouped entry, or one that is a span already, cannot become a span")
+        raise ConfigError(f"tensor {entry.key}: a grouped entry, or one that is a span already, cannot become a span")
     if entry.encoding is Encoding.DENSE and entry.nnz != hi - lo:
-        raise ValueError(f"{entry.nnz} values for a span of {hi - lo} elements")
+        raise ConfigError(f"{entry.nnz} values for a span of {hi - lo} elements")
     return dataclasses.replace(entry, key=entry.key if key is None else key, span=(lo, hi))
 
 
@@ -50,7 +51,7 @@ def encode_span(
     hi - lo elements (``options``: the encodings, the compression, host or device codec)."""
     lo, hi = _checked(span)
     if flat.numel() == 0:
-        raise ValueError("a span entry carries at least one change")
+        raise ConfigError("a span entry carries at least one change")
     return as_span(encode_sparse(key, flat, new, old, (hi - lo,), options), span)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from protocol.errors import ConfigError
 from protocol.timing import DeviceSpan
 
 ALIGN = 64  # every piece starts at a multiple of this in the buffer: any dtype's view of it is aligned
@@ -108,7 +109,7 @@ class StagingPool:
         starts, total = [], 0
         for piece in pieces:
             if piece.ndim != 1 or piece.dtype not in _DTYPES:
-                raise ValueError(f"cannot stage a {piece.dtype} array of {piece.ndim} dimensions")
+                raise ConfigError(f"cannot stage a {piece.dtype} array of {piece.ndim} dimensions")
             starts.append(total)
             total = _aligned(total + piece.nbytes)
         with self._lock:

@@ -22,7 +22,7 @@ import torch
 from protocol.codec import devicecodec
 from protocol.codec.compress import Codec, compress, decompress, shuffle, unshuffle
 from protocol.codec.positions import decode_positions, downscale, encode_positions, gaps_and_top, positions_nbytes
-from protocol.errors import IntegrityError, ProtocolError
+from protocol.errors import ConfigError, IntegrityError, ProtocolError
 from protocol.lazy import lazy_module
 from protocol.wire.buffers import Buffer, buffer_tensor, tensor_view
 from protocol.wire.checksum import checksum
@@ -204,7 +204,7 @@ class PatchOptions:
 
     def __post_init__(self) -> None:
         if self.device_codec and not self.default_encodings:
-            raise ValueError("the device codec codes positions and values itself: positions must be None (auto) and values ULP")
+            raise ConfigError("the device codec codes positions and values itself: positions must be None (auto) and values ULP")
 
     @property
     def default_encodings(self) -> bool:
@@ -525,7 +525,7 @@ def decode_entry(
         buf = _host_bytes(vspec, frames[vspec.frame - 1])
         if base is not None and packed.decodes_onto(base):
             if base.dtype != dtype or base.numel() != numel:
-                raise ValueError(f"tensor {entry.key}: base of {base.dtype}[{base.numel()}] for a target of {dtype}[{numel}]")
+                raise ConfigError(f"tensor {entry.key}: base of {base.dtype}[{base.numel()}] for a target of {dtype}[{numel}]")
             flat, values = packed.decode_onto(buf, nnz, base)
             return DecodedTensor(entry.key, flat, values, ValueEncoding.RAW)
         flat, diffs = packed.decode(buf, nnz, numel)
@@ -583,7 +583,7 @@ def _staged_dense(entry: TensorEntry, spec: BufferSpec, payload: torch.Tensor, d
     """A dense entry's values from its bytes already on ``device`` (``dense_bytes``, moved
     with its message): a view of them at the wire's dtype and shape."""
     if payload.device != device or payload.dtype != torch.uint8 or tuple(payload.shape) != (spec.nbytes,):
-        raise ValueError(f"tensor {entry.key}: staged dense bytes of {payload.dtype}{list(payload.shape)} on {payload.device}, "
+        raise ConfigError(f"tensor {entry.key}: staged dense bytes of {payload.dtype}{list(payload.shape)} on {payload.device}, "
                          f"expected uint8[{spec.nbytes}] on {device}")
     return payload.view(dtype_from_code(spec.dtype)).reshape(spec.shape)
 
@@ -635,7 +635,7 @@ def _decode_blocks(
     if payload is None:
         payload = unpack_buffer(spec, frame, torch.device("cpu")).to(device, non_blocking=True)
     elif payload.device != device or payload.dtype != torch.uint8 or tuple(payload.shape) != spec.shape:
-        raise ValueError(f"tensor {entry.key}: a staged payload of {payload.dtype}{list(payload.shape)} on {payload.device}, "
+        raise ConfigError(f"tensor {entry.key}: a staged payload of {payload.dtype}{list(payload.shape)} on {payload.device}, "
                          f"expected uint8{list(spec.shape)} on {device}")
     decoded = devicecodec.decode(payload, entry.nnz, numel, dtype)
     return DecodedTensor(entry.key, decoded.flat, decoded.diffs, ValueEncoding.ULP, Verdict(decoded.ok, decoded.intact))
@@ -652,7 +652,7 @@ def at_span(decoded: DecodedTensor, span: tuple[int, int]) -> DecodedTensor:
         return dataclasses.replace(decoded, flat=decoded.flat.to(torch.int64) + lo)
     values = decoded.values.reshape(-1)
     if values.numel() != hi - lo:  # decode_entry checked it against (hi - lo,)
-        raise ValueError(f"tensor {decoded.key}: {values.numel()} dense values for a span of {hi - lo}")
+        raise ConfigError(f"tensor {decoded.key}: {values.numel()} dense values for a span of {hi - lo}")
     flat = torch.arange(lo, hi, dtype=torch.int64, device=values.device)
     return dataclasses.replace(decoded, flat=flat, values=values, encoding=ValueEncoding.RAW)
 

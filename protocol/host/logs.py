@@ -14,6 +14,8 @@ import logging
 import sys
 from typing import IO, Any
 
+from protocol.errors import ConfigError
+
 FORMATS = ("text", "json")
 TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
@@ -41,7 +43,7 @@ def setup_logging(level: str, fmt: str = "text", stream: IO[str] | None = None) 
     """The root logger at ``level``, writing ``fmt`` (``text`` or ``json``) to ``stream``
     (stderr); replaces handlers set up before. Returns the handler."""
     if fmt not in FORMATS:
-        raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
+        raise ConfigError(f"log format must be one of {FORMATS}, got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
     root = logging.getLogger()

@@ -32,13 +32,22 @@ from typing import Any, Protocol, TypeVar
 import zmq
 import zmq.asyncio
 
-from protocol.errors import UNKNOWN_PEER, ConfigError, ProtocolError, ResyncLimitError, WeightSyncError, WeightSyncTimeout
+from protocol.errors import (
+    UNKNOWN_PEER,
+    ConfigError,
+    PeerGone,
+    ProtocolError,
+    ResyncLimitError,
+    TransportError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
 from protocol.net.context import shared_context
 from protocol.net.deliveries import Deliveries, ServerCounts
 from protocol.net.heartbeat import ticks
 from protocol.net.peers import Peer
 from protocol.net.security import CurveServer, check_transport
-from protocol.net.sockets import PeerGone, RouterSocket, TcpLink
+from protocol.net.sockets import RouterSocket, TcpLink
 from protocol.progress import Progress
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, Stamper, decode_message
@@ -565,8 +574,8 @@ class VersionServer:
 
         A pump never ends with its peer still registered: a receiver that cannot be served
         (a ``WeightSyncError``: resyncs refused too often, a bootstrap this server cannot
-        build now) is dropped and sent the error; anything else is a bug, which drops the
-        peer and fails the server (``_spawn``)."""
+        build now) is dropped and sent the error; anything else (a bug, or a ``TransportError``:
+        this server's own socket failed) drops the peer and fails the server (``_spawn``)."""
         try:
             await self._deliver_all(peer, [self.stamp(m) for m in greeting], "bootstrap" if len(greeting) > 1 else "")
             # A bootstrap is a whole model copy: this coroutine lives as long as the peer,
@@ -591,6 +600,10 @@ class VersionServer:
                 peer.wake.clear()
         except PeerGone:
             await self._drop(peer, "disconnected")
+        except TransportError as e:  # this server's socket failed, not one receiver: it fails the server
+            self._failure = e
+            await self._drop(peer, f"its pump failed: {e!r}")
+            raise
         except WeightSyncError as e:
             log.error("%s cannot serve receiver %s: %s: %s", self.role, peer.name, type(e).__name__, e)
             with contextlib.suppress(PeerGone):

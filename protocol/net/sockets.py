@@ -24,6 +24,10 @@ instead of one a frame (``python -m benchmarks.micro --only recv``).
 
 ``handoff_socket``: the local hand-off between a trainer and its sender sidecar.
 
+ZeroMQ's errors stop here: what a socket fails to do (bind, connect, send, receive) is a
+``TransportError`` naming the operation and the address (``transport_errors``), ZeroMQ's
+error its ``__cause__``; a send to a receiver that is gone, ``PeerGone`` (one).
+
 Inbound messages are bounded by ``limits`` on both: ZeroMQ drops a connection that
 sends a frame over ``MAXMSGSIZE``, and ``recv`` refuses a message over its frame count or
 byte total without keeping its parts.
@@ -32,12 +36,13 @@ byte total without keeping its parts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import struct
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -45,18 +50,31 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from protocol.errors import LimitError, PeerGone, TransportError
 from protocol.net import zap
 from protocol.net.security import CurveClient, CurveServer
 from protocol.wire.buffers import Buffer
-from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits, MessageCounter, read_bounded
+from protocol.wire.limits import DEFAULT_LIMITS, Limits, MessageCounter, read_bounded
 
 log = logging.getLogger(__name__)
 
 SNDHWM = 1000  # frames queued per peer before sends report "full"; credits bound it first
 
 
-class PeerGone(Exception):
-    """The peer's connection is gone (EHOSTUNREACH)."""
+def transport_error(what: str, error: zmq.ZMQError) -> TransportError:
+    """ZeroMQ's ``error`` as a ``TransportError`` saying ``what`` failed (the operation and
+    its address); raise it ``from error``."""
+    return TransportError(f"{what}: {error}", errno=error.errno)
+
+
+@contextlib.contextmanager
+def transport_errors(what: str) -> Iterator[None]:
+    """Raise ZeroMQ's errors inside as ``transport_error(what, ...)``. Catch ``zmq.Again``
+    inside it where it is expected. (The per-message paths use a plain ``try``: free.)"""
+    try:
+        yield
+    except zmq.ZMQError as e:
+        raise transport_error(what, e) from e
 
 
 def bindable(endpoint: str) -> str:
@@ -75,25 +93,29 @@ class RouterSocket:
         on_reject: Callable[[str, str], None] | None = None,
     ) -> None:
         """``on_reject(address, public_key)`` is called (from the ZAP thread) for each
-        CURVE handshake refused because its key is not allowed."""
-        sock = context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting receiver takes over its identity
-        sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        sock.setsockopt(zmq.RCVHWM, 0)  # acks and heartbeats are tiny; never drop them
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_bytes)
+        CURVE handshake refused because its key is not allowed. ``TransportError`` if
+        ``endpoint`` cannot be bound (in use, malformed)."""
+        with transport_errors(f"cannot open a ROUTER socket for {endpoint}"):
+            sock = context.socket(zmq.ROUTER)
         self.limits = limits
         self.oversized = 0  # messages discarded for exceeding a limit
         self._context, self._domain = context, None
-        if curve is not None:
-            self._domain = f"weightsync-{uuid.uuid4().hex}"
-            zap.register(context, self._domain, curve.allowed, on_reject)  # before bind: no unchecked handshake
-            sock.setsockopt(zmq.ZAP_DOMAIN, self._domain.encode())
-            sock.setsockopt(zmq.CURVE_SERVER, 1)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.keys.secret)
         try:
-            sock.bind(bindable(endpoint))
+            with transport_errors(f"cannot bind {endpoint}"):
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting receiver takes over its identity
+                sock.setsockopt(zmq.SNDHWM, SNDHWM)
+                sock.setsockopt(zmq.RCVHWM, 0)  # acks and heartbeats are tiny; never drop them
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_bytes)
+                if curve is not None:
+                    domain = f"weightsync-{uuid.uuid4().hex}"
+                    zap.register(context, domain, curve.allowed, on_reject)  # before bind: no unchecked handshake
+                    self._domain = domain
+                    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+                    sock.setsockopt(zmq.CURVE_SERVER, 1)
+                    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.keys.secret)
+                sock.bind(bindable(endpoint))
         except BaseException:
             sock.close(linger=0)
             self._unregister()
@@ -111,20 +133,26 @@ class RouterSocket:
         of the connection it came on (``source_fd``; ``TcpLink.of`` reads it). Messages
         over a limit are drained part by part, logged and skipped."""
         while True:
-            first = await self.sock.recv(copy=False)
-            identity, fd = bytes(first.buffer), source_fd(first)
-            del first
             try:
+                first = await self.sock.recv(copy=False)
+                identity, fd = bytes(first.buffer), source_fd(first)
+                del first
                 frames = await read_bounded(lambda: self.sock.recv(copy=False), self.limits)
             except LimitError as e:
                 self.oversized += 1
                 log.warning("discarded a message from %r: %s", identity, e)
                 continue
+            except zmq.ZMQError as e:
+                raise transport_error(f"receiving on {self.endpoint}", e) from e
             return identity, frames, fd
 
     def try_send(self, identity: bytes, frames: Sequence[Buffer]) -> bool:
-        """Queue a whole message for ``identity`` without blocking; False when its queue is full."""
-        future: Any = self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        """Queue a whole message for ``identity`` without blocking; False when its queue is
+        full, ``PeerGone`` when its connection is gone."""
+        try:
+            future: Any = self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # a closed socket
+            raise transport_error(f"sending on {self.endpoint}", e) from e
         if not future.done():  # cannot happen with NOBLOCK; keep the message either way
             return True
         error = future.exception()
@@ -132,9 +160,12 @@ class RouterSocket:
             return True
         if isinstance(error, zmq.Again):
             return False
+        name = identity.decode(errors="replace")
         if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
-            raise PeerGone(identity.decode(errors="replace"))
-        raise error
+            raise PeerGone(f"receiver {name} is gone", errno=error.errno) from error
+        if isinstance(error, zmq.ZMQError):
+            raise transport_error(f"sending to receiver {name} on {self.endpoint}", error) from error
+        raise error  # not ZeroMQ's (a frame that is no buffer): the caller's bug, as it was
 
     async def aclose(self, timeout: float = 1.0) -> None:
         """Close, and return only once the endpoint is free to bind again: ZeroMQ releases
@@ -143,15 +174,17 @@ class RouterSocket:
             self.sock.close(linger=0)
             self._unregister()
             return
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        monitor: zmq.asyncio.Socket | None = None
         try:
+            monitor = self.sock.get_monitor_socket(zmq.EVENT_CLOSED)
             self.sock.unbind(self.endpoint)
             await asyncio.wait_for(monitor.recv_multipart(), timeout)
         except (zmq.ZMQError, TimeoutError):
             log.warning("endpoint %s may still be bound after close", self.endpoint)
         finally:
-            self.sock.disable_monitor()
-            monitor.close(linger=0)
+            if monitor is not None:
+                self.sock.disable_monitor()
+                monitor.close(linger=0)
             self.sock.close(linger=0)
             self._unregister()
 
@@ -218,7 +251,8 @@ def source_fd(frame: zmq.Frame) -> int:
 
 class DealerSocket:
     """Connects to the sender's ROUTER under a stable identity, so the sender knows a
-    reconnecting receiver (ROUTER_HANDOVER hands it the new connection)."""
+    reconnecting receiver (ROUTER_HANDOVER hands it the new connection). ``TransportError``
+    if ``endpoint`` cannot be connected to (malformed, an unknown transport)."""
 
     def __init__(
         self,
@@ -229,17 +263,27 @@ class DealerSocket:
         curve: CurveClient | None = None,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)  # the sender's credits bound what can be queued here
-        sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_bytes)
-        if curve is not None:
-            sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.keys.public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.keys.secret)
-        self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | CONNECTION)
-        sock.connect(endpoint)
+        with transport_errors(f"cannot open a DEALER socket for {endpoint}"):
+            sock = context.socket(zmq.DEALER)
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            with transport_errors(f"cannot connect to {endpoint}"):
+                sock.setsockopt(zmq.IDENTITY, identity)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)  # the sender's credits bound what can be queued here
+                sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_bytes)
+                if curve is not None:
+                    sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key)
+                    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.keys.public)
+                    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.keys.secret)
+                monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | CONNECTION)
+                sock.connect(endpoint)
+        except BaseException:
+            if monitor is not None:
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            raise
+        self._monitor = monitor
         self.sock = sock
         self._blocking: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, without the event loop: NOBLOCK reads
         self.limits = limits
@@ -268,7 +312,8 @@ class DealerSocket:
         (ZeroMQ retries) are debug."""
         seen: set[int] = set()
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
+            with transport_errors(f"watching the connection to {self.endpoint}"):
+                event = parse_monitor_message(await self._monitor.recv_multipart())
             kind = int(event["event"])
             if kind & CONNECTION:
                 self._follow_connection(kind, int(event["value"]))
@@ -292,33 +337,42 @@ class DealerSocket:
             self._connections[fd] = link
 
     async def send(self, frames: Sequence[Buffer]) -> None:
-        await self.sock.send_multipart(list(frames), copy=False)
+        try:
+            await self.sock.send_multipart(list(frames), copy=False)
+        except zmq.ZMQError as e:
+            raise transport_error(f"sending to {self.endpoint}", e) from e
 
     def try_send(self, frames: Sequence[Buffer]) -> bool:
         """Queue a message without waiting; False when it cannot be queued now (no
         connection, or a full queue). Acks and heartbeats repeat, so dropping one is safe."""
-        future: Any = self.sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
+        try:
+            future: Any = self.sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # a closed socket
+            raise transport_error(f"sending to {self.endpoint}", e) from e
         return not future.done() or future.exception() is None
 
     async def recv(self) -> list[memoryview]:
         """The next message; ``LimitError`` (after draining it) when it exceeds ``limits``.
         The header's size is checked before anything reads it (the first part counted)."""
         counter = MessageCounter(self.limits)
-        frame = await self.sock.recv(copy=False)
-        kept = [frame.buffer] if counter.add(len(frame)) else []
-        more = frame.more
-        del frame
-        while more:
-            try:
-                frame = self._blocking.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # not expected (delivery is atomic), but never spin or block here
-                frame = await self.sock.recv(copy=False)
-            if counter.add(len(frame)):
-                kept.append(frame.buffer)
-            elif kept:
-                kept.clear()
+        try:
+            frame = await self.sock.recv(copy=False)
+            kept = [frame.buffer] if counter.add(len(frame)) else []
             more = frame.more
             del frame
+            while more:
+                try:
+                    frame = self._blocking.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # not expected (delivery is atomic), but never spin or block here
+                    frame = await self.sock.recv(copy=False)
+                if counter.add(len(frame)):
+                    kept.append(frame.buffer)
+                elif kept:
+                    kept.clear()
+                more = frame.more
+                del frame
+        except zmq.ZMQError as e:
+            raise transport_error(f"receiving from {self.endpoint}", e) from e
         if counter.error is not None:
             raise counter.error
         return kept
@@ -335,7 +389,9 @@ def handoff_socket(context: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socke
 def handoff_socket(context: zmq.Context[Any], kind: int) -> zmq.Socket[Any]: ...
 def handoff_socket(context: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
     """A socket of the trainer / sender-sidecar hand-off (local, tiny messages): closes
-    without lingering, so a stopped peer never holds its process open."""
-    sock = context.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
+    without lingering, so a stopped peer never holds its process open. Its binds, connects,
+    sends and receives go through ``transport_errors``."""
+    with transport_errors("cannot open a hand-off socket"):
+        sock = context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
     return sock

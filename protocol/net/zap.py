@@ -19,6 +19,8 @@ from collections.abc import Callable
 import zmq
 from zmq.utils import z85
 
+from protocol.errors import ConfigError, TransportError
+
 log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -91,10 +93,13 @@ def register(context: zmq.Context, domain: str, allowed: frozenset[bytes], on_re
     with _registry_lock:
         handler = _handlers.get(context.underlying)
         if handler is None:
-            handler = _handlers[context.underlying] = _Handler(context)
+            try:
+                handler = _handlers[context.underlying] = _Handler(context)
+            except zmq.ZMQError as e:
+                raise TransportError(f"cannot start the ZAP handler at {ZAP_ENDPOINT} (another one bound there?): {e}", errno=e.errno) from e
         with handler._lock:
             if domain in handler.domains:
-                raise ValueError(f"ZAP domain {domain!r} is already registered")
+                raise ConfigError(f"ZAP domain {domain!r} is already registered")
             handler.domains[domain] = (allowed, on_reject)
 
 

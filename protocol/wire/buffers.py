@@ -6,13 +6,15 @@ import warnings
 
 import torch
 
+from protocol.errors import ConfigError
+
 Buffer = bytes | bytearray | memoryview
 
 
 def tensor_view(t: torch.Tensor) -> memoryview:
     """A read-only byte view of a CPU tensor's data; copies only if ``t`` is not contiguous."""
     if t.device.type != "cpu":
-        raise ValueError(f"tensor_view needs a CPU tensor, got one on {t.device}")
+        raise ConfigError(f"tensor_view needs a CPU tensor, got one on {t.device}")
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")

@@ -39,11 +39,11 @@ from typing import Any
 import msgpack
 
 from protocol.codec.compress import Codec
-from protocol.errors import IntegrityError, ProtocolError
+from protocol.errors import IntegrityError, LimitError, ProtocolError
 from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import dtype_from_code
-from protocol.wire.limits import DEFAULT_LIMITS, LimitError, Limits
+from protocol.wire.limits import DEFAULT_LIMITS, Limits
 
 # 2: an ANS_GAPS + ULP tensor travels packed, one buffer (protocol/codec/packed.py);
 # 3: grouped entries (TensorEntry.group); 5: device-coded entries (Encoding.BLOCKS);

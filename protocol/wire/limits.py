@@ -5,7 +5,8 @@ bytes it sends. ZeroMQ enforces ``frame_bytes`` itself (``MAXMSGSIZE``: a larger
 drops the connection before it is buffered); the sockets count frames and bytes as
 parts arrive and discard the rest of a message past ``frames`` or ``message_bytes``;
 ``decode_message`` checks ``header_bytes`` before msgpack parses the header and
-``tensors`` before any entry is built. Exceeding one is a ``LimitError``.
+``tensors`` before any entry is built. Exceeding one is a ``LimitError``
+(``protocol.errors``); a bound that is not a positive int, a ``ConfigError``.
 
 ``Limits.for_model`` derives bounds from the model a daemon serves: nothing legitimate
 comes near them, and nothing much larger gets through.
@@ -19,20 +20,12 @@ from typing import Any
 
 import torch
 
-from protocol.errors import ProtocolError
+from protocol.errors import ConfigError, LimitError
 
 MiB = 1 << 20
 MAX_BUFFERS_PER_TENSOR = 9  # one per Role (protocol/wire/framing.py)
 WIDEST_ITEMSIZE = 8  # a frame may carry a tensor at a wider dtype than the receiver's (bucket_dtype)
 TABLE_MARGIN = 64 << 10  # per tensor: entropy-coder tables and compressor overhead
-
-
-class LimitError(ProtocolError):
-    """A message exceeds a configured bound; ``limit`` names which, ``value`` says by how much."""
-
-    def __init__(self, limit: str, value: int, allowed: int, where: str = "message") -> None:
-        super().__init__(f"{where}: {limit} {value} exceeds the limit of {allowed}")
-        self.limit, self.value, self.allowed = limit, value, allowed
 
 
 @dataclass(frozen=True)
@@ -49,7 +42,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("header_bytes", "frames", "frame_bytes", "message_bytes", "tensors"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise ValueError(f"Limits.{name} must be a positive int, got {getattr(self, name)!r}")
+                raise ConfigError(f"Limits.{name} must be a positive int, got {getattr(self, name)!r}")
 
     @classmethod
     def for_model(cls, tensors: Mapping[str, torch.Tensor], *, min_frame_bytes: int = 0) -> Limits:

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from protocol.errors import ConfigError, WeightSyncError, WeightSyncTimeout
+from protocol.errors import ConfigError, StateError, WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, KeyPair, z85_key
 from protocol.state import Placed
 from protocol.wire.framing import MessageType
@@ -88,19 +88,19 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     def __post_init__(self) -> None:
         endpoints = [self.endpoint] if isinstance(self.endpoint, str) else self.endpoint
         if not isinstance(endpoints, list) or not endpoints or not all(isinstance(e, str) and e for e in endpoints):
-            raise ValueError(f"init_info.endpoint must be an address or a non-empty list of them, got {self.endpoint!r}")
+            raise ConfigError(f"init_info.endpoint must be an address or a non-empty list of them, got {self.endpoint!r}")
         if self.config is not None and not isinstance(self.config, dict | str):
-            raise ValueError(f"init_info.config must be a dict or a path, got {type(self.config).__name__}")
+            raise ConfigError(f"init_info.config must be a dict or a path, got {type(self.config).__name__}")
         if self.curve is not None and (not isinstance(self.curve, dict) or set(self.curve) != {"public", "secret", "server_key"}):
-            raise ValueError("init_info.curve must have exactly the keys public, secret and server_key")
+            raise ConfigError("init_info.curve must have exactly the keys public, secret and server_key")
         if self.name_mapping is not None and not (isinstance(self.name_mapping, dict) or self.name_mapping == "is_agent"):
-            raise ValueError("init_info.name_mapping must be a dict (checkpoint name -> trainer name) or 'is_agent'")
+            raise ConfigError("init_info.name_mapping must be a dict (checkpoint name -> trainer name) or 'is_agent'")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or self.timeout <= 0:
-            raise ValueError(f"init_info.timeout must be a positive number of seconds, got {self.timeout!r}")
+            raise ConfigError(f"init_info.timeout must be a positive number of seconds, got {self.timeout!r}")
         if type(self.prepack) is not bool:
-            raise ValueError(f"init_info.prepack must be true or false, got {self.prepack!r}")
+            raise ConfigError(f"init_info.prepack must be true or false, got {self.prepack!r}")
         if type(self.check_writes) is not int or self.check_writes < 0:
-            raise ValueError(f"init_info.check_writes must be an int >= 0 (elements a tensor; 0: off), got {self.check_writes!r}")
+            raise ConfigError(f"init_info.check_writes must be an int >= 0 (elements a tensor; 0: off), got {self.check_writes!r}")
 
     @property
     def endpoints(self) -> list[str]:
@@ -124,14 +124,11 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     verify_checksum: bool = False
 
     def __post_init__(self) -> None:
-        try:
-            parse_version(self.version)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+        parse_version(self.version)  # a ConfigError (a ValueError too) unless it names a version
         if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or self.timeout <= 0):
-            raise ValueError(f"update_info.timeout must be a positive number of seconds or null, got {self.timeout!r}")
+            raise ConfigError(f"update_info.timeout must be a positive number of seconds or null, got {self.timeout!r}")
         if type(self.verify_checksum) is not bool:
-            raise ValueError(f"update_info.verify_checksum must be true or false, got {self.verify_checksum!r}")
+            raise ConfigError(f"update_info.verify_checksum must be true or false, got {self.verify_checksum!r}")
 
 
 @dataclass
@@ -198,7 +195,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         if self.receiver is not None:
-            raise RuntimeError("the weightsync engine is already initialised; shut it down first")
+            raise StateError("the weightsync engine is already initialised; shut it down first")
         started = time.perf_counter()
         thread = self._thread = _LoopThread(f"weightsync-{self._rank()}")
         try:
@@ -284,7 +281,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     # -- internals ----------------------------------------------------------------------
     def _receiver(self) -> Receiver:
         if self.receiver is None:
-            raise RuntimeError("the weightsync engine is not initialised: call init_weight_transfer_engine first")
+            raise StateError("the weightsync engine is not initialised: call init_weight_transfer_engine first")
         if not self.receiver.healthy:
             raise WeightSyncError(f"the weightsync receiver has stopped: {self.receiver.status()['error']}")
         return self.receiver

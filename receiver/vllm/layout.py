@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from protocol.errors import MetadataMismatchError, PlacementError
+from protocol.errors import ConfigError, MetadataMismatchError, PlacementError
 from protocol.state import Placed
 from protocol.wire.dtypes import bit_view, bits_at, bits_dtype
 
@@ -259,7 +259,7 @@ class MappedTensor(Placed):
     @torch.no_grad()
     def assign(self, values: torch.Tensor) -> None:
         if tuple(values.shape) != self.shape:
-            raise ValueError(f"{self.key}: a whole tensor of shape {tuple(values.shape)} for one of {self.shape}")
+            raise ConfigError(f"{self.key}: a whole tensor of shape {tuple(values.shape)} for one of {self.shape}")
         values = values.to(self.dtype)
         for seg in self.segments:
             seg.dst_view().copy_(seg.src_view(values))
