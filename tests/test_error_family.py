@@ -85,7 +85,7 @@ SIGNALS: dict[str, str] = {
     "Reconnect": "ends a receiver's session; its loop opens a new one",
     "Leave": "ends a receiver's session on purpose (pause, sleep, close)",
     "_Superseded": "a resync overtook an incomplete patch; the receive takes the resync",
-    "CompareFailed": "a version's compare failed; its encoder abandons the parts already out",
+    "BuildFailed": "a version's build failed or was not synced; its parts already out are abandoned",
 }
 
 # Raised calls of a method on a local value, which the walk cannot resolve from the source:
