@@ -31,6 +31,7 @@ from protocol.wire.metadata import ModelMetadata
 
 from .commit import StagedUpdate, Target, commit
 from .stats import ApplyStats
+from .threads import in_thread
 from .transfer import Placement, transfer_part
 
 log = logging.getLogger(__name__)
@@ -420,19 +421,10 @@ class ReceiverBase:
             stats.apply_device_seconds += max(span.seconds() for span in spans)
 
     async def _write(self, targets: list[Target], updates: list[StagedUpdate], stats: ApplyStats | None = None) -> None:
-        """Write ``updates`` off the event loop. A thread cannot be stopped, so a caller
-        cancelled meanwhile waits for it before the cancellation goes on: the failure is
-        recorded (``torn``) and the write side handed on only once nothing writes."""
-        thread = asyncio.ensure_future(asyncio.to_thread(self._commit_timed, targets, updates, stats))
-        cancelled = False
-        while not thread.done():
-            try:
-                await asyncio.wait((thread,))
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
-        thread.result()
+        """Write ``updates`` off the event loop. A caller cancelled meanwhile waits for the
+        thread (``in_thread``): the failure is recorded (``torn``) and the write side handed
+        on only once nothing writes."""
+        await in_thread(self._commit_timed, targets, updates, stats)
 
     def _publish_written(self, pending: PendingVersion) -> None:
         """The whole version is in the model: it is the version now, and each ``on_commit``
@@ -492,7 +484,7 @@ class ReceiverBase:
     # -- validation -------------------------------------------------------------------
     async def _next(self, recv: Recv) -> Message:
         frames = await recv()
-        msg = await asyncio.to_thread(decode_message, frames)
+        msg = await in_thread(decode_message, frames)
         if msg.type is MessageType.ERROR:
             try:
                 report = ErrorReport.from_body(msg.body)
@@ -561,7 +553,7 @@ class ReceiverBase:
 
     async def _stage(self, msg: Message, targets: list[Target], pending: PendingVersion) -> None:
         started = time.perf_counter()
-        updates = await asyncio.to_thread(self._decode, msg, targets)
+        updates = await in_thread(self._decode, msg, targets)  # into the staging buffers: done before a cancellation goes on
         pending.updates.extend(updates)
         pending.staged_bytes += sum(u.values.numel() * u.values.element_size() + (0 if u.flat is None else u.flat.numel() * 8) for u in updates)
         pending.stats.staged_bytes_peak = max(pending.stats.staged_bytes_peak, pending.staged_bytes)

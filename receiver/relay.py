@@ -22,7 +22,6 @@ reconnect, to its next upstream, until the relay wakes.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -40,6 +39,7 @@ from protocol.wire.metadata import ModelMetadata
 
 from .base import PendingVersion, ReceiverBase, StrategyHooks, WriteGuard
 from .rwlock import ReadWriteLock
+from .threads import in_thread
 
 
 class Relay:
@@ -138,14 +138,14 @@ class Relay:
             version=version, copy=True,  # copies: the model moves on while frames are queued
         )
         async with self._model_lock.reading():
-            return await asyncio.to_thread(list, messages)
+            return await in_thread(list, messages)
 
     async def digest(self, version: int | None) -> str:
         if self._strategy.version != version:  # under the lock, as the release is
             raise StateError("this relay's weights are released (asleep): it has no digest until it wakes")
         tensors = state_tensors(self._state())
         async with self._model_lock.reading():
-            return await asyncio.to_thread(state_digest, tensors, list(tensors))
+            return await in_thread(state_digest, tensors, list(tensors))
 
     def describe(self) -> ModelMetadata | None:
         return self._strategy.metadata

@@ -66,6 +66,7 @@ from .relay import Relay
 from .rwlock import ReadWriteLock
 from .session import Leave, Reconnect, Session
 from .stats import ApplyStats
+from .threads import in_thread
 
 if TYPE_CHECKING:
     from .http_api import ControlServer
@@ -260,19 +261,25 @@ class Receiver:
         return self.version
 
     async def close(self) -> None:
+        """Stop everything this receiver started, then close its sockets: the control API;
+        the session loop, cancelled (a thread it runs is waited for: ``receiver/threads.py``),
+        whose session stops its tasks and fails its queries before closing its socket; then
+        the relay's server, likewise. Nothing it started runs once this returns (the loop's
+        default executor and the codec pool, ``protocol/codec/parallel.py``, are shared, not
+        its own)."""
         if self._closed:
             return
         self._closed = True
         await self._notify()  # control calls waiting on the receiver fail now
         if self._control_server is not None:
             await self._control_server.close()
-        if self.relay is not None:
-            await self.relay.close()
         if self._link is not None:
             self._link.try_send(Message(MessageType.BYE, version=self.version))
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, *self._notifying, return_exceptions=True)
+            self._task.cancel()  # before the relay: no version commits into a closed relay
+        await asyncio.gather(*(t for t in (self._task, *self._notifying) if t is not None), return_exceptions=True)
+        if self.relay is not None:
+            await self.relay.close()
         if self.strategy.torn:
             log.warning("receiver %s closes with a torn model (a version failed midway): readers are let in, "
                         "on no whole version", self.identity)
@@ -575,9 +582,9 @@ class Receiver:
         tensors = state_tensors(self._state())
         async with self.lock.reading():
             if not any(isinstance(t, Placed) for t in tensors.values()):
-                return await asyncio.to_thread(state_digest, tensors, list(tensors))
-            whole = await asyncio.to_thread(self._materialize, tensors)
-            return None if whole is None else await asyncio.to_thread(state_digest, whole, list(whole))
+                return await in_thread(state_digest, tensors, list(tensors))
+            whole = await in_thread(self._materialize, tensors)
+            return None if whole is None else await in_thread(state_digest, whole, list(whole))
 
     def _materialize(self, tensors: Mapping[str, torch.Tensor | Placed]) -> dict[str, torch.Tensor] | None:
         """Every tensor whole; a tied one the engine keeps only once is read from its twin."""
