@@ -23,12 +23,11 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 import zmq
 import zmq.asyncio
 
@@ -46,9 +45,8 @@ from protocol.errors import (
 from protocol.net.context import shared_context
 from protocol.net.security import CurveClient, CurveServer, check_transport
 from protocol.progress import Progress
-from protocol.state import Placed, StateLike, state_tensors
+from protocol.state import StateLike, state_tensors
 from protocol.wire.buffers import Buffer
-from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType, peek_type
 from protocol.wire.limits import LimitError, Limits
 from protocol.wire.messages import Ack, Nack
@@ -56,6 +54,7 @@ from protocol.wire.messages import Ack, Nack
 from . import memory
 from .base import PendingVersion, StrategyHooks
 from .controller import Controller
+from .digest import digest_of
 from .engine import AbortHook, EngineHooks, Hook
 from .factory import make_receiver
 from .incoming import WHOLE_MODEL, Incoming
@@ -66,7 +65,6 @@ from .relay import Relay
 from .rwlock import ReadWriteLock
 from .session import Leave, Reconnect, Session
 from .stats import ApplyStats
-from .threads import in_thread
 
 if TYPE_CHECKING:
     from .http_api import ControlServer
@@ -579,34 +577,7 @@ class Receiver:
     async def _digest(self) -> str | None:
         """The state digest, or None when this receiver holds only part of the model
         (an engine's tensor-parallel rank: ``protocol.state.Placed``)."""
-        tensors = state_tensors(self._state())
-        async with self.lock.reading():
-            if not any(isinstance(t, Placed) for t in tensors.values()):
-                return await in_thread(state_digest, tensors, list(tensors))
-            whole = await in_thread(self._materialize, tensors)
-            return None if whole is None else await in_thread(state_digest, whole, list(whole))
-
-    def _materialize(self, tensors: Mapping[str, torch.Tensor | Placed]) -> dict[str, torch.Tensor] | None:
-        """Every tensor whole; a tied one the engine keeps only once is read from its twin."""
-        twins: dict[str, list[str]] = {}
-        meta = self.strategy.metadata
-        if meta is not None:
-            for canonical, group in self.strategy.aliases.items():
-                names = [meta.keys[canonical], *(meta.keys[a] for a in group)]
-                for name in names:
-                    twins[name] = names
-        out: dict[str, torch.Tensor] = {}
-        for key, t in tensors.items():
-            whole = t.materialize() if isinstance(t, Placed) else t
-            for twin in twins.get(key, ()):
-                if whole is not None:
-                    break
-                other = tensors[twin]
-                whole = other.materialize() if isinstance(other, Placed) else other
-            if whole is None:
-                return None
-            out[key] = whole
-        return out
+        return await digest_of(state_tensors(self._state()), self.lock, self.strategy.metadata, self.strategy.aliases)
 
     async def _hold_bootstrap(self, pending: PendingVersion) -> None:
         """A resync of a held receiver waits, staged, for ``update_weights``."""
