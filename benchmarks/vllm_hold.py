@@ -60,7 +60,7 @@ def _staged(worker: Any) -> tuple[int | None, int | None]:
 
 def _set_prepack(worker: Any, on: bool) -> None:
     engine = worker.weight_transfer_engine
-    engine.receiver.strategy.on_staged = engine._prepack if on else None
+    engine.prepack = on and bool(engine.layout.shadows)  # its on_staged hook re-packs ahead only while on
 
 
 def _time_weightsync(worker: Any, version: int) -> dict[str, float]:
@@ -70,7 +70,7 @@ def _time_weightsync(worker: Any, version: int) -> dict[str, float]:
     started = time.perf_counter()
     engine.receive_weights(WeightsyncUpdateInfo(version=version))
     seconds = time.perf_counter() - started
-    ahead = engine.last_prepack_s if engine.receiver.strategy.on_staged is not None else 0.0
+    ahead = engine.last_prepack_s if engine.prepack else 0.0
     return {"weightsync_s": seconds, "weightsync_prepack_s": ahead, **{f"weightsync_{k}": v for k, v in engine.last_timing.items()}}
 
 

@@ -18,11 +18,12 @@ _EXPORTS = {
     "ReadWriteLock": ".rwlock",
     "Receiver": ".service",
     "ReceiverBase": ".base",
+    "StrategyHooks": ".base",
     "make_receiver": ".factory",
 }
 
 if TYPE_CHECKING:
-    from .base import PendingVersion, ReceiverBase
+    from .base import PendingVersion, ReceiverBase, StrategyHooks
     from .bucket import BucketReceiver
     from .factory import make_receiver
     from .patch import PatchReceiver
@@ -38,6 +39,7 @@ __all__ = [
     "ReadWriteLock",
     "Receiver",
     "ReceiverBase",
+    "StrategyHooks",
     "make_receiver",
 ]
 

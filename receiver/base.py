@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,12 +31,14 @@ from protocol.wire.metadata import ModelMetadata
 
 from .commit import StagedUpdate, Target, commit
 from .stats import ApplyStats
+from .threads import in_thread
 from .transfer import Placement, transfer_part
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[Sequence[Buffer]], Awaitable[Any]]
 Recv = Callable[[], Awaitable[Sequence[Buffer]]]
+WriteGuard = Callable[[], AbstractAsyncContextManager[Any]]
 
 _WHOLE = -1  # ``ReceiverBase._claim``: a tensor written by an entry without a span
 
@@ -88,6 +90,40 @@ class PendingVersion:
     staged_bytes: int = 0  # of ``updates``
 
 
+OnCommit = Callable[["PendingVersion"], None]
+VersionGate = Callable[["PendingVersion"], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyHooks:
+    """What a strategy calls around each version, given once when it is built.
+
+    Frozen, and refused by the strategy after construction: who writes, who waits and who
+    is told are fixed for its life, so two owners (a relay, an engine) cannot overwrite
+    each other's hook. ``Receiver`` composes its own (the model lock, the hold, its
+    relay's) with a caller's (``Receiver(hooks=)``)."""
+
+    # Held while a version is written; the daemon makes it its model lock's write side.
+    write_guard: WriteGuard = contextlib.nullcontext
+    # Awaited before a handshake's bootstrap is written: a daemon that commits only when
+    # asked (Receiver(hold=True)) holds a resync there until then.
+    commit_gate: VersionGate | None = None
+    # Awaited once a version is staged, before it can be committed: an engine prepares
+    # what it can off the hold (receiver/vllm re-packs layers ahead). Its error fails the receive.
+    on_staged: VersionGate | None = None
+    # Called in order inside the write, once the whole version is in the model (an engine
+    # installs layers, a relay serves it onwards); one that raises leaves the model torn.
+    on_commit: Sequence[OnCommit] = ()
+    # Keep each version's messages as received (``PendingVersion.messages``): a relay forwards them.
+    keep_messages: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on_commit", tuple(self.on_commit))  # a list given stays unshared and fixed
+
+
+_HOOK_NAMES = frozenset({"hooks", "_hooks", *(f.name for f in fields(StrategyHooks))})
+
+
 @dataclass(frozen=True)
 class _Unread:
     """A device-coded entry decoded, its verdict not yet read (``tensorcodec.read_verdicts``)."""
@@ -127,8 +163,10 @@ class ReceiverBase:
 
     strategy: ClassVar[str]
     data_type: ClassVar[MessageType]
+    _hooks: StrategyHooks  # set once in __init__; ``__setattr__`` refuses it after
 
-    def __init__(self, config: SyncConfig | Any = None) -> None:
+    def __init__(self, config: SyncConfig | Any = None, hooks: StrategyHooks | None = None) -> None:
+        object.__setattr__(self, "_hooks", hooks or StrategyHooks())
         self.config = load_config(config)
         self.version: int | None = None
         self.session: str | None = None
@@ -141,18 +179,17 @@ class ReceiverBase:
         # Reused host buffers (pinned where CUDA is available) through which each part's
         # device-coded payloads reach a GPU target in one copy (receiver/transfer.py).
         self.staging = StagingPool()
-        # Held while a version is written; the daemon makes it its model lock's write side.
-        self.write_guard: Callable[[], AbstractAsyncContextManager[Any]] = contextlib.nullcontext
-        # A relay keeps each version's messages and is told of each commit, inside the guard.
-        self.keep_messages = False
-        self.on_commit: Callable[[PendingVersion], None] | None = None
-        # Awaited once a version is staged, before it can be committed: an engine prepares
-        # what it can off the hold (receiver/vllm re-packs layers ahead). Its error fails the receive.
-        self.on_staged: Callable[[PendingVersion], Awaitable[None]] | None = None
-        # Awaited before a handshake's bootstrap is written: a daemon that commits only
-        # when asked (Receiver(hold=True)) holds a resync there until then.
-        self.commit_gate: Callable[[PendingVersion], Awaitable[None]] | None = None
         self._torn: AbstractAsyncContextManager[Any] | None = None  # the write side, kept: a version failed midway
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HOOK_NAMES:
+            raise AttributeError(f"{type(self).__name__}.{name}: hooks are given once, at construction (StrategyHooks)")
+        object.__setattr__(self, name, value)
+
+    @property
+    def hooks(self) -> StrategyHooks:
+        """What this strategy calls around each version (fixed at construction)."""
+        return self._hooks
 
     # -- handshake --------------------------------------------------------------------
     async def init_receiver(
@@ -182,11 +219,18 @@ class ReceiverBase:
         parts = self._welcome(welcome).bootstrap
         if parts:
             pending = await self.receive(model, recv, bootstrap=Announced(welcome.version, parts))
-            if self.commit_gate is not None:
-                await self.commit_gate(pending)
+            if self._hooks.commit_gate is not None:
+                await self._hooks.commit_gate(pending)
             await self.commit(model, pending)
         self.version = welcome.version
         return self.version
+
+    def forget(self) -> None:
+        """The model's weights were released: hold no version and follow no session, so the
+        next handshake joins as a new receiver (and is bootstrapped); the pinned staging
+        buffer (up to a bucket) goes with them."""
+        self.version = self.session = None
+        self.staging.clear()
 
     async def prepare(self) -> None:
         """Hook: one-time work that can overlap the handshake (compiling kernels)."""
@@ -261,7 +305,7 @@ class ReceiverBase:
         seen_keys: dict[int, int] = {}  # ordinal -> _WHOLE, or the end of its last span so far (``_claim``)
         raw: list[Message] = []
         msg = first
-        instant = self.writes_on_arrival and self.commit_gate is None  # a held receiver stages, to commit when asked
+        instant = self.writes_on_arrival and self._hooks.commit_gate is None  # a held receiver stages, to commit when asked
         held: AbstractAsyncContextManager[Any] | None = None
         wrote = False
         try:
@@ -283,7 +327,7 @@ class ReceiverBase:
                     self._claim(msg, entry, len(targets), seen_keys)
                 pending.stats.messages += 1
                 pending.stats.wire_bytes += msg.payload_nbytes
-                if self.keep_messages:
+                if self._hooks.keep_messages:
                     pending.messages.append(msg)
                 if instant:
                     if held is None:
@@ -311,8 +355,8 @@ class ReceiverBase:
             return pending
         for m in raw:
             await self._stage(m, targets, pending)
-        if self.on_staged is not None:
-            await self.on_staged(pending)
+        if self._hooks.on_staged is not None:
+            await self._hooks.on_staged(pending)
         pending.stats.receive_seconds = time.perf_counter() - started
         return pending
 
@@ -336,7 +380,7 @@ class ReceiverBase:
         model is torn, which a clean exit ends (whatever runs inside rewrites or releases
         the whole model)."""
         if self._torn is None:
-            async with self.write_guard():
+            async with self._hooks.write_guard():
                 yield
             return
         yield
@@ -356,7 +400,7 @@ class ReceiverBase:
             await before_write(pending)
         if self._torn is not None:  # already held since the version that tore it
             return self._torn
-        guard = self.write_guard()
+        guard = self._hooks.write_guard()
         await guard.__aenter__()
         return guard
 
@@ -377,26 +421,17 @@ class ReceiverBase:
             stats.apply_device_seconds += max(span.seconds() for span in spans)
 
     async def _write(self, targets: list[Target], updates: list[StagedUpdate], stats: ApplyStats | None = None) -> None:
-        """Write ``updates`` off the event loop. A thread cannot be stopped, so a caller
-        cancelled meanwhile waits for it before the cancellation goes on: the failure is
-        recorded (``torn``) and the write side handed on only once nothing writes."""
-        thread = asyncio.ensure_future(asyncio.to_thread(self._commit_timed, targets, updates, stats))
-        cancelled = False
-        while not thread.done():
-            try:
-                await asyncio.wait((thread,))
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
-        thread.result()
+        """Write ``updates`` off the event loop. A caller cancelled meanwhile waits for the
+        thread (``in_thread``): the failure is recorded (``torn``) and the write side handed
+        on only once nothing writes."""
+        await in_thread(self._commit_timed, targets, updates, stats)
 
     def _publish_written(self, pending: PendingVersion) -> None:
-        """The whole version is in the model: it is the version now, and ``on_commit``
-        (which may write too: an engine installs layers) is part of the write."""
+        """The whole version is in the model: it is the version now, and each ``on_commit``
+        hook (which may write too: an engine installs layers) is part of the write."""
         self.version = pending.version
-        if self.on_commit is not None:
-            self.on_commit(pending)
+        for hook in self._hooks.on_commit:
+            hook(pending)
 
     async def _let_readers_in(self, held: AbstractAsyncContextManager[Any]) -> None:
         """A whole version was written under ``held``: the model is no longer torn."""
@@ -449,7 +484,7 @@ class ReceiverBase:
     # -- validation -------------------------------------------------------------------
     async def _next(self, recv: Recv) -> Message:
         frames = await recv()
-        msg = await asyncio.to_thread(decode_message, frames)
+        msg = await in_thread(decode_message, frames)
         if msg.type is MessageType.ERROR:
             try:
                 report = ErrorReport.from_body(msg.body)
@@ -518,7 +553,7 @@ class ReceiverBase:
 
     async def _stage(self, msg: Message, targets: list[Target], pending: PendingVersion) -> None:
         started = time.perf_counter()
-        updates = await asyncio.to_thread(self._decode, msg, targets)
+        updates = await in_thread(self._decode, msg, targets)  # into the staging buffers: done before a cancellation goes on
         pending.updates.extend(updates)
         pending.staged_bytes += sum(u.values.numel() * u.values.element_size() + (0 if u.flat is None else u.flat.numel() * 8) for u in updates)
         pending.stats.staged_bytes_peak = max(pending.stats.staged_bytes_peak, pending.staged_bytes)

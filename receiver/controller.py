@@ -15,7 +15,7 @@ abort_requests, is_paused and sender_version do not take it.
 
 ``Receiver`` composes a ``Controller`` and its public methods of the same names call it.
 The controller writes the ``ControlState`` the session loop reads, and drives that loop
-through ``Daemon``: the few calls it needs of the receiver's session machinery.
+through ``ControlTarget``: the few calls it needs of the receiver's session machinery.
 """
 
 from __future__ import annotations
@@ -35,11 +35,9 @@ from .lifecycle import ControlState
 log = logging.getLogger(__name__)
 
 
-class Daemon(Protocol):
+class ControlTarget(Protocol):
     """The receiver's session machinery, as the control calls drive it."""
 
-    @property
-    def identity(self) -> str: ...
     @property
     def version(self) -> int | None:
         """The applied version, None while it holds none."""
@@ -87,10 +85,12 @@ class Daemon(Protocol):
 class Controller:
     """The control calls' bodies; ``Receiver``'s methods of the same names document them."""
 
-    def __init__(self, state: ControlState, daemon: Daemon, *, writes_wrapped: bool = False) -> None:
-        """``writes_wrapped``: an engine maps the weights (wrap_write), so sleep cannot free them."""
+    def __init__(self, state: ControlState, receiver: ControlTarget, *, identity: str, writes_wrapped: bool = False) -> None:
+        """``identity``: the receiver's, for the log; ``writes_wrapped``: an engine maps the
+        weights (wrap_write), so sleep cannot free them."""
         self.state = state
-        self.daemon = daemon
+        self.receiver = receiver
+        self._identity = identity
         self.engine = EngineHooks()
         self.lock = asyncio.Lock()  # one control call at a time
         self.released: memory.ReleasedWeights | None = None  # while the weights sleep
@@ -106,7 +106,7 @@ class Controller:
 
     async def sleep(self, tags: str | Sequence[str] | None = None) -> dict[str, Any]:
         wanted = parse_tags(tags)
-        if WEIGHT in wanted and any(isinstance(t, Placed) for t in state_tensors(self.daemon.state()).values()):
+        if WEIGHT in wanted and any(isinstance(t, Placed) for t in state_tensors(self.receiver.state()).values()):
             raise ConfigError("sleep cannot release weights an engine holds in its own layout; use the engine's own sleep mode")
         if WEIGHT in wanted and self._writes_wrapped:  # wrap_write: shared with an engine
             raise ConfigError("sleep cannot release weights whose writes are wrapped (shared memory an engine maps); use tags=kv_cache")
@@ -119,7 +119,7 @@ class Controller:
                 state.asleep.add(KV_CACHE)
             if WEIGHT in wanted and WEIGHT not in state.asleep:
                 freed = await self._release_weights()
-            await self.daemon.notify()
+            await self.receiver.notify()
             return {"asleep": sorted(state.asleep), "freed_bytes": freed}
 
     async def wakeup(self, tags: str | Sequence[str] | None, timeout: float | None, *, require_resume: bool) -> dict[str, Any]:
@@ -134,8 +134,8 @@ class Controller:
                 await self._restore_weights(timeout)
             if not state.asleep:
                 await self._resume()
-            await self.daemon.notify()
-            return {"asleep": sorted(state.asleep), "version": self.daemon.version, "is_paused": state.paused}
+            await self.receiver.notify()
+            return {"asleep": sorted(state.asleep), "version": self.receiver.version, "is_paused": state.paused}
 
     async def update_weights(self, version: int | str | None, verify_checksum: bool, timeout: float | None) -> int | None:
         target = parse_version(version)
@@ -147,27 +147,27 @@ class Controller:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - loop.time())
 
-        daemon, state = self.daemon, self.state
+        receiver, state = self.receiver, self.state
         async with self.lock:
             state.check_update()
             state.rejoin = True  # if the connection is down, reconnect even though paused
-            await daemon.notify()
+            await receiver.notify()
             try:
                 latest, digest = None, None
                 if target is None or verify_checksum:
-                    latest, digest = await daemon.ask_sender(verify_checksum, left())
+                    latest, digest = await receiver.ask_sender(verify_checksum, left())
                 target = latest if target is None else target
                 if target is not None:  # already at or past it: the wait below returns at once
                     state.apply_until = target
-                    await daemon.notify()
+                    await receiver.notify()
                     reached = target
-                    await daemon.wait(lambda: daemon.version is not None and daemon.version >= reached, left(), what=f"v{target}")
+                    await receiver.wait(lambda: receiver.version is not None and receiver.version >= reached, left(), what=f"v{target}")
             finally:
                 state.apply_until = None
                 state.rejoin = False
             if verify_checksum:  # under the control lock: no new version commits meanwhile
                 await self._verify(latest, digest, left())
-            return daemon.version
+            return receiver.version
 
     async def abort_requests(self, abort_all: bool = False, req_ids: Sequence[str] | None = None) -> Any:
         if type(abort_all) is not bool:
@@ -183,7 +183,7 @@ class Controller:
         return await call_hook(hook, abort_all, list(ids))
 
     async def sender_version(self, timeout: float | None) -> int | None:
-        version, _ = await self.daemon.ask_sender(False, timeout)
+        version, _ = await self.receiver.ask_sender(False, timeout)
         return version
 
     async def _pause(self) -> None:
@@ -191,10 +191,10 @@ class Controller:
             return
         await call_hook(self.engine.on_pause)
         self.state.paused = True
-        await self.daemon.notify()
-        if self.daemon.handshaking:  # a handshake commits its bootstrap ungated: abandon it, rejoin when needed
-            await self.daemon.leave_session()
-        log.info("receiver %s paused at v%s", self.daemon.identity, self.daemon.version)
+        await self.receiver.notify()
+        if self.receiver.handshaking:  # a handshake commits its bootstrap ungated: abandon it, rejoin when needed
+            await self.receiver.leave_session()
+        log.info("receiver %s paused at v%s", self._identity, self.receiver.version)
 
     async def _resume(self) -> None:
         self.state.check_resume()
@@ -202,33 +202,33 @@ class Controller:
             return
         await call_hook(self.engine.on_resume)
         self.state.paused = False
-        await self.daemon.notify()
-        log.info("receiver %s resumed at v%s", self.daemon.identity, self.daemon.version)
+        await self.receiver.notify()
+        log.info("receiver %s resumed at v%s", self._identity, self.receiver.version)
 
     async def _release_weights(self) -> int:
         self.state.asleep.add(WEIGHT)  # no new session from here on
         try:
-            released = self.released = await self.daemon.release_weights()
+            released = self.released = await self.receiver.release_weights()
         except BaseException:
             self.state.asleep.discard(WEIGHT)
-            await self.daemon.notify()
+            await self.receiver.notify()
             raise
-        log.info("receiver %s released %d bytes of weights", self.daemon.identity, released.nbytes)
+        log.info("receiver %s released %d bytes of weights", self._identity, released.nbytes)
         return released.nbytes
 
     async def _restore_weights(self, timeout: float | None) -> None:
-        daemon, state, released = self.daemon, self.state, self.released
+        receiver, state, released = self.receiver, self.state, self.released
         assert released is not None
-        if not daemon.healthy:
+        if not receiver.healthy:
             raise WeightSyncError("the receiver is not running (not started, failed or closed): it cannot fetch the weights")
-        await daemon.restore_weights(released)
+        await receiver.restore_weights(released)
         state.asleep.discard(WEIGHT)
         state.rejoin = True
-        handshakes = daemon.handshakes
-        await daemon.notify()
+        handshakes = receiver.handshakes
+        await receiver.notify()
         try:
-            await daemon.wait(lambda: daemon.handshakes > handshakes, timeout, what="the sender's bootstrap")
-            got, needed = daemon.bootstrap_coverage()
+            await receiver.wait(lambda: receiver.handshakes > handshakes, timeout, what="the sender's bootstrap")
+            got, needed = receiver.bootstrap_coverage()
             if got < needed:
                 raise ConfigError(
                     f"the sender's bootstrap restored {got} of {needed} tensors; the rest would be garbage. "
@@ -237,24 +237,24 @@ class Controller:
         except BaseException:  # the storages hold garbage: release them again, stay asleep
             state.rejoin = False
             state.asleep.add(WEIGHT)
-            self.released = await daemon.release_weights()
+            self.released = await receiver.release_weights()
             raise
         finally:
             state.rejoin = False
         self.released = None
-        log.info("receiver %s woke up at v%s", daemon.identity, daemon.version)
+        log.info("receiver %s woke up at v%s", self._identity, receiver.version)
 
     async def _verify(self, latest: int | None, digest: str | None, timeout: float | None) -> None:
-        daemon = self.daemon
-        if digest is None or latest != daemon.version:
-            latest, digest = await daemon.ask_sender(True, timeout)
-        if latest != daemon.version or digest is None:
-            raise StateError(f"cannot verify v{daemon.version}: the sender is at v{latest} and has only its current version's digest")
-        ours = await daemon.digest()
+        receiver = self.receiver
+        if digest is None or latest != receiver.version:
+            latest, digest = await receiver.ask_sender(True, timeout)
+        if latest != receiver.version or digest is None:
+            raise StateError(f"cannot verify v{receiver.version}: the sender is at v{latest} and has only its current version's digest")
+        ours = await receiver.digest()
         if ours is None:
             raise StateError("this receiver holds only part of the model (tensor parallel): its digest cannot be compared with the sender's")
         if ours != digest:
-            message = f"state digest of v{daemon.version} differs from the sender's (receiver {ours[:16]}, sender {digest[:16]}); resync requested"
-            log.error("receiver %s: %s", daemon.identity, message)
-            daemon.nack(IntegrityError.__name__, message)
+            message = f"state digest of v{receiver.version} differs from the sender's (receiver {ours[:16]}, sender {digest[:16]}); resync requested"
+            log.error("receiver %s: %s", self._identity, message)
+            receiver.nack(IntegrityError.__name__, message)
             raise IntegrityError(message)

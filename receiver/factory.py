@@ -6,11 +6,12 @@ from typing import Any
 
 from protocol.config import load_config
 
+from .base import StrategyHooks
 from .bucket import BucketReceiver
 from .patch import PatchReceiver
 
 
-def make_receiver(config: Any = None) -> PatchReceiver | BucketReceiver:
-    """The receiver strategy a config's ``type`` names (``patch`` or ``bucket``)."""
+def make_receiver(config: Any = None, hooks: StrategyHooks | None = None) -> PatchReceiver | BucketReceiver:
+    """The receiver strategy a config's ``type`` names (``patch`` or ``bucket``), calling ``hooks``."""
     cfg = load_config(config)
-    return PatchReceiver(cfg) if cfg.type == "patch" else BucketReceiver(cfg)
+    return PatchReceiver(cfg, hooks) if cfg.type == "patch" else BucketReceiver(cfg, hooks)

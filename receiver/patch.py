@@ -11,7 +11,7 @@ from protocol.codec.compress import Codec
 from protocol.wire.framing import MessageType
 
 from . import warmup
-from .base import ReceiverBase
+from .base import ReceiverBase, StrategyHooks
 
 
 class PatchReceiver(ReceiverBase):
@@ -20,8 +20,8 @@ class PatchReceiver(ReceiverBase):
     strategy = "patch"
     data_type = MessageType.PATCH
 
-    def __init__(self, config: Any = None) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any = None, hooks: StrategyHooks | None = None) -> None:
+        super().__init__(config, hooks)
         patch = self.config.patch
         if patch.compressor is Codec.NVCOMP_LZ4:  # decompressed where it was compressed: on the GPU
             self.device = torch.device("cuda", torch.cuda.current_device())

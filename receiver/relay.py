@@ -22,9 +22,9 @@ reconnect, to its next upstream, until the relay wakes.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from protocol.codec.buckets import bucket_messages, plan_buckets
@@ -37,23 +37,23 @@ from protocol.wire.limits import Limits
 from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from .base import PendingVersion, ReceiverBase
+from .base import PendingVersion, ReceiverBase, StrategyHooks, WriteGuard
 from .rwlock import ReadWriteLock
-
-WriteGuard = Callable[[], AbstractAsyncContextManager[Any]]
+from .threads import in_thread
 
 
 class Relay:
-    """Serves ``strategy``'s applied versions of ``state()`` at ``endpoint``: the
+    """Serves ``strategy()``'s applied versions of ``state()`` at ``endpoint``: the
     ``VersionSource`` of its ``server``.
 
-    Built by ``Receiver(..., relay_endpoint=...)``; ``lock`` is that receiver's model lock.
+    Built by ``Receiver(..., relay_endpoint=...)`` before its strategy, whose hooks
+    ``compose`` adds this relay's to; ``lock`` is that receiver's model lock.
     """
 
     def __init__(
         self,
         endpoint: str,
-        strategy: ReceiverBase,
+        strategy: Callable[[], ReceiverBase],
         state: Callable[[], StateLike],
         lock: ReadWriteLock,
         *,
@@ -62,10 +62,18 @@ class Relay:
     ) -> None:
         """``server``: ``VersionServer``'s options (ring size, credits, timings, context, CURVE)."""
         self.server = VersionServer(endpoint, role="relay", **server)
-        self._strategy, self._state, self._model_lock = strategy, state, lock
+        self._held, self._state, self._model_lock = strategy, state, lock
         self._bucket_size = bucket_size
-        strategy.keep_messages = True  # what it commits is what this relay forwards
-        strategy.on_commit = self._committed
+
+    def compose(self, hooks: StrategyHooks) -> StrategyHooks:
+        """``hooks`` with this relay's: commits under ``guard``, each version's messages
+        kept, and served onwards once committed, after ``hooks``' own ``on_commit``
+        (an engine's install is part of the write: a version it fails is never served)."""
+        return replace(hooks, write_guard=self.guard(hooks.write_guard), on_commit=(*hooks.on_commit, self._committed), keep_messages=True)
+
+    @property
+    def _strategy(self) -> ReceiverBase:
+        return self._held()
 
     def start(self) -> None:
         """Bind and serve; the receiver has completed its first handshake."""
@@ -130,14 +138,14 @@ class Relay:
             version=version, copy=True,  # copies: the model moves on while frames are queued
         )
         async with self._model_lock.reading():
-            return await asyncio.to_thread(list, messages)
+            return await in_thread(list, messages)
 
     async def digest(self, version: int | None) -> str:
         if self._strategy.version != version:  # under the lock, as the release is
             raise StateError("this relay's weights are released (asleep): it has no digest until it wakes")
         tensors = state_tensors(self._state())
         async with self._model_lock.reading():
-            return await asyncio.to_thread(state_digest, tensors, list(tensors))
+            return await in_thread(state_digest, tensors, list(tensors))
 
     def describe(self) -> ModelMetadata | None:
         return self._strategy.metadata

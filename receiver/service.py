@@ -23,11 +23,11 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 import zmq
 import zmq.asyncio
 
@@ -46,18 +46,19 @@ from protocol.errors import (
 from protocol.net.context import shared_context
 from protocol.net.security import CurveClient, CurveServer, check_transport
 from protocol.progress import Progress
-from protocol.state import Placed, StateLike, state_tensors
+from protocol.state import StateLike, state_tensors
 from protocol.wire.buffers import Buffer
-from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType, peek_type
 from protocol.wire.limits import Limits
 from protocol.wire.messages import Ack, Nack
 
 from . import memory
-from .base import PendingVersion
+from .base import PendingVersion, StrategyHooks
 from .controller import Controller
+from .digest import digest_of
 from .engine import AbortHook, EngineHooks, Hook
 from .factory import make_receiver
+from .incoming import WHOLE_MODEL, Incoming
 from .lifecycle import ControlState
 from .metrics import ReceiverMetrics, ReceiverState
 from .naming import NameMapping, NameMappingSpec
@@ -76,53 +77,6 @@ _FATAL = (MetadataMismatchError, ConfigError, ResyncLimitError)  # reconnecting 
 HANDSHAKE_GRACE = 60.0  # seconds past peer_timeout for each message of a handshake (``_handshake``)
 TRICKLE_BPS = 4096  # bytes a second that heartbeats alone never reach: more is a message in progress
 Resolver = Callable[[], "str | Awaitable[str]"]  # asked for the sender's address before each session
-
-
-WATCH_EVERY = 0.25  # seconds between reads of the connection's byte count during a bootstrap
-
-
-WHOLE_MODEL = (MessageType.BOOTSTRAP, MessageType.BUCKET)  # versions that carry the whole model: their progress is logged
-
-
-class _Incoming:
-    """A whole model arriving on ``link``: ``progress`` by the connection's received-byte count
-    where it can be read (TCP on Linux; a bucket can be large), else message by message."""
-
-    def __init__(self, link: Session, progress: Progress) -> None:
-        self.link, self.progress = link, progress
-        self.watcher: asyncio.Task[None] | None = None
-
-    def watch(self) -> None:
-        """Count the connection's bytes from now on, where it can be read."""
-        if self.watcher is None and self.link.bytes_received() is not None:
-            self.watcher = asyncio.create_task(_watch_received(self.link, self.progress))
-
-    def message(self, nbytes: int) -> None:
-        """A message of the transfer has arrived (the first one of a resync starts the count
-        of bytes: only once it is whole does its type say that a whole model comes)."""
-        if self.watcher is not None:
-            return  # counted as its bytes arrived
-        self.progress.advance(nbytes)
-        self.watch()
-
-    async def close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.cancel()
-            await asyncio.gather(self.watcher, return_exceptions=True)
-        self.progress.finish()
-
-
-async def _watch_received(link: Session, progress: Progress) -> None:
-    """Advance ``progress`` by the bytes ``link`` receives (its kernel's count), until cancelled."""
-    start = link.bytes_received()
-    seen = 0
-    while start is not None:
-        await asyncio.sleep(WATCH_EVERY)
-        now = link.bytes_received()
-        if now is None:
-            return
-        progress.advance(max(0, now - start - seen))
-        seen = max(seen, now - start)
 
 
 class Receiver:
@@ -154,6 +108,7 @@ class Receiver:
         relay_endpoint: str | None = None,
         relay_curve: CurveServer | None = None,
         hold: bool = False,
+        hooks: StrategyHooks | None = None,
     ) -> None:
         """``control_address`` (``HOST:PORT``, port 0 for any) serves the control API over
         HTTP from ``start()``; ``name_mapping`` renames this model's names to the trainer's
@@ -178,7 +133,12 @@ class Receiver:
         ``update_weights``; only the first bootstrap, into a model that holds no version
         yet, commits in ``start()``. For an engine that has its own weight-update window
         (vLLM: ``receiver.vllm``). A held receiver is paused for good: ``resume`` is a
-        ``StateError``; unlike a paused one it stays connected."""
+        ``StateError``; unlike a paused one it stays connected.
+
+        ``hooks`` (``receiver.StrategyHooks``): what the caller's engine adds around each
+        version, fixed for the receiver's life: ``on_staged``, and ``on_commit`` (called
+        in order inside the write, before a relay serves the version onwards). Its
+        ``write_guard`` and ``commit_gate`` are the receiver's own (``wrap_write``, ``hold``)."""
         self._resolver = endpoint if callable(endpoint) else None
         self.endpoints = [] if callable(endpoint) else [endpoint] if isinstance(endpoint, str) else list(endpoint)
         if not self.endpoints and self._resolver is None:
@@ -197,25 +157,25 @@ class Receiver:
         self.reconnect_backoff = reconnect_backoff
         self._context = context or shared_context()
         self.lock = ReadWriteLock()
-        self.strategy = make_receiver(self.config)
+        caller = hooks or StrategyHooks()
+        if caller.write_guard is not nullcontext or caller.commit_gate is not None:
+            raise ConfigError("hooks: write_guard and commit_gate are the receiver's own (wrap_write wraps its writes, hold=True gates its commits)")
+        if hold and relay_endpoint is not None:
+            raise ConfigError("a held receiver (hold=True) cannot relay: it commits only when asked")
         # wrap_write: a sidecar wraps each version's write (receiver.attach.seqlock_writes: a shared-memory seqlock)
         write = self.lock.writing if wrap_write is None else wrap_write(self.lock.writing)
+        own = replace(caller, write_guard=write, commit_gate=self._hold_bootstrap if hold else None)
         self.relay: Relay | None = None
         if relay_endpoint is not None:
             self.relay = Relay(
-                relay_endpoint, self.strategy, self._state, self.lock, bucket_size=self.config.init_sync.bucket_size,
+                relay_endpoint, lambda: self.strategy, self._state, self.lock, bucket_size=self.config.init_sync.bucket_size,
                 heartbeat_interval=heartbeat_interval, peer_timeout=peer_timeout, context=self._context,
                 curve=relay_curve, insecure_plaintext=insecure_plaintext,
             )
-            write = self.relay.guard(write)
-        self.strategy.write_guard = write
-        if hold:
-            if relay_endpoint is not None:
-                raise ConfigError("a held receiver (hold=True) cannot relay: it commits only when asked")
-            self.strategy.commit_gate = self._hold_bootstrap
+            own = self.relay.compose(own)
+        self.strategy = make_receiver(self.config, own)
         self.stats: collections.OrderedDict[int, ApplyStats] = collections.OrderedDict()
         self._stats_history = stats_history
-        self.version: int | None = None
         self.pending_version: int | None = None  # being received or applied now
         self.connected = False
         self.reconnects = 0
@@ -233,7 +193,7 @@ class Receiver:
         # -- control state (see pause / sleep / update_weights)
         self.hold = hold
         self._lifecycle = ControlState(hold=hold)  # paused, asleep, ...: what the session loop asks
-        self._controller = Controller(self._lifecycle, _Daemon(self), writes_wrapped=wrap_write is not None)
+        self._controller = Controller(self._lifecycle, _ControlledReceiver(self), identity=self.identity, writes_wrapped=wrap_write is not None)
         self._in_session = False
         self._handshaking = False
         self._last_bootstrap: ApplyStats | None = None
@@ -269,6 +229,12 @@ class Receiver:
         return self
 
     @property
+    def version(self) -> int | None:
+        """The version the model holds (the strategy's: set by each commit), None while it
+        holds none (before the first, after a version failed midway, while the weights sleep)."""
+        return self.strategy.version
+
+    @property
     def endpoint(self) -> str:
         """The upstream this receiver follows (or will try next; with a resolver, the
         address it last returned, empty before the first)."""
@@ -294,19 +260,25 @@ class Receiver:
         return self.version
 
     async def close(self) -> None:
+        """Stop everything this receiver started, then close its sockets: the control API;
+        the session loop, cancelled (a thread it runs is waited for: ``receiver/threads.py``),
+        whose session stops its tasks and fails its queries before closing its socket; then
+        the relay's server, likewise. Nothing it started runs once this returns (the loop's
+        default executor and the codec pool, ``protocol/codec/parallel.py``, are shared, not
+        its own)."""
         if self._closed:
             return
         self._closed = True
         await self._notify()  # control calls waiting on the receiver fail now
         if self._control_server is not None:
             await self._control_server.close()
-        if self.relay is not None:
-            await self.relay.close()
         if self._link is not None:
             self._link.try_send(Message(MessageType.BYE, version=self.version))
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, *self._notifying, return_exceptions=True)
+            self._task.cancel()  # before the relay: no version commits into a closed relay
+        await asyncio.gather(*(t for t in (self._task, *self._notifying) if t is not None), return_exceptions=True)
+        if self.relay is not None:
+            await self.relay.close()
         if self.strategy.torn:
             log.warning("receiver %s closes with a torn model (a version failed midway): readers are let in, "
                         "on no whole version", self.identity)
@@ -586,8 +558,6 @@ class Receiver:
             finally:
                 self._link = None
                 self._in_session = self._handshaking = False
-                if self.strategy.torn:  # a version failed midway: the model holds none (the next HELLO says so)
-                    self.version = None
 
     async def _find_upstream(self) -> str:
         """The address for this session: the current list entry, or what the resolver says now."""
@@ -608,34 +578,7 @@ class Receiver:
     async def _digest(self) -> str | None:
         """The state digest, or None when this receiver holds only part of the model
         (an engine's tensor-parallel rank: ``protocol.state.Placed``)."""
-        tensors = state_tensors(self._state())
-        async with self.lock.reading():
-            if not any(isinstance(t, Placed) for t in tensors.values()):
-                return await asyncio.to_thread(state_digest, tensors, list(tensors))
-            whole = await asyncio.to_thread(self._materialize, tensors)
-            return None if whole is None else await asyncio.to_thread(state_digest, whole, list(whole))
-
-    def _materialize(self, tensors: Mapping[str, torch.Tensor | Placed]) -> dict[str, torch.Tensor] | None:
-        """Every tensor whole; a tied one the engine keeps only once is read from its twin."""
-        twins: dict[str, list[str]] = {}
-        meta = self.strategy.metadata
-        if meta is not None:
-            for canonical, group in self.strategy.aliases.items():
-                names = [meta.keys[canonical], *(meta.keys[a] for a in group)]
-                for name in names:
-                    twins[name] = names
-        out: dict[str, torch.Tensor] = {}
-        for key, t in tensors.items():
-            whole = t.materialize() if isinstance(t, Placed) else t
-            for twin in twins.get(key, ()):
-                if whole is not None:
-                    break
-                other = tensors[twin]
-                whole = other.materialize() if isinstance(other, Placed) else other
-            if whole is None:
-                return None
-            out[key] = whole
-        return out
+        return await digest_of(state_tensors(self._state()), self.lock, self.strategy.metadata, self.strategy.aliases)
 
     async def _hold_bootstrap(self, pending: PendingVersion) -> None:
         """A resync of a held receiver waits, staged, for ``update_weights``."""
@@ -661,7 +604,7 @@ class Receiver:
         bound = self.peer_timeout + HANDSHAKE_GRACE
         # A long bootstrap's progress: over TCP on Linux as its bytes arrive (a bucket can be
         # large), elsewhere message by message.
-        incoming = _Incoming(link, Progress(log, f"receiver {self.identity} bootstrap from {self.endpoint}", self._model_bytes(),
+        incoming = Incoming(link, Progress(log, f"receiver {self.identity} bootstrap from {self.endpoint}", self._model_bytes(),
                                             peer=self.identity))
         welcomed = False
 
@@ -685,6 +628,7 @@ class Receiver:
                         raise Reconnect(f"no handshake message from the sender within {bound:.3g}s") from None
                     before = after
 
+        held = self.version
         try:
             version = await self.strategy.init_receiver(self._state(), recv, link.send, receiver_id=self.identity, digest=digest)
         except MetadataMismatchError as e:
@@ -700,7 +644,7 @@ class Receiver:
         self._last_bootstrap = boot if boot is not None and boot.kind == "bootstrap" else None
         if boot is not None and boot.kind == "bootstrap":
             self._record(boot)
-        if (boot is not None and boot.kind == "bootstrap") or version != self.version:
+        if (boot is not None and boot.kind == "bootstrap") or version != held:
             await self._publish(version, link)
         else:  # resumed where it was: nothing new to announce to hooks, only to the sender
             link.try_send(self._below().to_message(version))
@@ -711,7 +655,7 @@ class Receiver:
     async def _follow(self, link: Session) -> None:
         awaiting_resync = False
         last_type: list[MessageType | None] = [None]
-        incoming: list[_Incoming] = []  # a whole model arriving (a resync, a bucket version): its progress
+        incoming: list[Incoming] = []  # a whole model arriving (a resync, a bucket version): its progress
 
         async def seen(*_: Any) -> Sequence[Buffer]:  # remembers what kind of message was rejected
             frames = await link.recv()
@@ -720,7 +664,7 @@ class Receiver:
                 if not incoming:
                     what = "resync" if kind is MessageType.BOOTSTRAP else "buckets"
                     progress = Progress(log, f"receiver {self.identity} {what} from {self.endpoint}", self._model_bytes(), peer=self.identity)
-                    incoming.append(_Incoming(link, progress))
+                    incoming.append(Incoming(link, progress))
                 incoming[0].message(sum(len(f) for f in frames))
             return frames
 
@@ -733,14 +677,17 @@ class Receiver:
 
         while True:
             try:
-                # Written on arrival (bucket.load_instant), a version passes the gate before its first write.
-                pending = await self.strategy.receive(self._state(), seen, before_write=gate)
+                try:
+                    # Written on arrival (bucket.load_instant), a version passes the gate before its first write.
+                    pending = await self.strategy.receive(self._state(), seen, before_write=gate)
+                finally:  # its transfer is over, whole or not: before the commit, so that nothing
+                    if incoming:  # suspends between the commit and its record and publication
+                        await incoming.pop().close()
                 if not pending.written:
                     await gate(pending)
                 await self.strategy.commit(self._state(), pending)
             except _REJECTED as e:
-                if self.strategy.torn and self.version is not None:  # failed midway: no version to announce
-                    self.version = None
+                if self.strategy.torn:  # failed midway: the model holds no version (``version`` is None)
                     await self._notify()
                 if isinstance(e, StaleVersionError) and e.held:  # sent before a resync that overtook it, or a replay
                     log.debug("receiver %s dropped a version it holds: %s", self.identity, e)
@@ -754,8 +701,6 @@ class Receiver:
                 continue
             finally:
                 self.pending_version = None
-                if incoming:
-                    await incoming.pop().close()
             awaiting_resync = False
             self._record(pending.stats)
             await self._publish(pending.version, link)
@@ -778,7 +723,7 @@ class Receiver:
                 self.stats.popitem(last=False)
 
     async def _publish(self, version: int | None, link: Session) -> None:
-        self.version = version
+        """``version`` is committed (the strategy holds it): tell the sender, the hooks and the waiters."""
         link.try_send(self._below().to_message(version))
         for hook in self._hooks:
             try:
@@ -790,15 +735,12 @@ class Receiver:
         await self._notify()
 
 
-class _Daemon:
-    """A ``Receiver``'s session machinery as its control calls drive it (``controller.Daemon``)."""
+class _ControlledReceiver:
+    """A ``Receiver``'s session machinery as its control calls drive it
+    (``controller.ControlTarget``): its controller's view of its private state."""
 
     def __init__(self, receiver: Receiver) -> None:
         self._r = receiver
-
-    @property
-    def identity(self) -> str:
-        return self._r.identity
 
     @property
     def version(self) -> int | None:
@@ -842,9 +784,7 @@ class _Daemon:
         await r._leave_session()
         async with r.strategy.exclusive():  # a relay's too: it serves children nothing from released storage
             released = memory.release(r.model, state_tensors(r._state()))
-            # The weights are gone: rejoin as a new receiver, so the sender bootstraps it.
-            r.version = r.strategy.version = r.strategy.session = None
-            r.strategy.staging.clear()  # and the pinned staging buffer (up to a bucket) with them
+            r.strategy.forget()  # the weights are gone: rejoin as a new receiver, so the sender bootstraps it
         r.pending_version = None
         return released
 

@@ -121,9 +121,9 @@ class Pair:
             self.assert_synced()
 
 
-async def make_pair(config: dict[str, Any], steps: int = 2, lr: float = 1e-3) -> Pair:
+async def make_pair(config: dict[str, Any], steps: int = 2, lr: float = 1e-3, hooks: receiver.StrategyHooks | None = None) -> Pair:
     model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
-    s, r = sender.make_sender(config), receiver.make_receiver(config)
+    s, r = sender.make_sender(config), receiver.make_receiver(config, hooks)
     ch = Channel()
     await asyncio.gather(
         s.init_sender(model, ch.to_receiver.send, ch.to_sender.recv),
@@ -434,9 +434,8 @@ async def test_load_instant_writes_each_bucket_as_it_arrives(load_instant: bool)
     (readers wait), before the second arrives, and no more than one bucket is ever staged;
     v3 is published only once all three are written. Deferred, nothing is written before
     the last bucket, and the whole version is staged at once."""
-    pair = await make_pair(bucket_config(load_instant))
     lock = ReadWriteLock()
-    pair.r.write_guard = lock.writing
+    pair = await make_pair(bucket_config(load_instant), hooks=receiver.StrategyHooks(write_guard=lock.writing))
     good = await pair.capture(3)
     expected = cast_like(pair.model.state_dict(), pair.rmodel.state_dict())
     first, rest = _bucket_keys(pair, good[0]), [k for f in good[1:] for k in _bucket_keys(pair, f)]
@@ -480,9 +479,8 @@ async def test_load_instant_failure_midway_keeps_readers_out_until_a_whole_versi
     """v3 fails in its second bucket, its first already written: the model holds no
     version (``version`` None, ``torn``), readers stay out and nothing is published; a
     whole version written over it (the resync: here v3 again) lets them in."""
-    pair = await make_pair(bucket_config(True))
     lock = ReadWriteLock()
-    pair.r.write_guard = lock.writing
+    pair = await make_pair(bucket_config(True), hooks=receiver.StrategyHooks(write_guard=lock.writing))
     good = await pair.capture(3)
     bad = [good[0], flip(good[1], len(good[1]) - 1), good[2]]
     await pair.reject(bad, IntegrityError, torn=True)
@@ -651,17 +649,18 @@ class Scene:
         self.pair.assert_synced()
 
 
-async def make_scene(config: dict[str, Any], scene: str) -> Scene:
-    pair = await make_pair(config)
+async def make_scene(config: dict[str, Any], scene: str, on_commit: Callable[[Any], None] | None = None) -> Scene:
+    """``on_commit``: the receiver's hook, beside its write guard (the scene's ``lock``)."""
+    lock = ReadWriteLock()
+    hooks = receiver.StrategyHooks(write_guard=lock.writing, on_commit=() if on_commit is None else (on_commit,))
+    pair = await make_pair(config, hooks=hooks)
     if scene == "next-version":
         messages, handshake, r = await pair.capture(3), False, pair.r
     else:
         pair.trainer.step()
         _, messages = await _capture_init(config, pair.model, RESYNC)
-        handshake, r = True, pair.r if scene == "resync-bootstrap" else receiver.make_receiver(config)
+        handshake, r = True, pair.r if scene == "resync-bootstrap" else receiver.make_receiver(config, hooks)
     _, resync = await _capture_init(config, pair.model, RESYNC)
-    lock = ReadWriteLock()
-    r.write_guard = lock.writing
     assert len(messages) - handshake >= 2, "a version in one part: no two parts to fail between"
     state, version = pair.before()
     return Scene(pair, r, lock, messages, handshake, resync, (state, version if r is pair.r else None))
@@ -824,14 +823,16 @@ async def test_failing_on_commit(writer: str, scene: str) -> None:
     """``on_commit`` is part of the write (an engine installs layers there): failing, it
     leaves the model torn, and the write side is still held, not lost."""
     config = WRITERS[writer]
-    s = await make_scene(config, scene)
+    failing = False
 
     def fail(pending: Any) -> None:
-        raise RuntimeError("the engine could not install the layers")
+        if failing:
+            raise RuntimeError("the engine could not install the layers")
 
-    s.r.on_commit = fail
+    s = await make_scene(config, scene, on_commit=fail)
+    failing = True
     with pytest.raises(RuntimeError, match="install"):
         await asyncio.wait_for(s.take(recv_over(s.messages)), 10)
     s.assert_torn()
-    s.r.on_commit = None
+    failing = False
     await s.recover()

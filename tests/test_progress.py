@@ -236,3 +236,37 @@ def test_a_terminal_gets_a_bar_a_pipe_gets_plain_lines() -> None:
     piped = subprocess.run([sys.executable, "-c", BAR_SCRIPT], cwd=root, capture_output=True, text=True, timeout=60, check=True).stderr
     assert "bars False" in piped and "|" not in piped
     assert "transfer: 500 B of 1.0 KB (50%)" in piped and "done in 10.0s" in piped
+
+
+async def test_a_failing_progress_watcher_is_logged_by_its_owner(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver's byte-count watcher (``receiver/incoming.py``) failing only costs the
+    figures: ``Incoming.close`` logs its error at WARNING and still finishes the progress."""
+    from receiver import incoming
+
+    class Link:
+        reads = 0
+
+        def bytes_received(self) -> int | None:
+            self.reads += 1
+            if self.reads > 2:  # the first reads: watch() and the watcher's start
+                raise OSError("the connection's counters are gone")
+            return 0
+
+    class Finished(Progress):
+        finished = False
+
+        def finish(self) -> None:
+            self.finished = True
+            super().finish()
+
+    monkeypatch.setattr(incoming, "WATCH_EVERY", 0.0)
+    caplog.set_level(logging.INFO)
+    progress = Finished(logging.getLogger("test.progress"), "bootstrap", 1000)
+    watched = incoming.Incoming(Link(), progress)
+    watched.watch()
+    assert watched.watcher is not None
+    await asyncio.wait_for(asyncio.wait((watched.watcher,)), 10)
+    await watched.close()
+    failed = [r for r in caplog.records if r.name == incoming.__name__]
+    assert [r.levelno for r in failed] == [logging.WARNING] and "counters are gone" in failed[0].getMessage()
+    assert progress.finished

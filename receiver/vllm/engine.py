@@ -45,7 +45,7 @@ from protocol.state import Placed
 from protocol.wire.framing import MessageType
 from protocol.wire.metadata import ModelMetadata
 
-from ..base import PendingVersion
+from ..base import PendingVersion, StrategyHooks
 from ..commit import StagedUpdate
 from ..describe import ask_metadata
 from ..engine import parse_version
@@ -212,15 +212,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             layout = self.layout = derive_layout(self.model, declared)
             state = {k: layout.tensors[names[k]] for k in trainer.keys}  # under the trainer's names
             self._keys, self._names = trainer.keys, names
+            self.check_writes = init_info.check_writes
+            self.prepack = init_info.prepack and bool(layout.shadows)
             receiver = Receiver(
                 state, init_info.endpoints, init_info.config, hold=True, identity=self._identity(),
                 curve=curve, insecure_plaintext=init_info.insecure_plaintext,
+                hooks=StrategyHooks(on_commit=(self._committed,), on_staged=self._prepack if layout.shadows else None),
             )
-            receiver.strategy.on_commit = self._committed
-            self.check_writes = init_info.check_writes
-            self.prepack = init_info.prepack and bool(layout.shadows)
-            if self.prepack:
-                receiver.strategy.on_staged = self._prepack
             self.receiver = receiver
             thread.run(receiver.start(init_info.timeout), init_info.timeout + 5, "the handshake and bootstrap")
             layers = layout.repack(layout.layers_of(names.values()))
@@ -331,9 +329,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         """Once a patch is staged (before it can be committed): re-pack the layers it
         touches on copies, while vLLM generates, and drop the updates those copies hold
         entirely from what the commit writes. A failure only costs the hold: those layers
-        re-pack inside update_weights."""
+        re-pack inside update_weights. Off (``prepack`` False): nothing."""
         self._ahead = None
-        if pending.type is not MessageType.PATCH:
+        if not self.prepack or pending.type is not MessageType.PATCH:
             return  # a resync re-packs every layer inside update_weights
         layout = self.layout
         assert layout is not None

@@ -1,0 +1,140 @@
+"""``Receiver.close()`` stops everything the receiver started: once it returns, no task it
+created is pending and no thread it started is alive or still working for it.
+
+A real ``Sender`` and real receivers over tcp:// sockets apply a few versions, then close:
+a plain receiver, a relay with a leaf below it, and a receiver closed while a version's
+decode runs on its thread (``receiver/threads.py``: close waits for that thread).
+
+What is shared by design and outlives one receiver is named here, not counted: the event
+loop's default executor (``asyncio_*``, idle, shut down with the loop), the codec pool
+(``weightsync-codec_*``, ``protocol/codec/parallel.py``: one per process), the ZAP handler
+(``weightsync-zap``, one per ZeroMQ context), pyzmq's garbage collector thread (one per
+process), and what the sender in the same process runs (``weightsync-encode_*`` threads,
+``weightsync-sender-*`` tasks: the sender's own shutdown is not tested here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from daemon_helpers import CONFIGS, DAEMON_KW, T, Trainer, assert_matches, receiver_model
+from zmq.utils.garbage import GarbageCollectorThread
+
+from receiver import Receiver
+from receiver.base import ReceiverBase
+from sender import Sender
+
+SHARED_THREADS = ("asyncio_", "weightsync-codec", "weightsync-zap", "weightsync-encode")
+SENDER_TASKS = "weightsync-sender-"
+
+
+def _shared(thread: threading.Thread) -> bool:
+    return thread.name.startswith(SHARED_THREADS) or isinstance(thread, GarbageCollectorThread)
+
+
+@contextmanager
+def nothing_left_running() -> Iterator[None]:
+    """Around starting and closing receivers: after, no thread started inside is alive
+    (each joined for at most 2 s first) and no task created inside is pending."""
+    threads = set(threading.enumerate())
+    tasks = asyncio.all_tasks()
+    yield
+    started = [t for t in threading.enumerate() if t not in threads and not _shared(t)]
+    for t in started:
+        t.join(timeout=2)
+    assert [t.name for t in started if t.is_alive()] == []
+    pending = [t for t in asyncio.all_tasks() - tasks if not t.done() and not t.get_name().startswith(SENDER_TASKS)]
+    assert pending == []
+
+
+async def _sender(trainer: Trainer, mode: str) -> Sender:
+    sender = Sender("tcp://127.0.0.1:0", CONFIGS[mode], **DAEMON_KW)
+    await asyncio.wait_for(sender.start(trainer.model, version=trainer.version), T)
+    return sender
+
+
+async def _receiver(upstream: str, mode: str, identity: str, **kw: Any) -> Receiver:
+    r = Receiver(receiver_model(), upstream, CONFIGS[mode], identity=identity, **{**DAEMON_KW, **kw})
+    await r.start(timeout=T)
+    return r
+
+
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+async def test_a_closed_receiver_leaves_nothing_running(mode: str) -> None:
+    trainer = Trainer()
+    sender = await _sender(trainer, mode)
+    try:
+        with nothing_left_running():
+            r = await _receiver(sender.endpoint, mode, "r", control_address="127.0.0.1:0")
+            for _ in range(3):
+                version = await trainer.step_and_sync(sender)
+                await r.wait_for_version(version, timeout=T)
+            await assert_matches(r, trainer, version)
+            await asyncio.wait_for(r.close(), T)
+        assert not r.healthy
+    finally:
+        await asyncio.wait_for(sender.close(), T)
+
+
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+async def test_a_closed_relay_and_its_leaf_leave_nothing_running(mode: str) -> None:
+    trainer = Trainer()
+    sender = await _sender(trainer, mode)
+    try:
+        with nothing_left_running():
+            relay = await _receiver(sender.endpoint, mode, "relay", relay_endpoint="tcp://127.0.0.1:0")
+            assert relay.relay_endpoint is not None
+            leaf = await _receiver(relay.relay_endpoint, mode, "leaf")
+            for _ in range(3):
+                version = await trainer.step_and_sync(sender)
+                for r in (relay, leaf):
+                    await r.wait_for_version(version, timeout=T)
+            await assert_matches(leaf, trainer, version)
+            await asyncio.wait_for(relay.close(), T)  # the parent first: the leaf is left reconnecting
+            await asyncio.wait_for(leaf.close(), T)
+    finally:
+        await asyncio.wait_for(sender.close(), T)
+
+
+async def test_close_mid_transfer_waits_for_the_decode_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closed while a patch decodes on its thread, the receiver returns from ``close`` only
+    once that thread is done with it: nothing decodes into its buffers after ``close``."""
+    trainer = Trainer()
+    sender = await _sender(trainer, "patch")
+    decode = ReceiverBase._decode
+    slow, entered, release = False, threading.Event(), threading.Event()
+    done: list[str] = []
+
+    def slowed(self: ReceiverBase, *args: Any) -> Any:
+        if not slow:
+            return decode(self, *args)
+        entered.set()
+        release.wait(T)
+        try:
+            return decode(self, *args)
+        finally:
+            done.append("decoded")
+
+    monkeypatch.setattr(ReceiverBase, "_decode", slowed)
+    try:
+        with nothing_left_running():
+            r = await _receiver(sender.endpoint, "patch", "r")
+            slow = True
+            await trainer.step_and_sync(sender)
+            assert await asyncio.to_thread(entered.wait, T), "the patch never reached its decode"
+            closing = asyncio.create_task(r.close())
+            for _ in range(20):  # let close go as far as it can while the thread is held
+                await asyncio.sleep(0.01)
+            assert not closing.done(), "close returned while the receiver's decode thread still ran"
+            release.set()
+            await asyncio.wait_for(closing, T)
+            assert done == ["decoded"]
+            assert r.version == 0  # the version being decoded was never committed
+    finally:
+        release.set()
+        await asyncio.wait_for(sender.close(), T)
