@@ -64,7 +64,7 @@ def _set_prepack(worker: Any, on: bool) -> None:
 
 
 def _time_weightsync(worker: Any, version: int) -> dict[str, float]:
-    from receiver.vllm.engine import WeightsyncUpdateInfo
+    from receiver.vllm.backend import WeightsyncUpdateInfo
 
     engine = worker.weight_transfer_engine
     started = time.perf_counter()

@@ -1,6 +1,6 @@
 """The rollout control calls: pause, resume, sleep, wakeup and update_weights.
 
-Semantics as the seed's rollout server: pause stops applying (the next version waits,
+Semantics as FastDeploy's rollout server: pause stops applying (the next version waits,
 received and staged, in front of the commit) and tells the engine to stop generating;
 update_weights applies received versions while paused and never resumes by itself;
 sleep pauses, then releases the KV cache (the engine's hook) and the weights' memory;

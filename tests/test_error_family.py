@@ -74,7 +74,8 @@ OUTSIDE: dict[type[BaseException], tuple[Callable[[Site], bool], str]] = {
     asyncio.CancelledError: (lambda site: True, "a cancellation passed on once the thread it waited for is done"),
     StopAsyncIteration: (_in("__anext__"), "the end of an async iterator (Python's protocol)"),
     NotImplementedError: (_abstract, "an abstract method a subclass overrides"),
-    AttributeError: (_in("__getattr__"), "a module's or proxy's __getattr__: what getattr and hasattr expect"),
+    AttributeError: (_in("__getattr__", "__setattr__"), "a module's or proxy's __getattr__: what getattr and hasattr expect; "
+                     "a read-only attribute's __setattr__ (a strategy's hooks): what a frozen dataclass raises"),
     SystemExit: (_cli, "a command line exiting with its message"),
 }
 

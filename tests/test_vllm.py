@@ -58,7 +58,7 @@ def check_summary(summary: dict[str, Any], steps: int, dense: tuple[int, ...] = 
 
 def test_init_and_update_info_are_checked_at_the_boundary() -> None:
     from protocol.errors import ConfigError
-    from receiver.vllm.engine import WeightsyncInitInfo, WeightsyncUpdateInfo
+    from receiver.vllm.backend import WeightsyncInitInfo, WeightsyncUpdateInfo
 
     assert issubclass(ConfigError, ValueError)  # what vLLM, and Python, expect of a bad argument
     assert WeightsyncInitInfo(endpoint="tcp://127.0.0.1:5555").endpoints == ["tcp://127.0.0.1:5555"]

@@ -4,7 +4,7 @@ vLLM finds it through the ``vllm.general_plugins`` entry point this package decl
 ``register`` runs in every vLLM process (the engine core and its workers are spawned, so
 registering in the user's process alone would not be seen) and registers the engine
 lazily, by module path, so that nothing heavy is imported until a worker creates it.
-See ``receiver/vllm/engine.py`` for the engine and ``layout.py`` for the runtime map.
+See ``receiver/vllm/backend.py`` for the backend (vLLM's weight-transfer engine) and ``layout.py`` for the runtime map.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def register() -> None:
         return
     _enable_amx()
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "receiver.vllm.engine", "WeightsyncEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, "receiver.vllm.backend", "WeightsyncEngine")
 
 
 def _enable_amx() -> None:
