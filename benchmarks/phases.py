@@ -114,6 +114,10 @@ class _TimedKernel:
     def __init__(self, name: str, dispatcher: Any) -> None:
         self.name, self.dispatcher = name, dispatcher
 
+    def compile(self, signature: Any) -> Any:
+        """The dispatcher's own (``protocol.codec.aot.compile_all`` compiles through the table)."""
+        return self.dispatcher.compile(signature)
+
     def __call__(self, *args: Any) -> Any:
         started = time.monotonic_ns()
         try:
