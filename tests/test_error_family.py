@@ -342,3 +342,13 @@ def test_the_walk_finds_what_it_must() -> None:
     assert reported == {"ValueError (ValueError)", "NotImplementedError (NotImplementedError)", "RuntimeError (RuntimeError)"}, reported
     assert [lines[f.site.line - 1].strip() for f in found if f.cls is None] == ["raise error"]  # a value: re-raised
     assert any(f.what == "error_from_code" and f.cls is WeightSyncError for f in found)
+
+
+def test_the_whole_family_is_exported_from_protocol() -> None:
+    """``from protocol import X`` works for every class a caller may catch."""
+    import protocol
+    from protocol import errors
+
+    family = {name for name, obj in vars(errors).items() if isinstance(obj, type) and issubclass(obj, errors.WeightSyncError)}
+    assert family - set(protocol.__all__) == set()
+    assert all(getattr(protocol, name) is getattr(errors, name) for name in family)
