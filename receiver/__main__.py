@@ -12,25 +12,17 @@ def compile_main(argv: list[str]) -> int:
     """``python -m receiver compile``: fill numba's cache now (an image build, an install)
     rather than in the first start, which on a fresh install compiles for tens of seconds.
     ``--pairs`` as the sender's: the receiver compiles for their rollout (second) dtypes."""
-    import argparse
     import time
 
-    from protocol.codec.aot import pairs_option, parse_pairs, receiver_dtypes
-    from protocol.errors import ConfigError
+    from protocol.codec.aot import compile_args, receiver_dtypes
     from protocol.host.cli import report
 
     from .warmup import compile_kernels
 
-    p = argparse.ArgumentParser(prog="python -m receiver compile", description=compile_main.__doc__)
-    pairs_option(p.add_argument)
-    args = p.parse_args(argv)
-    try:
-        pairs = parse_pairs(args.pairs)
-    except ConfigError as e:
-        p.error(f"--pairs {args.pairs!r}: {e}")
+    pairs, given = compile_args("python -m receiver compile", compile_main.__doc__, argv)
     started = time.perf_counter()
     compile_kernels(receiver_dtypes(pairs))
-    report("compiled", side="receiver", pairs=args.pairs, seconds=round(time.perf_counter() - started, 2))
+    report("compiled", side="receiver", pairs=given, seconds=round(time.perf_counter() - started, 2))
     return 0
 
 

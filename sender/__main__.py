@@ -172,20 +172,14 @@ def compile_kernels_main(argv: list[str]) -> int:
     """``python -m sender compile``: fill numba's cache now (an image build, an install)
     rather than beside the first receiver's bootstrap, which on a fresh install compiles
     for tens of seconds before the first sync can start."""
-    from protocol.codec.aot import pairs_option, parse_pairs
+    from protocol.codec.aot import compile_args
 
     from .warmup import compile_kernels
 
-    p = argparse.ArgumentParser(prog="python -m sender compile", description=compile_kernels_main.__doc__)
-    pairs_option(p.add_argument)
-    args = p.parse_args(argv)
-    try:
-        pairs = parse_pairs(args.pairs)
-    except ConfigError as e:
-        p.error(f"--pairs {args.pairs!r}: {e}")
+    pairs, given = compile_args("python -m sender compile", compile_kernels_main.__doc__, argv)
     started = time.perf_counter()
     compile_kernels(pairs)
-    report("compiled", side="sender", pairs=args.pairs, seconds=round(time.perf_counter() - started, 2))
+    report("compiled", side="sender", pairs=given, seconds=round(time.perf_counter() - started, 2))
     return 0
 
 

@@ -107,3 +107,17 @@ def pairs_option(add_argument: Callable[..., Any]) -> None:
     """Add both CLIs' ``--pairs`` option (``parser.add_argument``), its default ``COMMON_PAIRS``."""
     common = format_pairs(COMMON_PAIRS)
     add_argument("--pairs", default=common, help=f"MODEL:RECEIVER dtypes, comma-separated (default: {common})")
+
+
+def compile_args(prog: str, description: str | None, argv: list[str]) -> tuple[list[Pair], str]:
+    """Both compile CLIs' arguments: the ``--pairs`` given (parsed, and as written); a
+    malformed one exits with argparse's usage error (status 2)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    pairs_option(p.add_argument)
+    args = p.parse_args(argv)
+    try:
+        return parse_pairs(args.pairs), args.pairs
+    except ConfigError as e:
+        p.error(f"--pairs {args.pairs!r}: {e}")
