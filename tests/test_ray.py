@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,22 @@ def cluster() -> Iterator[float]:
 
 def get(refs: Any) -> Any:
     return ray.get(refs, timeout=WAIT)
+
+
+def kill_and_release(actor: Any, name: str) -> None:
+    """Kill a named actor and wait until Ray has let go of its name: ``ray.kill`` returns
+    before the GCS marks the actor dead, and a new actor under the same name in that window
+    raises ActorAlreadyExistsError (seen in CI)."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            ray.get_actor(name)
+        except ValueError:  # no live actor holds the name any more
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Ray still holds the actor name {name!r} {WAIT} s after ray.kill")
+        time.sleep(0.05)
 
 
 def test_actors_sync_every_version_and_a_replacement_bootstraps(cluster: float) -> None:
@@ -128,7 +145,7 @@ def test_rollouts_find_a_restarted_trainer_through_ray(cluster: float) -> None:
         synced = get(trainer.step.remote())
         get([r.wait_for_version.remote(synced["version"]) for r in rollouts])
 
-        ray.kill(trainer, no_restart=True)
+        kill_and_release(trainer, name)
         trainer = TrainerActor.options(name=name).remote(**timing)
         actors.append(trainer)
         second = get(trainer.start.remote())
