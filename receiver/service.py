@@ -189,6 +189,7 @@ class Receiver:
         self._failure: BaseException | None = None
         self._link: Session | None = None  # the connection to the upstream, while there is one
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None  # ``close``, once called
         self._names = None if name_mapping is None else NameMapping(name_mapping, state_tensors(model))
         # -- control state (see pause / sleep / update_weights)
         self.hold = hold
@@ -208,7 +209,10 @@ class Receiver:
         is needed. Returns once the first handshake is done; raises if it fails, or
         ``WeightSyncTimeout`` after ``timeout`` seconds of it (not counting compiling the
         kernels first, on a fresh install: ``python -m receiver compile`` does that ahead).
-        A second call, also while the first is still under way, is a ``WeightSyncError``."""
+        A second call, also while the first is still under way, is a ``WeightSyncError``; so
+        is a call after ``close``, or a ``close`` while it compiles (no session starts then)."""
+        if self._closing is not None:
+            raise WeightSyncError("receiver is closed")
         if self._started:
             raise WeightSyncError("receiver already started")
         self._started = True
@@ -220,6 +224,8 @@ class Receiver:
         # Before the clock starts: on a fresh install this compiles the kernels (numba,
         # tens of seconds, cached on disk after), local work the timeout is not about.
         await self.strategy.prepare()
+        if self._closing is not None:  # closed meanwhile: a session started now would outlive close
+            raise WeightSyncError("receiver closed while it started")
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"weightsync-receiver-{self.identity}")
         self._task.add_done_callback(self._run_done)
         await self._wait(lambda: self._ready.is_set(), timeout, what="the first handshake")
@@ -265,10 +271,14 @@ class Receiver:
         whose session stops its tasks and fails its queries before closing its socket; then
         the relay's server, likewise. Nothing it started runs once this returns (the loop's
         default executor and the codec pool, ``protocol/codec/parallel.py``, are shared, not
-        its own)."""
-        if self._closed:
-            return
-        self._closed = True
+        its own). A second call, or one while the first runs, waits for the first; a caller
+        cancelled meanwhile does not stop the close."""
+        if self._closing is None:
+            self._closed = True  # at once: from now on ``healthy`` is False and waits fail
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         await self._notify()  # control calls waiting on the receiver fail now
         if self._control_server is not None:
             await self._control_server.close()

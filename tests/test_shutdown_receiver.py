@@ -25,6 +25,7 @@ import pytest
 from daemon_helpers import CONFIGS, DAEMON_KW, T, Trainer, assert_matches, receiver_model
 from zmq.utils.garbage import GarbageCollectorThread
 
+from protocol.errors import WeightSyncError
 from receiver import Receiver
 from receiver.base import ReceiverBase
 from sender import Sender
@@ -64,7 +65,7 @@ async def _receiver(upstream: str, mode: str, identity: str, **kw: Any) -> Recei
     return r
 
 
-@pytest.mark.parametrize("mode", ["patch", "bucket"])
+@pytest.mark.parametrize("mode", ["patch", "patch-device", "bucket"])
 async def test_a_closed_receiver_leaves_nothing_running(mode: str) -> None:
     trainer = Trainer()
     sender = await _sender(trainer, mode)
@@ -137,4 +138,35 @@ async def test_close_mid_transfer_waits_for_the_decode_thread(monkeypatch: pytes
             assert r.version == 0  # the version being decoded was never committed
     finally:
         release.set()
+        await asyncio.wait_for(sender.close(), T)
+
+
+async def test_close_twice_at_once_returns_only_when_everything_stopped() -> None:
+    """A second ``close`` while the first runs waits for the first (it does not return early,
+    with the session still being torn down); one cancelled caller does not stop the close;
+    ``start`` after ``close`` is refused."""
+    trainer = Trainer()
+    sender = await _sender(trainer, "patch")
+    try:
+        with nothing_left_running():
+            before = asyncio.all_tasks()
+            r = await _receiver(sender.endpoint, "patch", "r", relay_endpoint="tcp://127.0.0.1:0")
+            version = await trainer.step_and_sync(sender)
+            await r.wait_for_version(version, timeout=T)
+            first = asyncio.create_task(r.close())
+            cancelled = asyncio.create_task(r.close())
+            await asyncio.sleep(0)  # both under way
+            cancelled.cancel()
+            await r.close()
+            # the first caller may not have resumed yet; nothing of the receiver's is left
+            left = {t for t in asyncio.all_tasks() - before if not t.done() and not t.get_name().startswith(SENDER_TASKS)}
+            left -= {first, cancelled}
+            assert left == set(), "a second close returned before the first finished"
+            await asyncio.wait_for(first, T)
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+        assert not r.healthy
+        with pytest.raises(WeightSyncError, match="closed"):
+            await r.start(timeout=T)
+    finally:
         await asyncio.wait_for(sender.close(), T)
