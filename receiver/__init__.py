@@ -14,19 +14,21 @@ _EXPORTS = {
     "ApplyStats": ".stats",
     "BucketReceiver": ".bucket",
     "PatchReceiver": ".patch",
-    "PendingVersion": ".base",
+    "PendingVersion": ".pending",
     "ReadWriteLock": ".rwlock",
     "Receiver": ".service",
     "ReceiverBase": ".base",
-    "StrategyHooks": ".base",
+    "StrategyHooks": ".hooks",
     "make_receiver": ".factory",
 }
 
 if TYPE_CHECKING:
-    from .base import PendingVersion, ReceiverBase, StrategyHooks
+    from .base import ReceiverBase
     from .bucket import BucketReceiver
     from .factory import make_receiver
+    from .hooks import StrategyHooks
     from .patch import PatchReceiver
+    from .pending import PendingVersion
     from .rwlock import ReadWriteLock
     from .service import Receiver
     from .stats import ApplyStats

@@ -6,8 +6,8 @@ from typing import Any
 
 from protocol.config import load_config
 
-from .base import StrategyHooks
 from .bucket import BucketReceiver
+from .hooks import StrategyHooks
 from .patch import PatchReceiver
 
 

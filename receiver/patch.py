@@ -11,7 +11,8 @@ from protocol.codec.compress import Codec
 from protocol.wire.framing import MessageType
 
 from . import warmup
-from .base import ReceiverBase, StrategyHooks
+from .base import ReceiverBase
+from .hooks import StrategyHooks
 
 
 class PatchReceiver(ReceiverBase):

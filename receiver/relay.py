@@ -37,7 +37,9 @@ from protocol.wire.limits import Limits
 from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from .base import PendingVersion, ReceiverBase, StrategyHooks, WriteGuard
+from .base import ReceiverBase
+from .hooks import StrategyHooks, WriteGuard
+from .pending import PendingVersion
 from .rwlock import ReadWriteLock
 from .threads import in_thread
 

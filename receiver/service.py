@@ -53,15 +53,16 @@ from protocol.wire.limits import Limits
 from protocol.wire.messages import Ack, Nack
 
 from . import memory
-from .base import PendingVersion, StrategyHooks
 from .controller import Controller
 from .digest import digest_of
 from .engine import AbortHook, EngineHooks, Hook
 from .factory import make_receiver
+from .hooks import StrategyHooks
 from .incoming import WHOLE_MODEL, Incoming
 from .lifecycle import ControlState
 from .metrics import ReceiverMetrics, ReceiverState
 from .naming import NameMapping, NameMappingSpec
+from .pending import PendingVersion
 from .relay import Relay
 from .rwlock import ReadWriteLock
 from .session import Leave, Reconnect, Session

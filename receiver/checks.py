@@ -1,0 +1,78 @@
+"""The checks a message passes against the model and the version so far, before any of it
+is staged: its type and version against the receiver's, its place in its version, and
+which tensors (or spans of them) its entries write."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from protocol.errors import ProtocolError, StaleVersionError
+from protocol.wire.framing import Message, MessageType, TensorEntry
+
+WHOLE = -1  # ``claim``: a tensor written by an entry without a span
+
+
+def check_span(msg: Message, key: int, span: tuple[int, int], shape: tuple[int, ...]) -> None:
+    """A span entry's rules that need the model: only in a patch, 0 <= lo < hi <= numel."""
+    lo, hi = span
+    numel = math.prod(shape)
+    if msg.type is not MessageType.PATCH:
+        raise ProtocolError(f"{msg.describe()}: tensor {key}: a span entry outside a patch")
+    if not 0 <= lo < hi <= numel:
+        raise ProtocolError(f"{msg.describe()}: tensor {key}: span [{lo}, {hi}) is not within its {numel} elements")
+
+
+def check_first(msg: Message, bootstrap: bool, data_type: MessageType, current: int | None) -> None:
+    """A version's first message, to a receiver of ``data_type`` at version ``current``."""
+    allowed = (MessageType.BOOTSTRAP,) if bootstrap else (data_type, MessageType.BOOTSTRAP)
+    if msg.type not in allowed:
+        raise ProtocolError(f"unexpected {msg.describe()}; this receiver takes {[t.name for t in allowed]}")
+    if msg.type is MessageType.PATCH:
+        if msg.version is None or msg.base_version != current:
+            raise StaleVersionError(
+                f"patch v{msg.version} applies on top of v{msg.base_version}, receiver is at v{current}",
+                current=current, got=msg.base_version, held=type(msg.version) is int and current is not None and msg.version <= current,
+            )
+        if msg.base_version is not None and msg.version <= msg.base_version:
+            raise ProtocolError(f"patch v{msg.version} does not follow its base v{msg.base_version}")
+    elif msg.type is MessageType.BUCKET:
+        if msg.version is None or (current is not None and msg.version <= current):
+            raise StaleVersionError(
+                f"bucket v{msg.version} is not newer than v{current}", current=current, got=msg.version, held=msg.version is not None,
+            )
+    elif not bootstrap and msg.version is not None and current is not None and msg.version < current:
+        raise StaleVersionError(f"bootstrap v{msg.version} is older than v{current}", current=current, got=msg.version)
+
+
+def check_same_version(first: Message, msg: Message) -> None:
+    if (msg.type, msg.version, msg.base_version) != (first.type, first.version, first.base_version):
+        raise ProtocolError(f"{msg.describe()} arrived while {first.describe()} was incomplete")
+
+
+def claim(msg: Message, entry: TensorEntry, shapes: Sequence[tuple[int, ...]], seen: dict[int, int]) -> None:
+    """Check that ``entry`` writes what no earlier entry of its version wrote (``seen``:
+    ordinal -> ``WHOLE``, or the end of the last span of it so far), and record it: a
+    tensor travels in one entry, or in span entries only (``TensorEntry.span``), in a
+    patch, each within the tensor and after the one before (across parts too). So every
+    entry covers something new, and a version's entries are bounded by its elements.
+    ``shapes``: the model's, in metadata order."""
+    span = entry.span
+    for key in entry.covers:
+        if key >= len(shapes):
+            raise ProtocolError(f"{msg.describe()}: tensor ordinal {key} out of range or repeated")
+        last = seen.get(key)
+        if span is None:
+            if last is not None:
+                raise ProtocolError(f"{msg.describe()}: tensor ordinal {key} out of range or repeated"
+                                    + ("" if last == WHOLE else " (a whole entry after span entries of it)"))
+            seen[key] = WHOLE
+            continue
+        lo, hi = span
+        check_span(msg, key, span, shapes[key])
+        if last == WHOLE:
+            raise ProtocolError(f"{msg.describe()}: tensor {key}: a span entry [{lo}, {hi}) beside a whole entry of it")
+        if last is not None and lo < last:
+            raise ProtocolError(f"{msg.describe()}: tensor {key}: span [{lo}, {hi}) overlaps or precedes one ending at {last} "
+                                "(a tensor's spans are disjoint and ascending)")
+        seen[key] = hi
