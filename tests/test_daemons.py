@@ -567,7 +567,7 @@ async def test_an_applied_version_leaves_no_staged_changes(daemons: Daemons) -> 
     Whole tensors staged as views of the received frames may stay (receiver/service.py says why)."""
     import gc
 
-    from receiver.base import StagedUpdate
+    from receiver.commit import StagedUpdate
 
     trainer = Trainer(lr=1e-4)
     s = await daemons.sender(trainer, "patch")
