@@ -99,7 +99,7 @@ class Owner:
 
 class Follower:
     """The session machinery of one receiver: its loop (``run``) and what it knows of the
-    connection; ``leave_session``, ``nack`` and ``ask_sender`` for the control calls."""
+    connection, which the control calls read and end (``receiver/controlled.py``)."""
 
     def __init__(self, settings: Settings, upstreams: Upstreams, lifecycle: ControlState, owner: Owner) -> None:
         self.settings, self.upstreams, self.lifecycle, self._owner = settings, upstreams, lifecycle, owner

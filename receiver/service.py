@@ -7,11 +7,11 @@ loop is a ``Follower`` (``receiver/follower.py``: one connection at a time, each
 receiver's task.
 
 The control calls (``pause``, ``resume``, ``sleep``, ``wakeup``, ``update_weights``) are
-methods of this class, carried out by the ``Controller`` it composes
-(``receiver/controller.py``, where their concurrency is documented; it drives the follower
-through ``receiver/controlled.py``); ``receiver/http_api.py`` serves them over HTTP. While
-paused, versions keep arriving and the connection and heartbeats stay up, but the next
-version waits, received and staged, in front of the commit until ``resume`` or
+methods of this class (``ControlCalls``), carried out by the ``Controller`` it composes
+(both in ``receiver/controller.py``, where their concurrency is documented; it drives the
+follower through ``receiver/controlled.py``); ``receiver/http_api.py`` serves them over
+HTTP. While paused, versions keep arriving and the connection and heartbeats stay up, but
+the next version waits, received and staged, in front of the commit until ``resume`` or
 ``update_weights``.
 """
 
@@ -39,8 +39,7 @@ from protocol.wire.limits import Limits
 
 from .base import StrategyHooks
 from .controlled import ControlledFollower
-from .controller import Controller
-from .engine import AbortHook, EngineHooks, Hook
+from .controller import ControlCalls, Controller
 from .factory import make_receiver
 from .follower import Follower, Owner, Settings
 from .lifecycle import ControlState
@@ -59,7 +58,7 @@ log = logging.getLogger(__name__)
 WrapWrite = Callable[[Callable[[], AbstractAsyncContextManager[Any]]], Callable[[], AbstractAsyncContextManager[Any]]]
 
 
-class Receiver:
+class Receiver(ControlCalls):
     """The rollout-side daemon. An async context manager; see ``start`` and ``close``.
 
     Rollouts run inference under ``async with receiver.reading():`` (or
@@ -163,7 +162,7 @@ class Receiver:
         self.strategy = make_receiver(self.config, self._strategy_hooks(caller, wrap_write))
         controlled = ControlledFollower(self._follower, owner, model, lambda: self.healthy)
         self._controller = Controller(self._lifecycle, controlled, identity=self.identity, writes_wrapped=wrap_write is not None)
-        self.metrics = ReceiverMetrics(self._metric_state)
+        self.metrics = ReceiverMetrics(self._metric_state)  # after both: registering it reads their state
         self._control_address = control_address
         self._control_server: ControlServer | None = None
 
@@ -277,95 +276,6 @@ class Receiver:
             await self.strategy.release_torn()
         self.strategy.staging.clear()  # its pinned host memory (a part or a bucket) is not kept past close
         log.info("receiver %s closed at v%s", self.identity, self.version)
-
-    # -- control: carried out by self._controller (receiver/controller.py) ---------------
-    @property
-    def is_paused(self) -> bool:
-        """True while no new version is applied (except through ``update_weights``)."""
-        return self._lifecycle.paused
-
-    @property
-    def asleep(self) -> frozenset[str]:
-        """The memory tags released by ``sleep`` and not yet woken (``weight``, ``kv_cache``)."""
-        return frozenset(self._lifecycle.asleep)
-
-    def register_engine(
-        self,
-        *,
-        on_pause: Hook | None = None,
-        on_resume: Hook | None = None,
-        on_sleep_kv_cache: Hook | None = None,
-        on_wakeup_kv_cache: Hook | None = None,
-        on_abort_requests: AbortHook | None = None,
-    ) -> None:
-        """Connect the rollout engine: these hooks (sync or async) are called by the control
-        calls, with no arguments except ``on_abort_requests(abort_all, req_ids)``, whose
-        return value ``abort_requests`` returns. Replaces hooks registered before."""
-        self._controller.engine = EngineHooks(on_pause, on_resume, on_sleep_kv_cache, on_wakeup_kv_cache, on_abort_requests)
-
-    async def pause(self) -> None:
-        """Stop generating (the engine's ``on_pause``) and stop applying new versions.
-
-        Idempotent. Versions keep arriving: the next one is staged and waits, the rest
-        stay queued. Returns once no version can be committed until ``resume`` or
-        ``update_weights``; a handshake under way is abandoned (its bootstrap may commit
-        first) and a new session starts only when one of those needs it.
-        """
-        await self._controller.pause()
-
-    async def resume(self) -> None:
-        """Generate again (``on_resume``) and apply versions as they come. Idempotent; an
-        error while something is asleep (wake it up first)."""
-        await self._controller.resume()
-
-    async def sleep(self, tags: str | Sequence[str] | None = None) -> dict[str, Any]:
-        """Pause, then release memory: ``kv_cache`` through the engine's hook, ``weight``
-        by leaving the sender and resizing every synced tensor's storage to zero bytes
-        (tensor objects, shapes and dtypes stay; non-persistent buffers are not touched).
-        ``tags`` default to both. Returns the tags asleep and the weight bytes freed."""
-        return await self._controller.sleep(tags)
-
-    async def wakeup(
-        self, tags: str | Sequence[str] | None = None, timeout: float | None = 60.0, *, require_resume: bool = False,
-    ) -> dict[str, Any]:
-        """Undo ``sleep`` for ``tags`` (default both), the KV cache first, then resume once
-        nothing is asleep. Weights come back as the sender's *current* version: storages
-        are reallocated and the receiver rejoins as a new one, so the sender bootstraps it.
-        Waking the weights while the KV cache sleeps and stays asleep is a ``StateError``.
-
-        ``require_resume`` (the HTTP API's: FastDeploy resumes after every wakeup) refuses,
-        with a ``StateError`` and nothing changed, a wakeup that would leave a tag asleep:
-        the engine cannot generate on freed memory, so it could not resume."""
-        return await self._controller.wakeup(tags, timeout, require_resume=require_resume)
-
-    async def update_weights(
-        self, version: int | str | None = None, verify_checksum: bool = False, timeout: float | None = 60.0
-    ) -> int | None:
-        """While paused, apply the received versions up to ``version`` and stay paused.
-
-        ``version`` None means the sender's current version, asked of the sender now; a
-        string's trailing digits are the version (``"global_step_12"``). Versions apply
-        in order until the applied one is at least ``version`` (a resync may land past
-        it); a receiver already at or past it applies nothing (in a stream of versions,
-        "at least this one" is what a caller needs). ``verify_checksum`` then compares
-        the whole-state digest with the sender's, which it has for its current version
-        only; a mismatch requests a resync and raises ``IntegrityError``. Not paused, or
-        asleep: ``StateError``. Returns the version held, which may be past ``version``.
-        """
-        return await self._controller.update_weights(version, verify_checksum, timeout)
-
-    async def abort_requests(self, abort_all: bool = False, req_ids: Sequence[str] | None = None) -> Any:
-        """Abort the engine's requests, all of them or ``req_ids``, through its
-        ``on_abort_requests`` hook; returns what the hook returned. Weights and the paused
-        state are untouched, and the control lock is not taken: an abort does not wait
-        behind a running update_weights. No hook registered: nothing is aborted, as
-        FastDeploy answers, ``{"aborted": [], "not_found": req_ids}`` (``[]`` for all)."""
-        return await self._controller.abort_requests(abort_all, req_ids)
-
-    async def sender_version(self, timeout: float | None = 30.0) -> int | None:
-        """The sender's current version (one round trip). Safe beside any other call; a
-        held receiver can ask while a resync waits for ``update_weights``."""
-        return await self._controller.sender_version(timeout)
 
     @property
     def control_url(self) -> str | None:
