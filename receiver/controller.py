@@ -13,9 +13,11 @@ Concurrency: pause, resume, sleep, wakeup and update_weights are serialised by o
 (a second call waits for the first, then sees its result: each is idempotent);
 abort_requests, is_paused and sender_version do not take it.
 
-``Receiver`` composes a ``Controller`` and its public methods of the same names call it.
-The controller writes the ``ControlState`` the session loop reads, and drives that loop
-through ``ControlTarget``: the few calls it needs of the receiver's session machinery.
+``Receiver`` composes a ``Controller``; its public methods of the same names are the
+``ControlCalls`` below (their docstrings are the API's), each handing the call to it. The
+controller writes the ``ControlState`` the session loop reads, and drives that loop through
+``ControlTarget``: the few calls it needs of the receiver's session machinery
+(``receiver/controlled.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from protocol.errors import ConfigError, IntegrityError, StateError, WeightSyncE
 from protocol.state import Placed, StateLike, state_tensors
 
 from . import memory
-from .engine import KV_CACHE, WEIGHT, EngineHooks, call_hook, parse_tags, parse_version
+from .engine import KV_CACHE, WEIGHT, AbortHook, EngineHooks, Hook, call_hook, parse_tags, parse_version
 from .lifecycle import ControlState
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ class ControlTarget(Protocol):
 
 
 class Controller:
-    """The control calls' bodies; ``Receiver``'s methods of the same names document them."""
+    """The control calls' bodies; ``ControlCalls``' methods of the same names document them."""
 
     def __init__(self, state: ControlState, receiver: ControlTarget, *, identity: str, writes_wrapped: bool = False) -> None:
         """``identity``: the receiver's, for the log; ``writes_wrapped``: an engine maps the
@@ -258,3 +260,98 @@ class Controller:
             log.error("receiver %s: %s", self._identity, message)
             receiver.nack(IntegrityError.__name__, message)
             raise IntegrityError(message)
+
+
+class ControlCalls:
+    """The control calls as a receiver's public methods (``Receiver`` has them): each is
+    carried out by its ``_controller``."""
+
+    _controller: Controller
+
+    @property
+    def is_paused(self) -> bool:
+        """True while no new version is applied (except through ``update_weights``)."""
+        return self._controller.state.paused
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The memory tags released by ``sleep`` and not yet woken (``weight``, ``kv_cache``)."""
+        return frozenset(self._controller.state.asleep)
+
+    def register_engine(
+        self,
+        *,
+        on_pause: Hook | None = None,
+        on_resume: Hook | None = None,
+        on_sleep_kv_cache: Hook | None = None,
+        on_wakeup_kv_cache: Hook | None = None,
+        on_abort_requests: AbortHook | None = None,
+    ) -> None:
+        """Connect the rollout engine: these hooks (sync or async) are called by the control
+        calls, with no arguments except ``on_abort_requests(abort_all, req_ids)``, whose
+        return value ``abort_requests`` returns. Replaces hooks registered before."""
+        self._controller.engine = EngineHooks(on_pause, on_resume, on_sleep_kv_cache, on_wakeup_kv_cache, on_abort_requests)
+
+    async def pause(self) -> None:
+        """Stop generating (the engine's ``on_pause``) and stop applying new versions.
+
+        Idempotent. Versions keep arriving: the next one is staged and waits, the rest
+        stay queued. Returns once no version can be committed until ``resume`` or
+        ``update_weights``; a handshake under way is abandoned (its bootstrap may commit
+        first) and a new session starts only when one of those needs it.
+        """
+        await self._controller.pause()
+
+    async def resume(self) -> None:
+        """Generate again (``on_resume``) and apply versions as they come. Idempotent; an
+        error while something is asleep (wake it up first)."""
+        await self._controller.resume()
+
+    async def sleep(self, tags: str | Sequence[str] | None = None) -> dict[str, Any]:
+        """Pause, then release memory: ``kv_cache`` through the engine's hook, ``weight``
+        by leaving the sender and resizing every synced tensor's storage to zero bytes
+        (tensor objects, shapes and dtypes stay; non-persistent buffers are not touched).
+        ``tags`` default to both. Returns the tags asleep and the weight bytes freed."""
+        return await self._controller.sleep(tags)
+
+    async def wakeup(
+        self, tags: str | Sequence[str] | None = None, timeout: float | None = 60.0, *, require_resume: bool = False,
+    ) -> dict[str, Any]:
+        """Undo ``sleep`` for ``tags`` (default both), the KV cache first, then resume once
+        nothing is asleep. Weights come back as the sender's *current* version: storages
+        are reallocated and the receiver rejoins as a new one, so the sender bootstraps it.
+        Waking the weights while the KV cache sleeps and stays asleep is a ``StateError``.
+
+        ``require_resume`` (the HTTP API's: FastDeploy resumes after every wakeup) refuses,
+        with a ``StateError`` and nothing changed, a wakeup that would leave a tag asleep:
+        the engine cannot generate on freed memory, so it could not resume."""
+        return await self._controller.wakeup(tags, timeout, require_resume=require_resume)
+
+    async def update_weights(
+        self, version: int | str | None = None, verify_checksum: bool = False, timeout: float | None = 60.0
+    ) -> int | None:
+        """While paused, apply the received versions up to ``version`` and stay paused.
+
+        ``version`` None means the sender's current version, asked of the sender now; a
+        string's trailing digits are the version (``"global_step_12"``). Versions apply
+        in order until the applied one is at least ``version`` (a resync may land past
+        it); a receiver already at or past it applies nothing (in a stream of versions,
+        "at least this one" is what a caller needs). ``verify_checksum`` then compares
+        the whole-state digest with the sender's, which it has for its current version
+        only; a mismatch requests a resync and raises ``IntegrityError``. Not paused, or
+        asleep: ``StateError``. Returns the version held, which may be past ``version``.
+        """
+        return await self._controller.update_weights(version, verify_checksum, timeout)
+
+    async def abort_requests(self, abort_all: bool = False, req_ids: Sequence[str] | None = None) -> Any:
+        """Abort the engine's requests, all of them or ``req_ids``, through its
+        ``on_abort_requests`` hook; returns what the hook returned. Weights and the paused
+        state are untouched, and the control lock is not taken: an abort does not wait
+        behind a running update_weights. No hook registered: nothing is aborted, as
+        FastDeploy answers, ``{"aborted": [], "not_found": req_ids}`` (``[]`` for all)."""
+        return await self._controller.abort_requests(abort_all, req_ids)
+
+    async def sender_version(self, timeout: float | None = 30.0) -> int | None:
+        """The sender's current version (one round trip). Safe beside any other call; a
+        held receiver can ask while a resync waits for ``update_weights``."""
+        return await self._controller.sender_version(timeout)

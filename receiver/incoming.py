@@ -11,12 +11,23 @@ import logging
 from typing import Protocol
 
 from protocol.progress import Progress
+from protocol.state import StateLike, state_tensors
 from protocol.wire.framing import MessageType
 
 log = logging.getLogger(__name__)
 
 WATCH_EVERY = 0.25  # seconds between reads of the connection's byte count
 WHOLE_MODEL = (MessageType.BOOTSTRAP, MessageType.BUCKET)  # versions that carry the whole model: their progress is logged
+
+
+def model_bytes(state: StateLike) -> int | None:
+    """What a bootstrap of the whole model about weighs: its tensors at their dtypes, each
+    storage once (None where the model is not plain tensors): the progress lines' total."""
+    try:
+        once = {t.data_ptr(): t.numel() * t.element_size() for t in state_tensors(state).values()}  # tied: once
+        return sum(once.values())
+    except Exception:
+        return None
 
 
 class Link(Protocol):

@@ -4,9 +4,9 @@ A ``Session`` owns what lives exactly as long as one connection: the DEALER sock
 inbox the receiver reads messages from, the three tasks that feed and watch it (reading
 and routing, heartbeats and the silence check, the socket's TCP connections and CURVE
 handshake failures) and the DIGEST queries in flight. ``close`` stops all of them and
-fails the queries left, so nothing of a session outlives it. ``Receiver`` opens one per
-connection (``receiver/service.py``) and drives the handshake and the versions through
-``recv`` and ``send``.
+fails the queries left, so nothing of a session outlives it. A receiver's ``Follower``
+opens one per connection (``receiver/follower.py``) and drives the handshake and the
+versions through ``recv`` and ``send``.
 
 What ends a session arrives through the inbox, in order with the messages, as an
 exception ``recv`` raises: ``Reconnect`` (the upstream said goodbye, restarted, cannot

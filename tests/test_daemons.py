@@ -564,7 +564,7 @@ async def test_on_update_fires_once_per_committed_version(daemons: Daemons) -> N
 async def test_an_applied_version_leaves_no_staged_changes(daemons: Daemons) -> None:
     """Between versions a receiver holds its model, not the last version's staged changes
     (an index and a value each: as much again as the update) until the next one arrives.
-    Whole tensors staged as views of the received frames may stay (receiver/service.py says why)."""
+    Whole tensors staged as views of the received frames may stay (receiver/follower.py says why)."""
     import gc
 
     from receiver.commit import StagedUpdate
@@ -610,11 +610,11 @@ async def test_a_bootstrap_longer_than_the_handshake_bound_completes_while_it_pr
     """The handshake's bound (``peer_timeout + HANDSHAKE_GRACE``) is on each of its
     messages, not on the whole bootstrap: a large model's bootstrap takes as long as its
     bytes take, and must not be cut off (and asked for again) at a fixed total."""
-    import receiver.service
+    import receiver.follower
     from protocol.wire.framing import MessageType, peek_type
     from receiver.session import Session
 
-    monkeypatch.setattr(receiver.service, "HANDSHAKE_GRACE", 0.0)  # each message within PEER_TIMEOUT
+    monkeypatch.setattr(receiver.follower, "HANDSHAKE_GRACE", 0.0)  # each message within PEER_TIMEOUT
     recv = Session.recv
     buckets = 0
 

@@ -61,7 +61,7 @@ from protocol.errors import ResyncLimitError, StaleVersionError, WeightSyncError
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import MessageType
 from receiver import Receiver
-from receiver import service as receiver_service
+from receiver import follower as receiver_follower
 from sender import Sender
 from sender.stats import SyncStats
 
@@ -553,7 +553,7 @@ async def test_a_message_slower_than_peer_timeout_is_waited_for_while_it_arrives
     sender's bytes are still being forwarded). The sender, its peer_timeout cut to 1 s
     too, used to drop the receiver as silent mid-message, and it reconnected; the
     receiver's kernel acknowledging the sender's bytes is life."""
-    monkeypatch.setattr(receiver_service, "HANDSHAKE_GRACE", 0.0)
+    monkeypatch.setattr(receiver_follower, "HANDSHAKE_GRACE", 0.0)
     rig = Rig(tmp_path, mode, ONE_BUCKET[mode])
     try:
         await rig.start_sender(**({"peer_timeout": SLOW_TIMEOUT} if held else {}))
