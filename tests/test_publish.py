@@ -21,7 +21,7 @@ from protocol.config import PatchConfig
 from protocol.errors import ConfigError, StaleVersionError, WeightSyncError
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message
-from receiver import Receiver
+from receiver import Receiver, follower
 from sender import Sender
 from sender.plan import SyncPlan
 from sender.shard_build import ReceiverPlan, ShardBuild
@@ -170,3 +170,36 @@ async def test_publish_is_serialised_refuses_stale_versions_and_the_wrong_sender
         await plain.start(build(seed=0))
         with pytest.raises(ConfigError, match="sharded=True"):
             await plain.publish(1, None)
+
+
+async def test_a_deferred_bootstrap_waited_for_past_the_handshake_bound_is_answered_once_per_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bootstrap deferred to the next version waits as long as the trainer takes to make
+    it: the sender sets no bound of its own. The receiver's does (each handshake message
+    within peer_timeout + HANDSHAKE_GRACE, the grace cut to 0 here): it reconnects, with
+    its backoff, and says HELLO again, and the sender drops the answer it was waiting on.
+    So however long the trainer takes, the sender waits on one HELLO per receiver, and
+    the next version bootstraps it."""
+    monkeypatch.setattr(follower, "HANDSHAKE_GRACE", 0.0)
+    async with Sender("tcp://127.0.0.1:0", CONFIG) as sender:
+        trainer = Trainer(sender)
+        await sender.start(trainer.model, version=0, sharded=True)
+        rollout = build(seed=3).to(torch.bfloat16)
+        kw: dict[str, Any] = {"peer_timeout": 0.3, "heartbeat_interval": 0.05, "reconnect_backoff": (0.05, 0.1)}
+        async with Receiver(rollout, sender.endpoint, CONFIG, identity="r", **kw) as receiver:
+            joined = asyncio.ensure_future(receiver.start(timeout=30))
+            answering: list[int] = []  # HELLOs the sender is answering, sampled
+            async with asyncio.timeout(30):
+                while receiver.reconnects < 3:
+                    answering.append(sum(1 for t in asyncio.all_tasks() if "-hello-" in t.get_name() and not t.done()))
+                    await asyncio.sleep(0.01)
+            assert not joined.done() and receiver.version is None
+            assert max(answering) == 1, answering  # one at a time: each new HELLO replaced the last
+            trainer.step()
+            trainer.capture()
+            await sender.publish(1, None, bootstrap=trainer.bootstrap(1))
+            await asyncio.wait_for(joined, 30)
+            assert receiver.version == 1
+            async with receiver.reading():
+                assert state_digest(rollout.state_dict()) == bf16(trainer.model)
