@@ -108,11 +108,22 @@ class Rig:
         net = NETWORK
         sender = Sender(f"tcp://{net.bind}:0", config, insecure_plaintext=net.insecure_plaintext,
                         metrics_address="127.0.0.1:0" if METRICS else None, **DAEMON_KW)
-        await sender.start(workload.trainer_state(), version=0)
-        endpoint, route = await net.route(sender.endpoint)
-        receivers = await RemoteReceivers.start(workload.receiver_spec(), endpoint, config, name, count, prefix=net.prefix)
-        await sender.wait_for_receivers(count, timeout=TIMEOUT)
-        await sender.wait_acked(0, timeout=TIMEOUT)
+        route: Any = None
+        receivers: RemoteReceivers | None = None
+        try:
+            await sender.start(workload.trainer_state(), version=0)
+            endpoint, route = await net.route(sender.endpoint)
+            receivers = await RemoteReceivers.start(workload.receiver_spec(), endpoint, config, name, count, prefix=net.prefix)
+            await sender.wait_for_receivers(count, timeout=TIMEOUT)
+            await sender.wait_acked(0, timeout=TIMEOUT)
+        except BaseException:  # nothing of a rig that never opened outlives it
+            try:
+                if receivers is not None:
+                    await receivers.kill()
+            finally:
+                await sender.close()
+                await net.unroute(route)
+            raise
         return cls(sender, receivers, route)
 
     def incidents(self) -> int:

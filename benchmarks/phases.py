@@ -165,7 +165,7 @@ def install_receiver() -> None:
     _installed.add("receiver")
     from protocol.net import sockets
     from protocol.wire.framing import MessageType, peek_type
-    from receiver import base, commit
+    from receiver import base, commit, decode
 
     def is_ack(self: Any, frames: Any) -> bool:
         try:
@@ -176,7 +176,7 @@ def install_receiver() -> None:
     sockets.DealerSocket.recv = _timed_async("arrived", sockets.DealerSocket.recv)  # type: ignore[method-assign]
     sockets.DealerSocket.try_send = _timed("ack", sockets.DealerSocket.try_send, when=is_ack)  # type: ignore[method-assign]
     base.decode_message = _timed("validate", base.decode_message)
-    base.decode_entry = _timed("decode", base.decode_entry)
+    decode.decode_entry = _timed("decode", decode.decode_entry)
     stage = commit.StagedUpdate.stage.__func__  # type: ignore[attr-defined]
     commit.StagedUpdate.stage = classmethod(_timed("stage_calls", stage))  # type: ignore[method-assign, assignment]
 

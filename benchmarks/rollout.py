@@ -57,7 +57,11 @@ class RemoteReceivers:
             for i in range(count)
         ]
         self = cls(procs)
-        self.ready = [await self._reply(i, "ready") for i in range(count)]  # each with its started_ns
+        try:
+            self.ready = [await self._reply(i, "ready") for i in range(count)]  # each with its started_ns
+        except BaseException:
+            await self.kill()
+            raise
         return self
 
     async def _read(self, i: int) -> None:
@@ -113,6 +117,20 @@ class RemoteReceivers:
                         p.kill()
             for r in self._readers:
                 r.cancel()
+
+    async def kill(self) -> None:
+        """End the workers now (one failed to start): killed, reaped and their pipes read to
+        the end here, so no process outlives the harness and no transport is left for the
+        garbage collector to close after the event loop (an unraisable error in a later test)."""
+        for p in self.procs:
+            if p.stdin is not None:
+                p.stdin.close()
+            if p.returncode is None:
+                p.kill()
+        await asyncio.gather(*(p.wait() for p in self.procs))
+        await asyncio.wait(self._readers, timeout=30)
+        for r in self._readers:
+            r.cancel()
 
 
 # -- the worker -----------------------------------------------------------------------------

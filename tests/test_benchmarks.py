@@ -3,6 +3,7 @@ tiny workload through the real Sender/Receivers (stub peers) for the result's ke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from benchmarks.floor import (  # noqa: E402
 from benchmarks.peers import digest  # noqa: E402
 from benchmarks.phases import PHASES, breakdown  # noqa: E402
 from benchmarks.report import RESULT_KEYS, TOP_KEYS, evaluate_targets, missing_keys, table  # noqa: E402
+from benchmarks.rollout import RemoteReceivers  # noqa: E402
 from benchmarks.workloads import SyntheticWorkload, perturb_ulps  # noqa: E402
 
 
@@ -174,6 +176,28 @@ async def test_a_device_coded_row_times_its_compare() -> None:
     result = finish(run, copy_bps=1e9, zmq_bps=1e9)
     assert result["verified_bit_exact"] is True
     assert run["steps"][0]["patch_phases_ms"]["mark"] > 0
+
+
+async def test_workers_that_fail_to_start_are_reaped_with_their_pipes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rollout worker that exits before ``ready`` (a spec it cannot build) fails the harness
+    at once, and every worker is killed and reaped and its pipes closed and read to the end:
+    none outlives the run, and no transport is left for the garbage collector to close after
+    the event loop (a later test then failed on that unraisable error)."""
+    procs: list[asyncio.subprocess.Process] = []
+    spawn = asyncio.create_subprocess_exec
+
+    async def recorded(*args: Any, **kw: Any) -> asyncio.subprocess.Process:
+        procs.append(await spawn(*args, **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recorded)
+    with pytest.raises(RuntimeError, match="expected 'ready'"):
+        await RemoteReceivers.start({}, "tcp://127.0.0.1:1", {"type": "patch"}, "broken", count=2)
+    assert len(procs) == 2
+    for p in procs:
+        assert p.returncode is not None
+        assert p.stdin is not None and p.stdin.is_closing()
+        assert p.stdout is not None and p.stdout.at_eof()
 
 
 def test_phase_breakdown_by_hand() -> None:
