@@ -69,6 +69,7 @@ class ControlledFollower:
         follower = self._follower
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+
         def linked() -> bool:
             return follower.link is not None and follower.link.is_open
 
