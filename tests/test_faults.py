@@ -376,7 +376,7 @@ async def test_a_failed_pump_fails_the_sender_and_drops_its_receiver(rig: Rig) -
     async def broken() -> list[Any]:
         raise RuntimeError("the resync could not be built")
 
-    sender.server._resync_messages = broken  # type: ignore[method-assign]
+    sender.server.resync_messages = broken  # type: ignore[method-assign]
     await rig.trainer.step_and_sync(sender)
     with pytest.raises(WeightSyncError, match="could not be built") as failed:
         await sender.wait_acked(2, timeout=T)

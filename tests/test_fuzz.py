@@ -322,7 +322,7 @@ class HelloTarget(Target):
 
 @dataclass
 class ControlTarget(Target):
-    """What the sender daemon does with a receiver's ACK / NACK / HEARTBEAT (``_serve``)."""
+    """What the sender daemon does with a receiver's ACK / NACK / HEARTBEAT (``Sessions.serve``)."""
 
     peer: Peer = field(default_factory=lambda: Peer(b"fuzz"))
 

@@ -83,7 +83,7 @@ async def test_parts_are_bit_exact_through_a_relay(fleet: Fleet) -> None:
             await r.wait_for_version(version, timeout=T)
             await assert_matches(r, trainer, version)
             assert r.stats[version].kind == "patch" and r.stats[version].messages == s.stats[version].messages
-    sparse = {e.encoding for frames in s.server._ring[-1].messages for e in decode_message(frames).tensors} - {Encoding.DENSE}
+    sparse = {e.encoding for frames in s.server._ring.newest.messages for e in decode_message(frames).tensors} - {Encoding.DENSE}
     assert sparse and (sparse == {Encoding.BLOCKS}) == (fleet.codec == "device"), sparse  # v3's sparse entries
     assert all(v == [1, 2, 3] for v in seen), seen  # each version once, none resynced
     assert all(info["resyncs"] == 0 for info in s.receivers.values())
@@ -187,14 +187,14 @@ def compare_hooked(monkeypatch: pytest.MonkeyPatch, hook: Any) -> None:
 
 def delivered_parts(monkeypatch: pytest.MonkeyPatch, s: Sender) -> list[tuple[MessageType, int | None, int]]:
     delivered: list[tuple[MessageType, int | None, int]] = []
-    deliver = s.server._deliver
+    deliver = s.server._pump._deliver
 
     async def recorded(peer: Any, frames: list[Any]) -> None:
         msg = decode_message(frames)
         delivered.append((msg.type, msg.version, msg.part))
         await deliver(peer, frames)
 
-    monkeypatch.setattr(s.server, "_deliver", recorded)
+    monkeypatch.setattr(s.server._pump, "_deliver", recorded)
     return delivered
 
 

@@ -217,8 +217,8 @@ async def test_relay_serves_only_versions_it_applied():
         await leaf.wait_for_version(version, timeout=T)
         await assert_matches(leaf, t.trainer, version)
         assert relay.relay.server.session == sender.session
-        entry = relay.relay.server._ring[-1]
-        assert entry.complete and all(decode_message(m).type is MessageType.PATCH for m in entry.messages)
+        entry = relay.relay.server._ring.newest
+        assert entry is not None and entry.complete and all(decode_message(m).type is MessageType.PATCH for m in entry.messages)
         assert all(decode_message(m).session == sender.session for m in entry.messages)
 
 
@@ -306,7 +306,7 @@ async def test_a_damaged_first_bootstrap_is_asked_for_again():
         relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
         assert relay.relay_endpoint is not None and relay.relay is not None
         await t.step(relay)
-        original = relay.relay.server._resync_messages
+        original = relay.relay.server.resync_messages
         sent: list[bool] = []
 
         async def damaged_once() -> list[Message]:
@@ -319,7 +319,7 @@ async def test_a_damaged_first_bootstrap_is_asked_for_again():
             payload[0] ^= 0x01
             return [dataclasses.replace(first, frames=[bytes(payload), *first.frames[1:]]), *messages[1:]]
 
-        relay.relay.server._resync_messages = damaged_once  # type: ignore[method-assign]
+        relay.relay.server.resync_messages = damaged_once  # type: ignore[method-assign]
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await assert_matches(leaf, t.trainer, 1)
         assert sent and leaf.reconnects >= 1

@@ -1,4 +1,4 @@
-"""The sender's ring of recent patches (protocol/net/server.py): at most ``ring_size`` of
+"""The sender's ring of recent patches (protocol/net/ring.py): at most ``ring_size`` of
 them, and newest first only as many as add up to ``ring_bytes`` (a Sender's default: a
 whole copy of its state), so a receiver behind by more than a whole copy's worth of
 patches is resynced, and a model whose patches go dense is not held eight times over."""
@@ -33,7 +33,7 @@ def test_parts_of_the_newest_patch_count_as_they_arrive() -> None:
     server.publish_patch(1, 2, [b"x" * 40], last=False)
     assert kept(server) == [1, 2]
     server.publish_patch(1, 2, [b"x" * 40], last=True)  # v2 is now 80 bytes: v1 no longer fits
-    assert kept(server) == [2] and server._ring[-1].complete
+    assert kept(server) == [2] and server._ring.newest.complete
 
 
 def test_without_a_byte_cap_only_the_count_applies() -> None:
