@@ -170,3 +170,31 @@ async def test_close_twice_at_once_returns_only_when_everything_stopped() -> Non
             await r.start(timeout=T)
     finally:
         await asyncio.wait_for(sender.close(), T)
+
+
+async def test_close_while_start_compiles_starts_no_session() -> None:
+    """``close`` while ``start`` is still preparing (compiling the kernels on a fresh install):
+    ``start`` raises once the preparation ends, and no session is started to outlive close."""
+    trainer = Trainer()
+    sender = await _sender(trainer, "patch")
+    try:
+        with nothing_left_running():
+            r = Receiver(receiver_model(), sender.endpoint, CONFIGS["patch"], identity="r", **DAEMON_KW)
+            prepare, preparing, release = r.strategy.prepare, asyncio.Event(), asyncio.Event()
+
+            async def slow_prepare() -> None:
+                preparing.set()
+                await release.wait()
+                await prepare()
+
+            r.strategy.prepare = slow_prepare  # type: ignore[method-assign]
+            starting = asyncio.create_task(r.start(timeout=T))
+            await asyncio.wait_for(preparing.wait(), T)
+            await asyncio.wait_for(r.close(), T)
+            release.set()
+            with pytest.raises(WeightSyncError, match="closed while it started"):
+                await asyncio.wait_for(starting, T)
+        assert not r.healthy and r.version is None
+        assert sender.receivers == {}  # it never said HELLO
+    finally:
+        await asyncio.wait_for(sender.close(), T)
