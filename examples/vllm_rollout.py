@@ -62,17 +62,45 @@ def sender_config(codec: str | None) -> Any:
     return data
 
 
-def tiny_config(tie: bool, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2) -> Any:
-    """A Qwen2 with grouped-query attention (by default 4 query heads, 2 kv heads), qkv bias
-    and a vocabulary vLLM pads (500 -> 512); head_dim 32 (hidden / heads), the smallest
-    vLLM's CPU kernels take."""
-    from transformers import Qwen2Config
+FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "mixtral")
 
-    return Qwen2Config(
-        vocab_size=500, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, torch_dtype="bfloat16",
+
+def tiny_config(
+    tie: bool, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2, family: str = "qwen2", experts: int = 8,
+) -> Any:
+    """A small model of ``family`` with grouped-query attention (by default 4 query heads, 2
+    kv heads) and a vocabulary vLLM pads (500 -> 512); head_dim 32 (hidden / heads), the
+    smallest vLLM's CPU kernels take. ``qwen2``: qkv bias, a dense MLP. The mixtures of
+    experts route each token to 2 of ``experts`` of width 64 (vLLM's CPU MoE kernel tiles an
+    expert's fused gate/up rows by 64, on every tensor-parallel rank); give them a hidden size
+    other than 128 so that a transposed expert tensor cannot pass for the right one:
+    ``qwen3_moe`` (q/k norms, no shared expert), ``qwen2_moe`` (a gated shared expert, qkv
+    bias), ``mixtral`` (experts named w1/w2/w3 in checkpoints)."""
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=500, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        torch_dtype="bfloat16",
     )
+    expert = 64
+    arch = {"qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}.get(family)
+    common["architectures"] = [f"{arch}ForCausalLM"]  # vLLM picks its model class by this, not by model_type
+    if family == "qwen2":
+        return transformers.Qwen2Config(intermediate_size=2 * hidden, **common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=2 * hidden, moe_intermediate_size=expert, num_experts=experts, num_experts_per_tok=2,
+            head_dim=hidden // heads, norm_topk_prob=True, **common,
+        )
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            intermediate_size=2 * hidden, moe_intermediate_size=expert, shared_expert_intermediate_size=hidden // 2,
+            num_experts=experts, num_experts_per_tok=2, **common,
+        )
+    if family == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=expert, num_local_experts=experts, num_experts_per_tok=2, **common)
+    raise ValueError(f"unknown model family {family!r}: one of {FAMILIES}")
 
 
 class Trainer:
@@ -81,11 +109,11 @@ class Trainer:
     def __init__(
         self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0", codec: str | None = None
     ) -> None:
-        from transformers import Qwen2ForCausalLM
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.config = tiny_config(tie) if config is None else config
-        self.model = Qwen2ForCausalLM(self.config)
+        self.model = AutoModelForCausalLM.from_config(self.config)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.batch = torch.randint(3, self.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(seed))
         self.last_stats: Any = None  # the SyncStats of the last step (wire_bytes once flushed)
@@ -239,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4, help="query heads (head_dim = hidden / heads: 32 or more on CPU)")
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--family", choices=FAMILIES, default="qwen2", help="the model's architecture (tiny_config)")
+    parser.add_argument("--experts", type=int, default=8, help="experts per layer of a mixture-of-experts family")
     parser.add_argument("--codec", choices=("auto", "host", "device"), default=None,
                         help="the trainer's patch.codec (default: the config's, auto: the host codec for this CPU trainer)")
     parser.add_argument("--start-from", choices=("dummy", "other"), default="dummy",
@@ -247,14 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:  # engine_totals and weights_differing run in the workers as functions
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-    config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads)
+    config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads, args.family, args.experts)
     trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec)
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
     if args.start_from == "other":  # a checkpoint of other weights: the bootstrap writes over a loaded model
-        from transformers import Qwen2ForCausalLM
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(1)
-        Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(workdir)
+        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(workdir)
     else:
         trainer.config.save_pretrained(workdir)  # a config only: the engine starts from dummy weights
     started = time.perf_counter()
@@ -308,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         del llm
         fresh = engine(reference_dir, weightsync=False, tp=args.tp, dummy=False)
         summary.update(compare(final, generate(fresh), args.tp))
-        summary["checksums_equal"] = ours == checksums(fresh)
+        theirs = checksums(fresh)
+        summary["checksums_equal"] = ours == theirs
+        summary["checksums_differing"] = [sorted(k for k in a if a[k] != b.get(k)) for a, b in zip(ours, theirs)]
         summary["final_tokens"] = [a["tokens"] for a in final]
     trainer.close()
     print(json.dumps({"summary": summary}), flush=True)

@@ -19,6 +19,7 @@ from torch import nn
 
 from protocol.errors import ConfigError, MetadataMismatchError, PlacementError
 from protocol.state import Placed
+from receiver.vllm.kinds import How, vouch
 from receiver.vllm.layout import MappedTensor, derive_layout
 
 Q, KV, H, INTER, V, VPAD = 8, 4, 6, 10, 7, 8  # query rows, key/value rows, hidden, intermediate, vocab (padded)
@@ -135,14 +136,25 @@ def test_sparse_writes_and_reads_go_through_the_map(rank: int | None) -> None:
         assert torch.equal(down.read(flat)[held_cols], expected["down"].view(-1)[held_cols])
 
 
-def test_a_loader_that_transforms_before_the_copy_is_refused_by_name() -> None:
-    with pytest.raises(PlacementError, match="'k'"):
-        derive_layout(FusedModel(transform="scale"), metadata())
-
-
-def test_a_loader_that_transforms_after_the_copy_is_refused_by_name() -> None:
-    with pytest.raises(PlacementError, match="'down'"):
-        derive_layout(FusedModel(transform="inplace"), metadata())
+@pytest.mark.parametrize("transform, culprit", [("scale", "'k'"), ("inplace", "'down'")])
+def test_a_loader_that_transforms_a_tensor_gets_its_layer_reloaded_not_mapped(transform: str, culprit: str) -> None:
+    """A loader that transforms values before the copy (``scale``) or after it
+    (``inplace``) is not written through a guess: its layer (here the whole model, whose
+    parameters sit on one module) is RELOAD, named with the tensor, and every tensor it
+    loads is kept whole as a plain host copy, all handed over together."""
+    model = FusedModel(transform=transform)
+    layout = derive_layout(model, metadata())
+    (layer, kind), = layout.reloads.layers.items()
+    assert layer is model and kind.how is How.RELOAD and culprit in kind.reason, kind
+    loaded = {"q", "k", "v", "gate", "up", "down", "embed"}  # lm_head is tied: load_weights skips it
+    assert set(layout.reloads.mirrors) == loaded
+    for key in loaded:
+        mirror = layout.tensors[key]
+        assert mirror is layout.reloads.mirrors[key] and isinstance(mirror, torch.Tensor) and mirror.device.type == "cpu"
+        assert tuple(mirror.shape) == dict(META)[key] and not layout.segments.get(key)
+    assert set(layout.reloads.weights_for(["q"])) == loaded  # one changed tensor reloads its whole layer
+    assert layout.reloads.weights_for(["lm_head"]) == {}
+    assert layout.unmapped == ["lm_head"]
 
 
 def test_a_name_the_loader_does_not_know_is_a_metadata_mismatch() -> None:
@@ -175,6 +187,9 @@ class PackOnLoad:
         layer.packed = layer.weight.detach().t().contiguous()
         if not self.keep:
             layer.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+
+vouch("PackOnLoad")  # re-runnable over the loaded weight, as vLLM's unquantized linear method is
 
 
 class Packed(nn.Module):
@@ -285,3 +300,23 @@ def test_prepack_leaves_out_a_layer_whose_parameter_a_module_outside_it_shares()
     model, layout = packed_engine({k: v for k, v in checkpoint(11).items() if k in dict(PACKED_META)})
     assert set(layout.prepack([model.embed, model.qkv], []).layers) == {model.qkv}
     assert set(layout.prepack([model.embed, model.head], []).layers) == {model.embed, model.head}
+
+
+class Quantize:
+    """A post-load processing nobody vouched for (as a quantization method's)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.scale = layer.weight.detach().abs().amax()
+
+
+def test_a_layer_whose_processing_the_map_does_not_know_is_reloaded_and_its_neighbours_mapped() -> None:
+    """The qkv layer's method is unknown: q, k and v are kept whole for vLLM's reload and
+    the layer is never re-run by the map; the embedding (vouched for) is still mapped."""
+    model = PackedModel()
+    model.qkv.quant_method = Quantize()  # type: ignore[assignment]
+    layout = derive_layout(model, [(k, s, torch.bfloat16) for k, s in PACKED_META])
+    assert set(layout.reloads.mirrors) == {"q", "k", "v"}
+    kind = layout.reloads.layers[model.qkv]
+    assert kind.how is How.RELOAD and "Quantize" in kind.reason and kind.name == "Packed/Quantize"
+    assert "embed" not in layout.reloads.mirrors and layout.segments["embed"] and layout.kinds[model.embed].how is How.MAPPED
+    assert layout.repack([model.qkv]) == 0  # vLLM's reload processes it, not the map

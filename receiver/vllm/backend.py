@@ -52,7 +52,9 @@ from ..engine import parse_version
 from ..naming import AGENT_PREFIX
 from ..readback import check_all
 from ..service import Receiver
+from .kinds import How
 from .layout import Layout, Prepack, derive_layout
+from .reload import reload
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,7 +185,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._names: dict[str, str] = {}  # trainer name -> this engine's checkpoint name
         self.last_timing: dict[str, float] = {}  # the last update: commit and re-pack seconds (benchmarks/vllm_hold.py)
         self.prepack = False
-        self.totals = {"updates": 0, "layers_installed": 0, "layers_repacked": 0}  # since init
+        self.totals = {"updates": 0, "layers_installed": 0, "layers_repacked": 0, "layers_reloaded": 0}  # since init
         # The staged version's layers, re-packed ahead on copies; installed inside its commit.
         self._ahead: _Ahead | None = None
         self._installed = 0  # layers installed by the commits of the update in progress
@@ -220,8 +222,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 hooks=StrategyHooks(on_commit=(self._committed,), on_staged=self._prepack if layout.shadows else None),
             )
             self.receiver = receiver
+            self._log_kinds(layout)
             thread.run(receiver.start(init_info.timeout), init_info.timeout + 5, "the handshake and bootstrap")
             layers = layout.repack(layout.layers_of(names.values()))
+            self._reload(layout.reloads.mirrors)
             self._stale.clear()
         except BaseException:
             self.shutdown()
@@ -296,14 +300,39 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             installed = set(ahead.prepack.layers)
             self._installed += len(installed)
         writes = self._writes(pending)
+        names = {name for name, _ in writes}
+        self._reload(self.layout.reloads.weights_for(names))
         seconds, count = self._check(writes, self.layout.tensors)
         self._checked = (self._checked[0] + seconds, self._checked[1] + count)
-        names = {name for name, _ in writes}
         for layer in self.layout.layers_of(names):
             if layer not in installed:
                 self._stale[layer] = None
             else:
                 self._stale.pop(layer, None)
+
+    def _reload(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Hand the whole tensors of the layers the map does not understand (``kinds.py``)
+        to vLLM's own reload; inside the commit, so a failure leaves the version unpublished."""
+        if not weights:
+            return
+        assert self.layout is not None
+        reload(self.model, self.model_config, weights)
+        self.totals["layers_reloaded"] += len(self.layout.layers_of(weights))
+
+    def _log_kinds(self, layout: Layout) -> None:
+        """Once per layer kind the map does not write element by element: which, and why."""
+        seen: dict[str, tuple[int, str]] = {}
+        for kind in layout.kinds.values():
+            if kind.how is not How.MAPPED:
+                count, reason = seen.get(kind.name, (0, kind.reason))
+                seen[kind.name] = (count + 1, reason)
+        for name, (count, reason) in seen.items():
+            how = next(k.how for k in layout.kinds.values() if k.name == name)
+            if how is How.RELOAD:
+                log.warning("weightsync: %d %s layers are not mapped (%s): each version that changes them reloads their "
+                            "whole tensors through vLLM's load_weights", count, name, reason)
+            else:
+                log.info("weightsync: %d %s layers are mapped through their post-load permutation", count, name)
 
     def _check(self, writes: list[tuple[str, StagedUpdate]], targets: Mapping[str, Any]) -> tuple[float, int]:
         """Read back a sample of each mapped tensor ``writes`` wrote into ``targets``;

@@ -24,7 +24,8 @@ import copy
 import logging
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +38,9 @@ from protocol.state import Placed
 from protocol.wire.dtypes import bit_view, bits_at, bits_dtype
 
 from ..commit import StagedUpdate, write
+from .kinds import How, Kind, classify, kind_name
+from .permute import Permutation
+from .reload import Reloads
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +93,39 @@ class Segment:
     kind: str
     dims: tuple[int, ...] = ()  # "box": the checkpoint dim of each source dim
     start: tuple[int, ...] = ()  # "box": the box's first coordinate in every checkpoint dim
+    # Where post-load processing moved the storage's elements (kinds.How.PERMUTED): the
+    # load-time offsets above are what load_weights showed, this says where they live now.
+    perm: Permutation | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
 
     def dst_view(self) -> torch.Tensor:
+        """The destination as load_weights wrote it (a view: unpermuted storages only)."""
         return self.storage.as_strided(self.sizes, self.dst_strides, self.dst_offset)
+
+    def runtime_offsets(self) -> torch.Tensor:
+        """The storage offset of every destination element, shaped ``sizes``."""
+        device = self.storage.device
+        offsets = torch.full((), self.dst_offset, dtype=torch.int64, device=device)
+        for j, (size, stride) in enumerate(zip(self.sizes, self.dst_strides)):
+            shape = [1] * len(self.sizes)
+            shape[j] = size
+            offsets = offsets + torch.arange(size, dtype=torch.int64, device=device).view(shape) * stride
+        offsets = offsets.expand(self.sizes)
+        return offsets if self.perm is None else self.perm(offsets)
+
+    def take(self) -> torch.Tensor:
+        """The destination's values as the running layer holds them, shaped ``sizes``."""
+        return self.dst_view() if self.perm is None else self.storage[self.runtime_offsets()]
+
+    def put(self, values: torch.Tensor) -> None:
+        """Write ``values`` (shaped ``sizes``) where the running layer reads them."""
+        if self.perm is None:
+            self.dst_view().copy_(values)
+        else:
+            self.storage[self.runtime_offsets()] = values.to(self.storage.device, self.storage.dtype)
 
     def src_view(self, whole: torch.Tensor) -> torch.Tensor:
         """This segment's box of ``whole``, a checkpoint-shaped tensor. ``as_strided`` takes
@@ -125,7 +155,8 @@ class Segment:
                 return None
         if self.src_offset + sum(c * s for c, s in zip(coords, self.src_strides)) != flat:
             raise PlacementError(f"{self.param!r}: checkpoint element {flat} maps to box {coords}, whose source is elsewhere")
-        return self.dst_offset + sum(c * s for c, s in zip(coords, self.dst_strides))
+        offset = self.dst_offset + sum(c * s for c, s in zip(coords, self.dst_strides))
+        return offset if self.perm is None else self.perm.at(offset)
 
     def locate(self, flat: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of ``flat`` held by this segment, an offset in ``storage`` for every index).
@@ -138,7 +169,7 @@ class Segment:
             held = (k >= 0) & (k < self.numel)
             k = torch.where(held, k, 0)
             if self.dst_strides == _contiguous_strides(self.sizes):
-                return held, k + self.dst_offset
+                return held, self._moved(k + self.dst_offset)
             coords = _unravel(k, self.sizes)
         else:
             base = _unravel(flat, shape)
@@ -156,7 +187,10 @@ class Segment:
         dst = torch.full_like(flat, self.dst_offset)
         for c, stride in zip(coords, self.dst_strides):
             dst += c * stride
-        return held, dst
+        return held, self._moved(dst)
+
+    def _moved(self, offsets: torch.Tensor) -> torch.Tensor:
+        return offsets if self.perm is None else self.perm(offsets)
 
 
 def _segment(key_shape: Sequence[int], src: torch.Tensor, dst: torch.Tensor, param: str, storage: torch.Tensor) -> Segment | None:
@@ -262,14 +296,14 @@ class MappedTensor(Placed):
             raise ConfigError(f"{self.key}: a whole tensor of shape {tuple(values.shape)} for one of {self.shape}")
         values = values.to(self.dtype)
         for seg in self.segments:
-            seg.dst_view().copy_(seg.src_view(values))
+            seg.put(seg.src_view(values))
 
     def materialize(self) -> torch.Tensor | None:
         if self.held != self.numel():
             return None
         out = torch.empty(self.shape, dtype=self.dtype)
         for seg in self.segments:
-            seg.src_view(out).copy_(seg.dst_view())
+            seg.src_view(out).copy_(seg.take())
         return out
 
     def __repr__(self) -> str:
@@ -312,6 +346,8 @@ class Layout:
     owners: dict[str, list[nn.Module]]  # checkpoint name -> the layers its elements land in
     shadows: dict[nn.Module, dict[str, nn.Parameter]] = field(default_factory=dict)
     segments: dict[str, list[Segment]] = field(default_factory=dict)  # checkpoint name -> its recorded copies
+    kinds: dict[nn.Module, Kind] = field(default_factory=dict)  # a written layer -> how (kinds.py); absent: MAPPED
+    reloads: Reloads = field(default_factory=Reloads)  # the layers reloaded through vLLM, their tensors kept whole
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # shadows: prepack's copies vs install/repack
     _by_storage: dict[int, list[str]] = field(default_factory=dict, repr=False)  # parameter storage -> the names it holds
 
@@ -334,7 +370,7 @@ class Layout:
         count = 0
         with self._lock:
             for layer in layers:
-                if not _processed(layer):
+                if not self._reprocessed(layer):
                     continue
                 method: Any = layer.quant_method
                 shadows = self.shadows.get(layer, {})
@@ -362,7 +398,7 @@ class Layout:
         Layers sharing a parameter (tied) share its copy."""
         out = Prepack()
         with self._lock:
-            chosen = self._closed([layer for layer in layers if _processed(layer)])
+            chosen = self._closed([layer for layer in layers if self._reprocessed(layer)])
             stand_ins = {}
             for layer in chosen:
                 uses = {}
@@ -418,8 +454,17 @@ class Layout:
             for k, v in done.attrs.items():
                 object.__setattr__(layer, k, v)
 
+    def _reprocessed(self, layer: nn.Module) -> bool:
+        """Whether a write into ``layer`` is followed by re-running its post-load
+        processing: MAPPED layers that have one (PERMUTED ones have it composed into the
+        map; RELOAD ones are processed by vLLM's reload)."""
+        kind = self.kinds.get(layer)
+        return _processed(layer) and (kind is None or kind.how is How.MAPPED)
+
     def holds(self, prepack: Prepack, key: str) -> bool:
         """Whether ``prepack``'s copies hold every element of ``key`` this worker has."""
+        if key in self.reloads.mirrors:  # a whole host copy, written by the commit itself
+            return False
         return all(s.storage.untyped_storage().data_ptr() in prepack.copies for s in self.segments.get(key, ()))
 
     def _closed(self, layers: list[nn.Module]) -> list[nn.Module]:
@@ -518,8 +563,9 @@ def _stand_in(layer: nn.Module, params: Mapping[str, nn.Parameter]) -> nn.Module
     return stand
 
 
-def _install_shadows(model: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
-    """Give every layer whose parameters vLLM replaced after loading its load-time ones back."""
+def _install_shadows(model: nn.Module, skip: Callable[[nn.Module], bool] = lambda layer: False) -> dict[nn.Module, dict[str, nn.Parameter]]:
+    """Give every layer whose parameters vLLM replaced after loading its load-time ones back
+    (but those ``skip`` names). What they replaced is kept: ``_unshadow`` puts it back."""
     try:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
@@ -529,7 +575,7 @@ def _install_shadows(model: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter
     shadows: dict[nn.Module, dict[str, nn.Parameter]] = {}
     for layer in model.modules():
         info = LAYERWISE_INFO.get(layer)
-        if info is None:
+        if info is None or skip(layer):
             continue
         restore_params = info.restore_metadata[0]
         current = dict(layer.named_parameters(recurse=False))
@@ -544,12 +590,31 @@ def _install_shadows(model: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter
             for name, meta in restore_params.items():
                 tensor = materialize_meta_tensor(restore_layer_refs(meta, layer))
                 made[name] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+        replaced = {}
         for name, shadow in made.items():
+            replaced[name] = layer._parameters.get(name)
             if hasattr(layer, name):
                 delattr(layer, name)
             layer.register_parameter(name, shadow)
+        _REPLACED[layer] = replaced
         shadows[layer] = made
     return shadows
+
+
+# A shadowed layer -> the parameters its shadows replaced (None: it had none of that name).
+_REPLACED: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Parameter | None]] = weakref.WeakKeyDictionary()
+
+
+def _unshadow(layer: nn.Module, shadows: dict[nn.Module, dict[str, nn.Parameter]]) -> None:
+    """Undo ``_install_shadows`` for one layer: it is reloaded by vLLM, which must find the
+    parameters it made."""
+    made = shadows.pop(layer, None)
+    if made is None:
+        return
+    for name, original in _REPLACED.pop(layer, {}).items():
+        delattr(layer, name)
+        if original is not None:
+            layer.register_parameter(name, original)
 
 
 def _probe(metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]], seed: int) -> dict[str, torch.Tensor]:
@@ -575,9 +640,13 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
     """Record where each checkpoint tensor ``(name, shape, dtype)`` lands in ``model``.
 
     Writes probe values into the runtime parameters (they are overwritten by the
-    bootstrap that follows); holds one copy of the parameters while checking."""
-    shadows = _install_shadows(model)
+    bootstrap that follows); holds one copy of the parameters while checking. Layers the
+    map does not understand (``kinds.py``) are not mapped: their checkpoint tensors are
+    kept whole on the host and reloaded through vLLM (``Layout.reloads``)."""
+    kinds = classify(model, [m for m in model.modules() if any(p.numel() for p in m.parameters(recurse=False))])
+    shadows = _install_shadows(model, skip=lambda layer: layer in kinds and kinds[layer].how is not How.MAPPED)
     params: dict[str, torch.Tensor] = {}  # one name per storage (tied layers share one)
+    local: dict[str, str] = {}  # that name -> the parameter's name in its first layer
     layer_of: dict[str, list[nn.Module]] = {}  # every layer that uses it
     ptrs: dict[int, str] = {}
     for lname, layer in model.named_modules(remove_duplicate=False):
@@ -586,6 +655,7 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
                 continue
             name = ptrs.setdefault(p.untyped_storage().data_ptr(), f"{lname}.{pname}" if lname else pname)
             params.setdefault(name, p)
+            local.setdefault(name, pname)
             users = layer_of.setdefault(name, [])
             if all(u is not layer for u in users):
                 users.append(layer)
@@ -603,11 +673,16 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
         recorded = load(first)
     except (KeyError, ValueError, AssertionError, RuntimeError) as e:
         raise MetadataMismatchError(f"the engine's load_weights refused the trainer's checkpoint names: {type(e).__name__}: {e}") from e
+    # A parameter some checkpoint tensor reaches through anything but a plain copy: its
+    # layers are reloaded through vLLM (parameter -> (the reason, the tensors that reach it)).
+    transformed: dict[str, tuple[str, set[str]]] = {}
     segments: dict[str, list[Segment]] = {}
     for key, pname, src, dst in recorded.copies:
         seg = _segment(shapes[key], src, dst, pname, storages[pname])
         if seg is None:
-            raise PlacementError(f"checkpoint tensor {key!r} reaches {pname!r} through a copy of shape {tuple(src.shape)} that is not a box of it")
+            why = f"{key!r} reaches it through a copy of shape {tuple(src.shape)} that is not a box of it"
+            transformed.setdefault(pname, (why, set()))[1].add(key)
+            continue
         segments.setdefault(key, []).append(seg)
     after_first = {name: s.clone() for name, s in storages.items()}
     second = _probe(metadata, 2)
@@ -618,24 +693,43 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
             dst = seg.dst_view()
             want = seg.src_view(second[key]).to(dst.dtype)
             if not torch.equal(bit_view(dst.cpu()), bit_view(want)):
-                raise PlacementError(f"checkpoint tensor {key!r}: {seg.param!r} does not hold the loaded values (the loader transforms them)")
+                transformed.setdefault(seg.param, (f"the loader transforms {key!r} on its way into it", set()))[1].add(key)
+                continue
             mask = mapped[seg.param].as_strided(seg.sizes, seg.dst_strides, seg.dst_offset)
             if mask.any():
-                raise PlacementError(f"checkpoint tensor {key!r} is written over another one in {seg.param!r}")
+                transformed.setdefault(seg.param, (f"{key!r} is written over another checkpoint tensor in it", set()))[1].add(key)
             mask.fill_(True)
+    placed = {key for key, segs in segments.items() if segs}
     for name, s in storages.items():
         moved = bit_view(s.cpu()) != bit_view(after_first[name].cpu())
-        if (moved & ~mapped[name]).any():
-            culprits = _culprits(load, first, name, s, [k for k, _, _ in metadata if k not in segments])
-            raise PlacementError(
-                f"checkpoint tensor {culprits or '(unknown)'} reaches runtime parameter {name!r} through something other than a "
-                "copy (a transform): it cannot be patched element by element"
-            )
+        if name not in transformed and (moved & ~mapped[name]).any():
+            culprits = _culprits(load, first, name, s, [k for k, _, _ in metadata if k not in placed])
+            if not culprits:
+                raise PlacementError(
+                    f"runtime parameter {name!r} changes with the checkpoint through something other than a copy, and no "
+                    "checkpoint tensor alone changes it: it can be neither patched nor reloaded by name"
+                )
+            transformed.setdefault(name, (f"load_weights transforms {culprits} on the way into it", set()))[1].update(culprits)
     del after_first
+    reloads = _reloads(kinds, transformed, segments, layer_of, metadata)
+    for layer in reloads.layers:
+        _unshadow(layer, shadows)
+    for key in reloads.mirrors:
+        segments.pop(key, None)
+    for segs in segments.values():
+        for seg in segs:
+            kind = next((kinds[u] for u in layer_of[seg.param] if u in kinds and kinds[u].how is How.PERMUTED), None)
+            if kind is not None and kind.permutations is not None and local[seg.param] in kind.permutations:
+                perm = kind.permutations[local[seg.param]]
+                seg.perm = Permutation(perm.table.to(seg.storage.device), perm.period)
     tensors: dict[str, torch.Tensor | Placed] = {}
     owners: dict[str, list[nn.Module]] = {}
     unmapped = []
     for key, shape, dtype in metadata:
+        if key in reloads.mirrors:
+            tensors[key] = reloads.mirrors[key]
+            owners[key] = reloads.layers_of_key[key]
+            continue
         segs = segments.get(key, [])
         owners[key] = list({id(layer): layer for s in segs for layer in layer_of[s.param]}.values())
         if not segs:
@@ -644,7 +738,41 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
         tensors[key] = whole if whole is not None else MappedTensor(key, shape, dtype, _device(segs, params), segs)
     if unmapped:
         log.info("load_weights places %d checkpoint tensors elsewhere or nowhere on this worker: %s", len(unmapped), unmapped[:8])
-    return Layout(model, tensors, unmapped, owners, shadows, segments)
+    written = {id(layer) for segs in segments.values() for s in segs for layer in layer_of[s.param]}
+    kinds = {layer: kind for layer, kind in kinds.items() if id(layer) in written or layer in reloads.layers}
+    return Layout(model, tensors, unmapped, owners, shadows, segments, kinds={**kinds, **reloads.layers}, reloads=reloads)
+
+
+def _reloads(
+    kinds: Mapping[nn.Module, Kind], transformed: Mapping[str, tuple[str, set[str]]], segments: Mapping[str, list[Segment]],
+    layer_of: Mapping[str, list[nn.Module]], metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+) -> Reloads:
+    """The layers reloaded through vLLM and every checkpoint tensor they load: those of a
+    RELOAD kind and those a tensor reaches through a transform, closed over the tensors
+    they share with other layers (a tensor is mapped or reloaded, never both)."""
+    layers: dict[nn.Module, Kind] = {layer: kind for layer, kind in kinds.items() if kind.how is How.RELOAD}
+    keys: dict[str, set[nn.Module]] = {}
+    for pname, (reason, culprits) in transformed.items():
+        for layer in layer_of[pname]:
+            layers.setdefault(layer, Kind(How.RELOAD, kind_name(layer), reason))
+        for key in culprits:
+            keys.setdefault(key, set()).update(layer_of[pname])
+    while True:
+        grew = False
+        for key, segs in segments.items():
+            touched = {layer for s in segs for layer in layer_of[s.param]}
+            if touched & layers.keys() or key in keys:
+                before = len(keys.get(key, ()))
+                keys.setdefault(key, set()).update(touched)
+                grew |= len(keys[key]) != before
+                for layer in touched - layers.keys():
+                    layers[layer] = Kind(How.RELOAD, kind_name(layer), f"it shares {key!r} with a reloaded layer")
+                    grew = True
+        if not grew:
+            break
+    dtypes = {key: (shape, dtype) for key, shape, dtype in metadata}
+    mirrors = {key: torch.zeros(dtypes[key][0], dtype=dtypes[key][1]) for key in keys}
+    return Reloads(mirrors, layers, {key: list(users) for key, users in keys.items()})
 
 
 def _culprits(load: Any, probes: dict[str, torch.Tensor], param: str, storage: torch.Tensor, candidates: list[str]) -> list[str]:
@@ -666,7 +794,7 @@ def _as_view(shape: tuple[int, ...], dtype: torch.dtype, segs: list[Segment]) ->
     if len(segs) != 1:
         return None
     seg = segs[0]
-    if seg.kind != "range" or seg.src_offset != 0 or seg.numel != math.prod(shape) or seg.storage.dtype != dtype:
+    if seg.perm is not None or seg.kind != "range" or seg.src_offset != 0 or seg.numel != math.prod(shape) or seg.storage.dtype != dtype:
         return None
     view = seg.dst_view()
     return view.view(shape) if view.is_contiguous() else None

@@ -1,0 +1,151 @@
+"""Which runtime layers the map understands, and how a version reaches each of them.
+
+The map is recorded from ``load_weights`` (``layout.py``), which shows where each
+checkpoint element lands *at load time*. What vLLM does after loading decides whether that
+is where the running layer reads it, and the map never guesses:
+
+- ``MAPPED``: no post-load processing, or one this module knows to be re-runnable over the
+  loaded weights (vLLM's unquantized linear and embedding methods: on CPU they re-pack the
+  weight into a kernel copy, which ``Layout.repack`` re-runs). Written element by element.
+- ``PERMUTED``: processing that only moves elements, found out on index probes
+  (``permute.discover``) and composed into the map, so writes land where the kernel reads
+  them and nothing is re-run (vLLM's unquantized fused MoE: its CPU kernel tiles every
+  expert's ``w13``/``w2`` once, at first load, and skips that when processing is run again,
+  so re-running it, as vLLM's own layerwise reload does, leaves the experts untiled).
+- ``RELOAD``: anything else (a quantization method, a module with post-load processing of
+  its own such as MLA attention, a loader that transforms values): the tensors of such a
+  layer are kept whole on the host and, when a version changes any of them, all of them go
+  through vLLM's own ``load_weights`` (``reload.py``). Slower, logged once per kind.
+
+``vouch`` lets a user (or a test) declare another quantization method re-runnable.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .permute import Permutation, discover
+
+log = logging.getLogger(__name__)
+
+# Quantization methods (by class name, as vLLM names them) whose post-load processing may be
+# re-run over loaded weights at any time and reads nothing else: the map writes the loaded
+# weights and re-runs it. Checked against fresh engines by tests/test_vllm.py.
+_RERUNNABLE = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
+# Methods whose first-load processing is found out on index probes (``_moe_permutation``).
+_PERMUTING = {"UnquantizedFusedMoEMethod"}
+_MOE_WEIGHTS = ("w13_weight", "w2_weight")
+
+
+class How(enum.Enum):
+    MAPPED = "mapped"
+    PERMUTED = "permuted"
+    RELOAD = "reload"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one layer is written: ``name`` is its kind (layer class / method), ``reason``
+    why it is not written element by element (RELOAD only)."""
+
+    how: How
+    name: str
+    reason: str = ""
+    permutations: dict[str, Permutation] | None = None  # PERMUTED: parameter name -> its moves
+
+
+def vouch(method_class_name: str) -> None:
+    """Declare a quantization method's post-load processing re-runnable over the loaded
+    weights (as vLLM's unquantized linear method is): layers using it are then mapped
+    element by element instead of reloaded. Only for methods you have checked."""
+    _RERUNNABLE.add(method_class_name)
+
+
+def kind_name(layer: nn.Module) -> str:
+    method = getattr(layer, "quant_method", None)
+    return type(layer).__name__ + (f"/{type(method).__name__}" if method is not None else "")
+
+
+def _own_processing(module: nn.Module) -> bool:
+    """A module that processes its weights after loading itself (vLLM's attention layers
+    do, with the activation dtype): derived tensors the map would not refresh."""
+    return callable(getattr(type(module), "process_weights_after_loading", None))
+
+
+def classify(model: nn.Module, layers: Iterable[nn.Module]) -> dict[nn.Module, Kind]:
+    """The kind of each of ``layers`` (modules holding parameters the map writes)."""
+    layers = list(layers)
+    wanted = {id(layer) for layer in layers}
+    processors: dict[int, str] = {}  # a written layer -> the module with its own processing above it
+    for module in model.modules():
+        if module is model or not _own_processing(module):
+            continue
+        for sub in module.modules():
+            if id(sub) in wanted:
+                processors.setdefault(id(sub), type(module).__name__)
+    shared: dict[tuple[Any, ...], dict[str, Permutation] | None] = {}  # one discovery per experts kind and shape
+    out: dict[nn.Module, Kind] = {}
+    for layer in layers:
+        name = kind_name(layer)
+        if id(layer) in processors:
+            out[layer] = Kind(How.RELOAD, name, f"{processors[id(layer)]} processes its weights after loading itself")
+            continue
+        method = getattr(layer, "quant_method", None)
+        if method is None or not callable(getattr(method, "process_weights_after_loading", None)):
+            out[layer] = Kind(How.MAPPED, name)
+            continue
+        method_name = type(method).__name__
+        if method_name in _RERUNNABLE:
+            out[layer] = Kind(How.MAPPED, name)
+        elif method_name in _PERMUTING:
+            out[layer] = _moe_kind(layer, name, shared)
+        else:
+            out[layer] = Kind(How.RELOAD, name, f"{method_name} processes the loaded weights in a way the map does not know")
+    return out
+
+
+def _moe_kind(layer: nn.Module, name: str, shared: dict[tuple[Any, ...], dict[str, Permutation] | None]) -> Kind:
+    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    params = {n: getattr(layer, n, None) for n in _MOE_WEIGHTS}
+    if experts is None or not all(isinstance(p, torch.Tensor) for p in params.values()):
+        return Kind(How.RELOAD, name, "a fused MoE layer without the experts kernel or the w13/w2 weights the map knows")
+    others = [n for n, p in layer.named_parameters(recurse=False) if n not in _MOE_WEIGHTS and p.numel()]
+    if others:  # biases, scales: their processing is not probed
+        return Kind(How.RELOAD, name, f"a fused MoE layer with {others} beside w13/w2")
+    key = (type(experts), getattr(experts, "isa", None), *((tuple(p.shape), p.dtype) for p in params.values()))  # type: ignore[union-attr]
+    if key not in shared:
+        shared[key] = _moe_permutation(layer, experts, params)  # type: ignore[arg-type]
+    found = shared[key]
+    if found is None:
+        return Kind(How.RELOAD, name, f"{type(experts).__name__} computes, pads or reshapes the experts after loading")
+    return Kind(How.PERMUTED, f"{name}/{type(experts).__name__}", permutations=found)
+
+
+@torch.no_grad()
+def _moe_permutation(layer: nn.Module, experts: Any, params: dict[str, torch.Tensor]) -> dict[str, Permutation] | None:
+    """What the experts kernel's first-load processing does to ``w13``/``w2``, run on a
+    stand-in of the layer (its own parameter table) so the layer vLLM runs is not touched;
+    None unless it only moves elements."""
+
+    def process(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        stand = copy.copy(layer)
+        for table in ("_parameters", "_buffers", "_modules"):
+            object.__setattr__(stand, table, dict(getattr(layer, table)))
+        for n, t in feed.items():
+            stand._parameters[n] = nn.Parameter(t.to(params[n].device), requires_grad=False)
+        experts.process_weights_after_loading(stand)
+        return {n: getattr(stand, n) for n in feed}
+
+    try:
+        return discover(params, process)
+    except Exception as e:  # the kernel refused probes: not understood, so reloaded
+        log.info("probing %s's post-load processing failed (%s): its layers are reloaded", type(experts).__name__, e)
+        return None

@@ -1,0 +1,126 @@
+"""Post-load processing that only moves elements, found out by running it on index probes.
+
+vLLM's CPU MoE kernel re-packs each expert's ``w13``/``w2`` into tiles after loading
+(same shape and dtype, elements moved): a checkpoint element's load-time place is not
+where the kernel reads it. Rather than encode any kernel's tiling here, the processing
+itself is run on a stand-in whose parameters hold their own element indices (spread over
+a few probes of 14 bits each, as finite values), and each output element's index read back.
+Every output must come from exactly one input (a bijection), else the processing computes
+rather than moves and nothing is returned: the caller then does not map that layer.
+
+A kernel tiles each expert alike, so the table is kept for one period (an expert's slice)
+when every period moves the same way: a few MB for a real model, shared by its layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+# (bits dtype, first pattern, index bits a probe carries): finite, positive patterns.
+_CODES = {
+    torch.bfloat16: (torch.int16, 0x3C00, 14),
+    torch.float16: (torch.int16, 0x3C00, 14),
+    torch.float32: (torch.int32, 0x3F800000, 22),
+}
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """Where each load-time element offset of a parameter's storage lives at run time:
+    ``offset // period * period + table[offset % period]``."""
+
+    table: torch.Tensor  # int64, one period's runtime offsets
+    period: int
+
+    def __call__(self, offsets: torch.Tensor) -> torch.Tensor:
+        table = self.table if self.table.device == offsets.device else self.table.to(offsets.device)
+        base = torch.div(offsets, self.period, rounding_mode="floor") * self.period
+        return base + table[offsets - base]
+
+    def at(self, offset: int) -> int:
+        base = offset // self.period * self.period
+        return base + int(self.table[offset - base])
+
+    def index(self, numel: int) -> torch.Tensor:
+        """The runtime offset of every load-time offset of a storage of ``numel`` elements."""
+        return self(torch.arange(numel, dtype=torch.int64))
+
+    @property
+    def identity(self) -> bool:
+        return bool(torch.equal(self.table, torch.arange(self.period, dtype=self.table.dtype, device=self.table.device)))
+
+
+def _probes(numel: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    code = _CODES.get(dtype)
+    if code is None:
+        return None
+    bits, first, width = code
+    index = torch.arange(numel, dtype=torch.int64)
+    rounds = max(1, math.ceil(max(numel - 1, 1).bit_length() / width))
+    mask = (1 << width) - 1
+    return [(((index >> (width * r)) & mask) + first).to(bits).view(dtype) for r in range(rounds)]
+
+
+def _decode(outputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    bits, first, width = _CODES[dtype]
+    index = torch.zeros(outputs[0].numel(), dtype=torch.int64)
+    for r, out in enumerate(outputs):
+        raw = out.contiguous().view(bits).reshape(-1).to(torch.int64)
+        if bits == torch.int16:
+            raw = raw & 0xFFFF
+        index += (raw - first) << (width * r)
+    return index
+
+
+def discover(
+    params: Mapping[str, torch.Tensor], process: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> dict[str, Permutation] | None:
+    """Run ``process`` (parameter name -> probe tensor in, the processed tensors out) on
+    index probes of ``params`` and return, per parameter, where each load-time element
+    ends up; None when any output is not exactly one input moved (the processing
+    computes, pads, or changes a shape or dtype) or a dtype has no probe code."""
+    probes = {name: _probes(p.numel(), p.dtype) for name, p in params.items()}
+    if any(v is None for v in probes.values()):
+        return None
+    rounds = max(len(v) for v in probes.values() if v is not None)
+    outputs: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    for r in range(rounds):
+        feed = {}
+        for name, p in params.items():
+            codes = probes[name]
+            assert codes is not None
+            feed[name] = codes[min(r, len(codes) - 1)].view(p.shape).clone()
+        out = process(feed)
+        for name, p in params.items():
+            got = out.get(name)
+            if got is None or tuple(got.shape) != tuple(p.shape) or got.dtype != p.dtype:
+                return None
+            outputs[name].append(got.detach().cpu())
+    found = {}
+    for name, p in params.items():
+        n = p.numel()
+        codes = probes[name]
+        assert codes is not None
+        source = _decode(outputs[name][: len(codes)], p.dtype)  # runtime offset -> its load-time offset
+        if bool(((source < 0) | (source >= n)).any()):
+            return None
+        where = torch.full((n,), -1, dtype=torch.int64)
+        where[source] = torch.arange(n, dtype=torch.int64)  # load-time offset -> runtime offset
+        if bool((where < 0).any()):  # some input went nowhere: two outputs came from one input
+            return None
+        found[name] = _compress(where, tuple(p.shape))
+    return found
+
+
+def _compress(where: torch.Tensor, shape: tuple[int, ...]) -> Permutation:
+    """One period's table when each slice of the leading dim moves alike, within itself."""
+    if len(shape) > 1 and shape[0] > 1:
+        period = where.numel() // shape[0]
+        rows = where.view(shape[0], period) - torch.arange(shape[0], dtype=torch.int64).unsqueeze(1) * period
+        if bool((rows == rows[0]).all()):
+            return Permutation(rows[0].clone(), period)
+    return Permutation(where, where.numel())
