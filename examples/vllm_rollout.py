@@ -62,7 +62,7 @@ def sender_config(codec: str | None) -> Any:
     return data
 
 
-FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "mixtral", "bloom")
 
 
 def tiny_config(
@@ -75,7 +75,9 @@ def tiny_config(
     expert's fused gate/up rows by 64, on every tensor-parallel rank); give them a hidden size
     other than 128 so that a transposed expert tensor cannot pass for the right one:
     ``qwen3_moe`` (q/k norms, no shared expert), ``qwen2_moe`` (a gated shared expert, qkv
-    bias), ``mixtral`` (experts named w1/w2/w3 in checkpoints)."""
+    bias), ``mixtral`` (experts named w1/w2/w3 in checkpoints). ``bloom``: a family whose loader
+    re-orders its fused query_key_value rows (a transform, not a copy), so those layers are
+    reloaded through vLLM rather than mapped."""
     import transformers
 
     common: dict[str, Any] = dict(
@@ -84,7 +86,7 @@ def tiny_config(
         torch_dtype="bfloat16",
     )
     expert = 64
-    arch = {"qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}.get(family)
+    arch = {"qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral", "bloom": "Bloom"}.get(family)
     common["architectures"] = [f"{arch}ForCausalLM"]  # vLLM picks its model class by this, not by model_type
     if family == "qwen2":
         return transformers.Qwen2Config(intermediate_size=2 * hidden, **common)
@@ -97,6 +99,11 @@ def tiny_config(
         return transformers.Qwen2MoeConfig(
             intermediate_size=2 * hidden, moe_intermediate_size=expert, shared_expert_intermediate_size=hidden // 2,
             num_experts=experts, num_experts_per_tok=2, **common,
+        )
+    if family == "bloom":  # its loader re-orders the fused query_key_value: a layer the map does not know
+        return transformers.BloomConfig(
+            vocab_size=500, hidden_size=hidden, n_layer=layers, n_head=heads, tie_word_embeddings=tie, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0, architectures=common["architectures"], torch_dtype="bfloat16",
         )
     if family == "mixtral":
         return transformers.MixtralConfig(intermediate_size=expert, num_local_experts=experts, num_experts_per_tok=2, **common)
