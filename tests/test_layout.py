@@ -320,3 +320,33 @@ def test_a_layer_whose_processing_the_map_does_not_know_is_reloaded_and_its_neig
     assert kind.how is How.RELOAD and "Quantize" in kind.reason and kind.name == "Packed/Quantize"
     assert "embed" not in layout.reloads.mirrors and layout.segments["embed"] and layout.kinds[model.embed].how is How.MAPPED
     assert layout.repack([model.qkv]) == 0  # vLLM's reload processes it, not the map
+
+
+class Rows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, H, dtype=torch.bfloat16), requires_grad=False)
+
+
+class Reordering(nn.Module):
+    """Two layers, each loaded through a transform (its rows re-ordered by a concatenation,
+    as Falcon's loader does to query_key_value): a copy from no probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Rows(), Rows()
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            getattr(self, name).weight.data.copy_(torch.cat([w[2:], w[:2]]))
+
+
+def test_every_layer_loaded_through_a_transform_is_found_whatever_was_probed_before() -> None:
+    """Finding which tensor reaches the first layer loads every candidate again; the second
+    layer must still be found (it once was not: the search had left it holding the first
+    probe, so it no longer looked moved, and was mapped by guess: wrong in a real engine)."""
+    model = Reordering()
+    layout = derive_layout(model, [("a", (4, H), torch.bfloat16), ("b", (4, H), torch.bfloat16)])
+    assert set(layout.reloads.layers) == {model.a, model.b}
+    assert "'a'" in layout.reloads.layers[model.a].reason and "'b'" in layout.reloads.layers[model.b].reason
+    assert set(layout.reloads.mirrors) == {"a", "b"} and layout.reloads.weights_for(["b"]).keys() == {"b"}

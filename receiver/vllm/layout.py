@@ -700,17 +700,19 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
                 transformed.setdefault(seg.param, (f"{key!r} is written over another checkpoint tensor in it", set()))[1].add(key)
             mask.fill_(True)
     placed = {key for key, segs in segments.items() if segs}
-    for name, s in storages.items():
-        moved = bit_view(s.cpu()) != bit_view(after_first[name].cpu())
-        if name not in transformed and (moved & ~mapped[name]).any():
-            culprits = _culprits(load, first, name, s, [k for k, _, _ in metadata if k not in placed])
+    suspects = {  # parameters that moved where no recorded copy explains it, all found before any is probed again
+        name: s for name, s in storages.items()
+        if name not in transformed and ((bit_view(s.cpu()) != bit_view(after_first[name].cpu())) & ~mapped[name]).any()
+    }
+    del after_first
+    if suspects:
+        for name, culprits in _culprits(load, (first, second), suspects, [k for k, _, _ in metadata if k not in placed]).items():
             if not culprits:
                 raise PlacementError(
                     f"runtime parameter {name!r} changes with the checkpoint through something other than a copy, and no "
                     "checkpoint tensor alone changes it: it can be neither patched nor reloaded by name"
                 )
-            transformed.setdefault(name, (f"load_weights transforms {culprits} on the way into it", set()))[1].update(culprits)
-    del after_first
+            transformed[name] = (f"load_weights transforms {culprits} on the way into it", set(culprits))
     reloads = _reloads(kinds, transformed, segments, layer_of, metadata)
     for layer in reloads.layers:
         _unshadow(layer, shadows)
@@ -775,17 +777,23 @@ def _reloads(
     return Reloads(mirrors, layers, {key: list(users) for key, users in keys.items()})
 
 
-def _culprits(load: Any, probes: dict[str, torch.Tensor], param: str, storage: torch.Tensor, candidates: list[str]) -> list[str]:
-    """The unplaced checkpoint tensors whose loading changes ``param``: loaded one at a time."""
-    found = []
+def _culprits(
+    load: Any, probes: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], suspects: Mapping[str, torch.Tensor], candidates: list[str],
+) -> dict[str, list[str]]:
+    """For each suspect parameter, the unplaced checkpoint tensors whose loading changes it:
+    each loaded alone with both probes in turn (so what earlier loads left there does not
+    matter), every suspect compared between the two."""
+    found: dict[str, list[str]] = {name: [] for name in suspects}
     for key in candidates:
-        before = bit_view(storage.cpu()).clone()
         try:
-            load({key: probes[key]})
+            load({key: probes[0][key]})
+            before = {name: bit_view(s.cpu()).clone() for name, s in suspects.items()}
+            load({key: probes[1][key]})
         except Exception:  # only naming the culprit; the error raised is the layout's
             continue
-        if not torch.equal(before, bit_view(storage.cpu())):
-            found.append(key)
+        for name, s in suspects.items():
+            if not torch.equal(before[name], bit_view(s.cpu())):
+                found[name].append(key)
     return found
 
 
