@@ -82,6 +82,10 @@ def test_experts_are_mapped_through_their_tiling(s: MoeShape) -> None:
         expert_key = keys[1]
         assert isinstance(layout.tensors[expert_key], MappedTensor)
         assert all(isinstance(seg.perm, Permutation) for seg in layout.segments[expert_key])
+        if s.fused:  # the loader's copies, one per expert and part, coalesced: a stack costs a few segments, not 2E
+            sliced = s.tp > 1 and not s.ep  # gate and up rows alternate in the slice: two progressions
+            assert len(layout.segments["model.layers.0.mlp.experts.gate_up_proj"]) == (2 if sliced else 1)
+            assert len(layout.segments["model.layers.0.mlp.experts.down_proj"]) == 1
     g = torch.Generator().manual_seed(0)
     checkpoint = random_checkpoint(s, 2)
     checkpoint, decoded = version_updates(keys, {}, {k: torch.zeros_like(v) for k, v in checkpoint.items()}, ["whole"] * len(keys), g)
@@ -124,9 +128,11 @@ def test_a_weight_written_into_the_wrong_slot_fails_the_comparison(target: str) 
     engines, layouts = ranks(s, 1)
     key = "model.layers.0.mlp.experts.gate_up_proj" if target == "expert" else "model.layers.0.mlp.gate.weight"
     for layout in layouts:
-        if target == "expert":
-            seg = layout.segments[key][0]  # expert 0's gate rows
-            seg.dst_offset += seg.perm.period if seg.perm is not None else 0  # type: ignore[misc]
+        if target == "expert":  # the gate rows of every expert one slot down (the last one's lost)
+            segs = layout.segments[key]
+            seg = segs[0]
+            assert seg.sizes[0] == s.experts and seg.perm is not None  # one segment for all experts' gate rows
+            segs[0] = replace(seg, sizes=(seg.sizes[0] - 1, *seg.sizes[1:]), dst_offset=seg.dst_offset + seg.dst_strides[0])
         else:  # the router's first half of rows (one per expert) and its second half swapped
             (seg,) = layout.segments[key]
             half = s.experts // 2 * s.hidden

@@ -21,6 +21,7 @@ layers a version touched. Elsewhere (GPU, unquantized) the writes land in place.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import threading
@@ -221,6 +222,47 @@ def _segment(key_shape: Sequence[int], src: torch.Tensor, dst: torch.Tensor, par
         common["dst_strides"] = tuple(dst.stride()[j] for j in keep)
         dims = [dims[j] for j in keep]
     return Segment(kind="box", dims=tuple(dims), start=start, **common)  # type: ignore[arg-type]
+
+
+def _coalesce(segs: list[Segment], key_shape: Sequence[int], probe: torch.Tensor) -> list[Segment]:
+    """Fewer, larger segments: copies of one shape into one parameter whose source and
+    destination both step evenly (a loader's loop over experts, or over a fused tensor's
+    parts) become one segment with a leading dim, where the merged source is still a box of
+    the checkpoint tensor. Every write and read loops over the segments (several device ops
+    each), so a stack of 128 experts must not cost 256 of them. ``k`` interleaved
+    progressions are tried, smallest first (a fused gate/up stack sliced by tensor
+    parallelism alternates gate and up rows)."""
+    groups: dict[tuple[Any, ...], list[Segment]] = {}
+    for seg in segs:
+        groups.setdefault((seg.param, seg.sizes, seg.src_strides, seg.dst_strides), []).append(seg)
+    out: list[Segment] = []
+    for group in groups.values():
+        group.sort(key=lambda seg: seg.src_offset)
+        for k in range(1, len(group) // 2 + 1):
+            if len(group) % k:
+                continue
+            merged = [_merge(group[i::k], key_shape, probe) for i in range(k)]
+            if all(m is not None for m in merged):
+                out.extend(m for m in merged if m is not None)
+                break
+        else:
+            out.extend(group)
+    return out
+
+
+def _merge(run: list[Segment], key_shape: Sequence[int], probe: torch.Tensor) -> Segment | None:
+    """One segment for ``run`` (same shape, ascending sources), or None: not evenly stepped
+    on both sides, or not a box of the checkpoint tensor then."""
+    if len(run) < 2:
+        return run[0] if run else None
+    first = run[0]
+    src_step, dst_step = run[1].src_offset - first.src_offset, run[1].dst_offset - first.dst_offset
+    if any(b.src_offset - a.src_offset != src_step or b.dst_offset - a.dst_offset != dst_step for a, b in itertools.pairwise(run)):
+        return None
+    sizes = (len(run), *first.sizes)
+    src = probe.reshape(-1).as_strided(sizes, (src_step, *first.src_strides), first.src_offset)
+    dst = first.storage.as_strided(sizes, (dst_step, *first.dst_strides), first.dst_offset)
+    return _segment(key_shape, src, dst, first.param, first.storage)
 
 
 class MappedTensor(Placed):
@@ -684,6 +726,7 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
             transformed.setdefault(pname, (why, set()))[1].add(key)
             continue
         segments.setdefault(key, []).append(seg)
+    segments = {key: _coalesce(segs, shapes[key], first[key]) for key, segs in segments.items()}
     after_first = {name: s.clone() for name, s in storages.items()}
     second = _probe(metadata, 2)
     load(second)
