@@ -175,3 +175,25 @@ def test_an_experts_kernel_that_computes_is_reloaded_not_mapped() -> None:
     assert kind.how is How.RELOAD and "ScalingExperts computes" in kind.reason, kind
     assert set(layout.reloads.mirrors) == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
     assert layout.kinds[engine.mlps[0].gate].how is How.MAPPED
+
+
+def test_whole_tensors_written_through_the_tiling_a_few_experts_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole expert stack's offsets are built a chunk of experts at a time (an int64 index
+    of a real stack would be GBs): with chunks smaller than one expert, written and read
+    back whole, the same as a fresh load."""
+    import receiver.vllm.layout as layout_module
+
+    monkeypatch.setattr(layout_module, "_INDEX_CHUNK", 5)
+    s = MoeShape(experts=4, tp=2)
+    keys = list(s.checkpoint_shapes())
+    engines, layouts = ranks(s, 1)
+    g = torch.Generator().manual_seed(0)
+    checkpoint, decoded = version_updates(keys, {}, {k: torch.zeros_like(v) for k, v in random_checkpoint(s, 2).items()}, ["whole"] * len(keys), g)
+    for layout in layouts:
+        apply(layout, keys, {}, decoded)
+    assert_ranks_equal_a_fresh_load(s, engines, checkpoint, "bootstrap")
+    tensor = layouts[0].tensors["model.layers.0.mlp.experts.down_proj"]
+    assert isinstance(tensor, MappedTensor) and tensor.segments[0].perm is not None and len(tensor.segments[0]._rows()) == 4
+    held, values = tensor.read_held(torch.arange(tensor.numel()))
+    assert torch.equal(values[held], checkpoint["model.layers.0.mlp.experts.down_proj"].reshape(-1)[held])
+    assert torch.equal(tensor.segments[0].take().reshape(-1), tensor.segments[0].src_view(checkpoint["model.layers.0.mlp.experts.down_proj"]).reshape(-1))

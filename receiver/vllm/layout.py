@@ -77,6 +77,9 @@ def storage_flat(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
 
 
+_INDEX_CHUNK = 1 << 24  # elements whose int64 storage offsets a permuted whole write builds at once (128 MiB)
+
+
 @dataclass
 class Segment:
     """One recorded copy: a box of the checkpoint tensor -> a strided view of a parameter.
@@ -107,27 +110,41 @@ class Segment:
         """The destination as load_weights wrote it (a view: unpermuted storages only)."""
         return self.storage.as_strided(self.sizes, self.dst_strides, self.dst_offset)
 
-    def runtime_offsets(self) -> torch.Tensor:
-        """The storage offset of every destination element, shaped ``sizes``."""
+    def runtime_offsets(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The storage offset of every destination element (of rows ``start:stop`` of the
+        leading dim), shaped as those rows of ``sizes``."""
         device = self.storage.device
-        offsets = torch.full((), self.dst_offset, dtype=torch.int64, device=device)
-        for j, (size, stride) in enumerate(zip(self.sizes, self.dst_strides)):
-            shape = [1] * len(self.sizes)
+        sizes = (min(self.sizes[0], stop if stop is not None else self.sizes[0]) - start, *self.sizes[1:])
+        offsets = torch.full((), self.dst_offset + start * self.dst_strides[0], dtype=torch.int64, device=device)
+        for j, (size, stride) in enumerate(zip(sizes, self.dst_strides)):
+            shape = [1] * len(sizes)
             shape[j] = size
             offsets = offsets + torch.arange(size, dtype=torch.int64, device=device).view(shape) * stride
-        offsets = offsets.expand(self.sizes)
+        offsets = offsets.expand(sizes)
         return offsets if self.perm is None else self.perm(offsets)
+
+    def _rows(self) -> range:
+        """Leading-dim rows a chunk: an offset index of a whole expert stack (8 bytes an
+        element) is not built at once."""
+        per_row = max(1, math.prod(self.sizes[1:]))
+        return range(0, self.sizes[0], max(1, _INDEX_CHUNK // per_row))
 
     def take(self) -> torch.Tensor:
         """The destination's values as the running layer holds them, shaped ``sizes``."""
-        return self.dst_view() if self.perm is None else self.storage[self.runtime_offsets()]
+        if self.perm is None:
+            return self.dst_view()
+        step = self._rows().step
+        return torch.cat([self.storage[self.runtime_offsets(i, i + step)] for i in self._rows()])
 
     def put(self, values: torch.Tensor) -> None:
         """Write ``values`` (shaped ``sizes``) where the running layer reads them."""
         if self.perm is None:
             self.dst_view().copy_(values)
-        else:
-            self.storage[self.runtime_offsets()] = values.to(self.storage.device, self.storage.dtype)
+            return
+        values = values.to(self.storage.device, self.storage.dtype)
+        step = self._rows().step
+        for i in self._rows():
+            self.storage[self.runtime_offsets(i, i + step)] = values[i : i + step]
 
     def src_view(self, whole: torch.Tensor) -> torch.Tensor:
         """This segment's box of ``whole``, a checkpoint-shaped tensor. ``as_strided`` takes

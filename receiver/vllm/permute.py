@@ -54,26 +54,15 @@ class Permutation:
         return bool(torch.equal(self.table, torch.arange(self.period, dtype=self.table.dtype, device=self.table.device)))
 
 
-def _probes(numel: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
-    code = _CODES.get(dtype)
-    if code is None:
-        return None
-    bits, first, width = code
-    index = torch.arange(numel, dtype=torch.int64)
-    rounds = max(1, math.ceil(max(numel - 1, 1).bit_length() / width))
-    mask = (1 << width) - 1
-    return [(((index >> (width * r)) & mask) + first).to(bits).view(dtype) for r in range(rounds)]
-
-
-def _decode(outputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _probe(numel: int, dtype: torch.dtype, round_: int) -> torch.Tensor:
+    """Round ``round_`` of the index probe: bits ``width * round_`` on of each element's index."""
     bits, first, width = _CODES[dtype]
-    index = torch.zeros(outputs[0].numel(), dtype=torch.int64)
-    for r, out in enumerate(outputs):
-        raw = out.contiguous().view(bits).reshape(-1).to(torch.int64)
-        if bits == torch.int16:
-            raw = raw & 0xFFFF
-        index += (raw - first) << (width * r)
-    return index
+    index = torch.arange(numel, dtype=torch.int64)
+    return (((index >> (width * round_)) & ((1 << width) - 1)) + first).to(bits).view(dtype)
+
+
+def _rounds(numel: int, dtype: torch.dtype) -> int:
+    return max(1, math.ceil(max(numel - 1, 1).bit_length() / _CODES[dtype][2]))
 
 
 def discover(
@@ -82,34 +71,37 @@ def discover(
     """Run ``process`` (parameter name -> probe tensor in, the processed tensors out) on
     index probes of ``params`` and return, per parameter, where each load-time element
     ends up; None when any output is not exactly one input moved (the processing
-    computes, pads, or changes a shape or dtype) or a dtype has no probe code."""
-    probes = {name: _probes(p.numel(), p.dtype) for name, p in params.items()}
-    if any(v is None for v in probes.values()):
+    computes, pads, or changes a shape or dtype) or a dtype has no probe code. Decoded
+    round by round: about 20 bytes an element at the peak, once per layer shape."""
+    if any(p.dtype not in _CODES for p in params.values()):
         return None
-    rounds = max(len(v) for v in probes.values() if v is not None)
-    outputs: dict[str, list[torch.Tensor]] = {name: [] for name in params}
-    for r in range(rounds):
-        feed = {}
-        for name, p in params.items():
-            codes = probes[name]
-            assert codes is not None
-            feed[name] = codes[min(r, len(codes) - 1)].view(p.shape).clone()
+    rounds = {name: _rounds(p.numel(), p.dtype) for name, p in params.items()}
+    source = {name: torch.zeros(p.numel(), dtype=torch.int64) for name, p in params.items()}  # runtime offset -> load-time
+    for r in range(max(rounds.values())):
+        feed = {name: _probe(p.numel(), p.dtype, min(r, rounds[name] - 1)).view(p.shape) for name, p in params.items()}
         out = process(feed)
         for name, p in params.items():
             got = out.get(name)
             if got is None or tuple(got.shape) != tuple(p.shape) or got.dtype != p.dtype:
                 return None
-            outputs[name].append(got.detach().cpu())
+            if r >= rounds[name]:
+                continue
+            bits, first, width = _CODES[p.dtype]
+            raw = got.detach().cpu().contiguous().view(bits).reshape(-1).to(torch.int64)
+            if bits == torch.int16:
+                raw = raw & 0xFFFF
+            digit = raw - first
+            if bool(((digit < 0) | (digit >= 1 << width)).any()):
+                return None  # not a probe's pattern: computed
+            source[name] += digit << (width * r)
     found = {}
     for name, p in params.items():
         n = p.numel()
-        codes = probes[name]
-        assert codes is not None
-        source = _decode(outputs[name][: len(codes)], p.dtype)  # runtime offset -> its load-time offset
-        if bool(((source < 0) | (source >= n)).any()):
+        src = source[name]
+        if bool((src >= n).any()):
             return None
         where = torch.full((n,), -1, dtype=torch.int64)
-        where[source] = torch.arange(n, dtype=torch.int64)  # load-time offset -> runtime offset
+        where[src] = torch.arange(n, dtype=torch.int64)  # load-time offset -> runtime offset
         if bool((where < 0).any()):  # some input went nowhere: two outputs came from one input
             return None
         found[name] = _compress(where, tuple(p.shape))
