@@ -51,6 +51,7 @@ from daemon_helpers import (
 from protocol.codec.compress import Codec
 from protocol.codec.tensorcodec import assemble, encode_dense
 from protocol.errors import ConfigError, LimitError, ProtocolError, WeightSyncError
+from protocol.net.endpoints import check_endpoint
 from protocol.net.security import (
     CurveClient,
     CurveServer,
@@ -231,6 +232,42 @@ def test_cli_refuses_plaintext_beyond_loopback(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=T,
     )
     assert done.returncode != 0 and "--insecure-plaintext" in done.stderr
+
+
+MALFORMED = [
+    ("tcp://127.0.0.1", "no port"),
+    ("127.0.0.1:5555", "no scheme (did you mean tcp://127.0.0.1:5555?)"),
+    ("http://127.0.0.1:5555", "the scheme is http://"),
+    ("udp://127.0.0.1:5555", "the scheme is udp://"),
+    ("tcp://127.0.0.1:http", "the port 'http' is not a number"),
+    ("tcp://[::1:5555", "in brackets"),
+    ("ipc://", "nothing after ipc://"),
+]
+
+
+@pytest.mark.parametrize("endpoint, why", MALFORMED)
+def test_a_malformed_endpoint_is_named_as_such_not_as_a_security_problem(endpoint: str, why: str) -> None:
+    """Every side checks an endpoint's form before its security: a typo is reported with the
+    forms expected, never as 'without CURVE ... pass --insecure-plaintext'."""
+    for make in (lambda: Sender(endpoint, CONFIGS["patch"]), lambda: Receiver(receiver_model(), endpoint, CONFIGS["patch"])):
+        with pytest.raises(ConfigError, match="malformed endpoint") as caught:
+            make()
+        assert why in str(caught.value) and "tcp://host:port" in str(caught.value) and "CURVE" not in str(caught.value)
+    assert check_endpoint("tcp://*:0", bind=True) and check_endpoint("tcp://127.0.0.1:*", bind=True)
+    with pytest.raises(ConfigError, match="from 1 to 65535"):
+        check_endpoint("tcp://127.0.0.1:0")  # a port to connect to
+
+
+@pytest.mark.parametrize("cli", ["sender", "receiver"])
+def test_the_clis_report_a_malformed_endpoint_as_one(cli: str, tmp_path: Path) -> None:
+    (tmp_path / "w").mkdir()
+    args = ["--watch", str(tmp_path / "w")] if cli == "sender" else []
+    done = subprocess.run(
+        [sys.executable, "-m", cli, *args, "--model", MODEL, "--endpoint", "tcp://127.0.0.1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=T,
+    )
+    assert done.returncode != 0 and "malformed endpoint 'tcp://127.0.0.1': no port" in done.stderr, done.stderr[-2000:]
+    assert "--insecure-plaintext" not in done.stderr
 
 
 # -- control API token -------------------------------------------------------------------------

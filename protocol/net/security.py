@@ -25,6 +25,7 @@ from pathlib import Path
 import zmq
 
 from protocol.errors import ConfigError
+from protocol.net.endpoints import check_endpoint
 
 KEY_CHARS = 40  # Z85 of a 32-byte Curve25519 key
 _Z85 = re.compile(rb"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
@@ -189,7 +190,9 @@ def is_local_host(host: str) -> bool:
 
 
 def check_transport(endpoint: str, curve: object | None, insecure_plaintext: bool, *, role: str) -> None:
-    """Refuse plaintext weights beyond loopback unless the insecure flag says so."""
+    """Refuse a malformed ``endpoint`` (``check_endpoint``: a typo is no security matter),
+    then plaintext weights beyond loopback unless the insecure flag says so."""
+    check_endpoint(endpoint, bind=role != "receiver")
     if curve is not None or insecure_plaintext or is_local_endpoint(endpoint):
         return
     keys = {
