@@ -125,6 +125,12 @@ async def test_cli_daemons_sync_every_step_bit_for_bit(mode: str, transport: str
     c = await started(procs, tmp_path, mode, transport)
     for _ in range(STEPS):
         await c.step()
+    assert c.sender is not None
+    synced = [e for e in c.sender.events if e.get("event") == "synced"]
+    assert [e["version"] for e in synced] == list(range(1, STEPS + 1))
+    for e in synced:  # reported once the version is encoded (they were all 0 when reported before)
+        assert e["messages"] > 0 and e["wire_bytes"] > 0 and "send_seconds" not in e, e
+        assert e["encode_seconds"] > 0 if mode == "patch" else e["build_seconds"] > 0, e
     await c.stop_and_compare()
 
 
