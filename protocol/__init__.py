@@ -12,6 +12,7 @@ keeps these boundaries.
 from protocol.codec.compress import Codec
 from protocol.config import BucketConfig, InitSyncConfig, PatchConfig, SyncConfig, load_config
 from protocol.errors import (
+    CheckpointError,
     ConfigError,
     GatherOrderError,
     IntegrityError,
@@ -50,6 +51,7 @@ __all__ = [
     "BucketConfig",
     "BufferSpec",
     "Codec",
+    "CheckpointError",
     "ConfigError",
     "Encoding",
     "GatherOrderError",

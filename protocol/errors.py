@@ -48,6 +48,12 @@ class MetadataMismatchError(WeightSyncError):
     """Sender and receiver models disagree on keys or shapes; names the first offending key."""
 
 
+class CheckpointError(WeightSyncError):
+    """A checkpoint file a sender was to serve is unreadable, or its keys or shapes differ
+    from the model's; names the file and the first offending key. The sender refuses it and
+    keeps serving the version it has."""
+
+
 class StaleVersionError(WeightSyncError):
     """An update does not apply on top of the receiver's current version.
 

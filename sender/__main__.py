@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from protocol import progress
-from protocol.errors import ConfigError
+from protocol.errors import CheckpointError, ConfigError
 from protocol.host.cli import load_object, report, run, setup_logging
 from protocol.host.logs import FORMATS
 from protocol.host.snapfile import read_snapshot
@@ -94,9 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def newest(watch: Path, after: int | None) -> tuple[int, Path] | None:
-    steps = sorted((int(m.group(1)), f) for f in watch.iterdir() if (m := STEP.search(f.name)))
-    steps = [s for s in steps if after is None or s[0] > after]
-    return steps[-1] if steps else None
+    steps = candidates(watch, after)
+    return steps[0] if steps else None
+
+
+def candidates(watch: Path, after: int | None) -> list[tuple[int, Path]]:
+    """The checkpoints in ``watch`` newer than ``after``, newest first."""
+    steps = sorted(((int(m.group(1)), f) for f in watch.iterdir() if (m := STEP.search(f.name))), reverse=True)
+    return [s for s in steps if after is None or s[0] > after]
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
@@ -106,14 +111,64 @@ def load(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_checkpoint(path: Path, reference: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """``path``'s state dict, checked against ``reference`` (the model's, or the first
+    checkpoint's): ``CheckpointError`` naming the file and the first key missing, unexpected
+    or of another shape, or why it could not be read."""
+    try:
+        state = load(path)
+    except Exception as e:  # the file's bytes are input: torch.load's, pickle's and safetensors' refusals alike
+        raise CheckpointError(f"{path}: cannot be read: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise CheckpointError(f"{path}: not a state dict of named tensors")
+    if reference is None:
+        return state
+    for key, want in reference.items():
+        if key not in state:
+            raise CheckpointError(f"{path}: no {key!r}, which the model has")
+        if tuple(state[key].shape) != tuple(want.shape):
+            raise CheckpointError(f"{path}: {key!r} has shape {tuple(state[key].shape)}, the model's is {tuple(want.shape)}")
+    extra = next((k for k in state if k not in reference), None)
+    if extra is not None:
+        raise CheckpointError(f"{path}: {extra!r} is not one of the model's keys")
+    return state
+
+
+class Checkpoints:
+    """The watched directory's next good checkpoint: a bad one is refused once (logged and
+    reported), skipped while its file stays as it is, and read again once rewritten."""
+
+    def __init__(self, watch: Path) -> None:
+        self.watch = watch
+        self._refused: dict[Path, int] = {}  # path -> the mtime_ns it was refused at
+
+    def next(self, after: int | None, reference: dict[str, torch.Tensor] | None) -> tuple[int, Path, dict[str, torch.Tensor]] | None:
+        """The newest readable checkpoint newer than ``after`` that fits ``reference``."""
+        for step, path in candidates(self.watch, after):
+            try:
+                stamp = path.stat().st_mtime_ns
+            except FileNotFoundError:  # replaced or removed meanwhile
+                continue
+            if self._refused.get(path) == stamp:
+                continue
+            try:
+                return step, path, read_checkpoint(path, reference)
+            except CheckpointError as e:
+                self._refused[path] = stamp
+                log.error("%s: %s; still serving the version before it", type(e).__name__, e, extra={"path": str(path), "version": step})
+                report("refused", version=step, path=str(path), error=str(e))
+        return None
+
+
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     args.watch.mkdir(parents=True, exist_ok=True)
-    first = newest(args.watch, None)
+    checkpoints = Checkpoints(args.watch)
     model = load_object(args.model)() if args.model else None
+    reference = None if model is None else dict(model.state_dict())
+    first = checkpoints.next(None, reference)
     version = None
     if first is not None:
-        version, path = first
-        state = load(path)
+        version, _, state = first
         if model is None:
             model = state
         else:
@@ -129,16 +184,16 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     async with sender:
         await sender.start(model, version=version)
         report("listening", endpoint=sender.endpoint, version=version, session=sender.session, metrics=sender.metrics_url)
+        reference = dict(model) if isinstance(model, dict) else dict(model.state_dict())
         while not stop.is_set():
-            found = newest(args.watch, sender.version)
+            found = await asyncio.to_thread(checkpoints.next, sender.version, reference)
             if found is None:
                 try:
                     await asyncio.wait_for(stop.wait(), args.poll)
                 except TimeoutError:
                     pass
                 continue
-            step, path = found
-            state = await asyncio.to_thread(load, path)
+            step, _, state = found
             if isinstance(model, dict):
                 model = state
             else:

@@ -135,6 +135,35 @@ async def test_cli_daemons_sync_every_step_bit_for_bit(mode: str, transport: str
 
 
 @pytest.mark.timeout(90)
+async def test_a_bad_checkpoint_is_refused_and_the_sender_goes_on(procs: Processes, tmp_path: Path) -> None:
+    """A checkpoint whose shapes differ from --model, and one that is not a checkpoint at all:
+    each refused once with a CheckpointError naming the file and the first differing key,
+    the last good version still served and the receivers never told goodbye; a good file
+    written over the bad one is read again, and the versions go on."""
+    c = await started(procs, tmp_path, "patch", "tcp")
+    assert c.sender is not None
+    state = c.trainer.model.state_dict()
+    wrong = next(k for k, v in state.items() if v.dim() == 2)
+    torch.save({**state, wrong: state[wrong][:-1]}, c.watch / "step_1.pt.tmp")
+    (c.watch / "step_1.pt.tmp").rename(c.watch / "step_1.pt")
+    refused = await c.sender.wait_event(lambda e: e.get("event") == "refused")
+    assert refused["version"] == 1 and refused["path"].endswith("step_1.pt"), refused
+    assert f"{wrong!r} has shape" in refused["error"], refused
+    (c.watch / "step_2.pt").write_bytes(b"not a checkpoint")
+    garbage = await c.sender.wait_event(lambda e: e.get("event") == "refused" and e.get("version") == 2)
+    assert "cannot be read" in garbage["error"]
+    await asyncio.sleep(3 * 0.2)  # a few polls: each bad file is refused once, not on every poll
+    assert len([e for e in c.sender.events if e.get("event") == "refused"]) == 2
+    assert c.sender.process.returncode is None and "CheckpointError" in c.sender.log.read_text()
+    (c.watch / "step_2.pt").unlink()
+    await c.step()  # the trainer's v1, written over the bad step_1.pt: read again, synced
+    await c.step()
+    await c.stop_and_compare()
+    for name in c.receivers:
+        assert "said goodbye" not in c.receivers[name].log.read_text()
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize(("mode", "transport"), [("patch", "tcp"), ("bucket", "ipc")])
 async def test_receiver_killed_and_restarted_with_same_identity(mode: str, transport: str, procs: Processes, tmp_path: Path) -> None:
     c = await started(procs, tmp_path, mode, transport)
