@@ -5,7 +5,9 @@
 
 Prints each connected receiver (acknowledged and sent version, lag in versions and seconds,
 credits in flight, ACK age) and the sender's last versions with their phase times and bytes;
-``--json`` prints the same as one object for scripts. Exits 1 when the endpoint cannot be read.
+``--json`` prints the same as one object for scripts. ``--metrics`` is the endpoint's base URL
+or its ``/metrics`` URL (the one the sender logs). Exits 1 when the endpoint cannot be read or
+is not a weightsync sender's metrics (a receiver's control port, another exporter).
 """
 
 from __future__ import annotations
@@ -33,17 +35,35 @@ RECEIVER_FIELDS = {
 }
 
 
+def metrics_url(url: str) -> str:
+    """``url``'s ``/metrics`` URL: given as the base URL or already as the metrics URL."""
+    url = url.rstrip("/")
+    return url if url.endswith("/metrics") else url + "/metrics"
+
+
 def fetch(url: str, token: str | None = None, timeout: float = 10.0) -> str:
-    """The Prometheus text at ``url``/metrics."""
-    request = urllib.request.Request(url.rstrip("/") + "/metrics")
+    """The Prometheus text at ``url``'s ``/metrics`` (``metrics_url``)."""
+    request = urllib.request.Request(metrics_url(url))
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return str(response.read().decode())
 
 
+def not_a_sender(text: str) -> str | None:
+    """Why ``text`` is not a weightsync sender's metrics (not Prometheus text, or without
+    ``weightsync_sender_version``, which every sender serves); None when it is."""
+    try:
+        names = sorted({f.name for f in text_string_to_metric_families(text)})
+    except ValueError as e:
+        return f"not Prometheus text ({e})"
+    if "weightsync_sender_version" in names:
+        return None
+    return f"no weightsync_sender_version among its {len(names)} metrics" + (f" ({', '.join(names[:3])}, ...)" if names else "")
+
+
 def status_of(text: str) -> dict[str, Any]:
-    """The sender's state from its metrics text."""
+    """The sender's state from its metrics text (``not_a_sender`` says whether it is one)."""
     receivers: dict[str, dict[str, Any]] = {}
     versions: dict[int, dict[str, Any]] = {}
     single: dict[str, float] = {}
@@ -112,7 +132,11 @@ def main(argv: list[str]) -> int:
     try:
         text = fetch(args.metrics, args.token)
     except (urllib.error.URLError, OSError) as e:
-        print(f"cannot read {args.metrics}/metrics: {e}", file=sys.stderr)
+        print(f"cannot read {metrics_url(args.metrics)}: {e}", file=sys.stderr)
+        return 1
+    why = not_a_sender(text)
+    if why is not None:
+        print(f"{metrics_url(args.metrics)} is not a weightsync sender's metrics: {why}", file=sys.stderr)
         return 1
     status = status_of(text)
     print(json.dumps(status, indent=2) if args.json else table(status))

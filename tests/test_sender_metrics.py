@@ -243,3 +243,32 @@ async def test_the_status_command_shows_a_paused_receivers_lag() -> None:
     nowhere = [sys.executable, "-m", "sender", "status", "--metrics", "http://127.0.0.1:9"]
     refused = subprocess.run(nowhere, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "cannot read" in refused.stderr
+
+
+async def test_the_status_command_takes_the_logged_url_and_knows_a_sender_from_a_receiver() -> None:
+    """The ``.../metrics`` URL the sender logs works as well as its base URL; a receiver's
+    control port (it serves metrics too, a receiver's) and a page that is not Prometheus
+    text are named as not a sender's metrics, exit 1 (it printed 'sender at vNone' and 0)."""
+    import subprocess
+    import sys
+
+    async with Sender("tcp://127.0.0.1:0", CONFIG, metrics_address="127.0.0.1:0") as sender:
+        await sender.start(build(seed=0), version=4)
+        async with Receiver(build(seed=1).to(torch.bfloat16), sender.endpoint, CONFIG, control_address="127.0.0.1:0") as receiver:
+            await receiver.start()
+            control = str(receiver.control_url)
+
+            def status(url: str) -> subprocess.CompletedProcess[str]:
+                return subprocess.run([sys.executable, "-m", "sender", "status", "--metrics", url], capture_output=True, text=True, timeout=60)
+
+            base, logged, other = await asyncio.gather(
+                asyncio.to_thread(status, str(sender.metrics_url)), asyncio.to_thread(status, f"{sender.metrics_url}/metrics"),
+                asyncio.to_thread(status, control),
+            )
+    for shown in (base, logged):
+        assert shown.returncode == 0 and "sender at v4, 1 receivers connected" in shown.stdout, shown.stderr
+    assert other.returncode == 1 and "is not a weightsync sender's metrics" in other.stderr, (other.stdout, other.stderr)
+    assert "sender at" not in other.stdout
+    from sender.status import not_a_sender
+
+    assert not_a_sender("<html>hello</html>") is not None and not_a_sender("weightsync_sender_version 3\n") is None
