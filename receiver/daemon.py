@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--name-mapping", metavar="SPEC",
         help="rename this model's names to the trainer's: 'is_agent', a JSON file {rollout: trainer}, or module:callable",
     )
+    p.add_argument("--control-ignore-unknown", action="store_true",
+                   help="the control API ignores parameters a changing call does not know (FastDeploy's behaviour) instead of a 400")
     p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV),
                    help=f"bearer token the control API requires (needed off loopback; default ${TOKEN_ENV})")
     p.add_argument("--curve-secret", type=Path, metavar="FILE", help="this receiver's CURVE .key_secret (python -m sender keygen)")
@@ -129,6 +131,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
         control_address=args.control, name_mapping=load_name_mapping(args.name_mapping),
         curve=args.curve, insecure_plaintext=args.insecure_plaintext, control_token=args.control_token,
+        control_ignore_unknown=args.control_ignore_unknown,
         relay_endpoint=args.relay_bind, relay_curve=args.relay_curve,
         wrap_write=None if region is None else seqlock_writes(region, lambda: receiver.strategy.version),
     )

@@ -17,8 +17,14 @@ An error adds ``error_type`` (the exception's class: ``StateError``, ``Integrity
     400 bad parameters or body (ConfigError)     500 a control call failed (any other error)
     404 / 405 unknown path / method              401 missing or wrong token
 
-Parameters an endpoint does not take are ignored, as FastDeploy does, and listed in an
-``ignored`` field (and logged once per endpoint and name), so a misspelt ``?tag=`` shows.
+A call that changes something (every POST, and the legacy GETs that sleep or wake) is
+never made on a parameter it does not know: a misspelt one (``?tag=weight``, ``"verison"``)
+or a body that is not JSON is a 400 naming it, and nothing is done. FastDeploy's own fields
+that weightsync does not act on (``FASTDEPLOY_FIELDS``: ``rsync_config`` of update_weights,
+...) are accepted and listed in an ``ignored`` field (and logged once per endpoint and
+name), as are unknown parameters of the read-only GETs. ``ignore_unknown`` (the receiver's
+``control_ignore_unknown``, ``--control-ignore-unknown``) restores FastDeploy's own
+behaviour, every unknown name ignored and listed, for clients that send extra fields.
 It listens on localhost by default. With a token, every request but ``/health`` must
 carry ``Authorization: Bearer <token>`` (401 otherwise, compared in constant time); a
 token is required to listen anywhere but loopback. The token authenticates, it does not
@@ -45,6 +51,12 @@ MAX_BODY = 64 << 10
 TOKEN_ENV = "WEIGHTSYNC_CONTROL_TOKEN"
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no token; it changes nothing
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Fields FastDeploy's clients send that weightsync takes and does not act on: listed as ignored, never refused.
+FASTDEPLOY_FIELDS: dict[str, frozenset[str]] = {
+    "/v1/pause": frozenset({"wait_for_inflight_requests"}),
+    "/v1/update_weights": frozenset({"rsync_config"}),
+    "/v1/abort_requests": frozenset({"reason"}),
+}
 
 
 class Metrics(Protocol):
@@ -129,10 +141,13 @@ def _unauthorized() -> web.Response:
 class ControlServer:
     """Serves a ``Receiver``'s control API from its own event loop."""
 
-    def __init__(self, receiver: Controllable, address: str = "127.0.0.1:0", token: str | None = None) -> None:
+    def __init__(self, receiver: Controllable, address: str = "127.0.0.1:0", token: str | None = None, ignore_unknown: bool = False) -> None:
         """Without ``token`` only a loopback address is allowed (``ConfigError`` otherwise):
-        anyone who reaches the port could pause the rollout or put its weights to sleep."""
+        anyone who reaches the port could pause the rollout or put its weights to sleep.
+        ``ignore_unknown``: a changing call's unknown parameters are ignored and listed, as
+        FastDeploy does, instead of refused (400)."""
         self.receiver = receiver
+        self.ignore_unknown = ignore_unknown
         self.host, self.port = parse_address(address)
         check_token(self.host, token, "control API", f"Receiver(control_token=...), --control-token or ${TOKEN_ENV}")
         self.token = token
@@ -177,34 +192,52 @@ class ControlServer:
                 log.warning("control API: %s ignores the parameter %r (it takes %s)", request.path, name, sorted(reads) or "none")
         return control_response(200, result, ignored=names)
 
+    async def _params(self, request: web.Request, reads: Iterable[str] = ()) -> dict[str, Any]:
+        """A changing call's body (a JSON object, or empty), checked before anything is done:
+        a query or body name it neither reads nor knows as FastDeploy's is a ``ConfigError``
+        (400) naming it, unless ``ignore_unknown``."""
+        body = await _json_object(request)
+        known = set(reads) | FASTDEPLOY_FIELDS.get(request.path, frozenset())
+        unknown = sorted((set(request.query) | set(body)) - known)
+        if unknown and not self.ignore_unknown:
+            raise ConfigError(
+                f"{request.path} does not take {', '.join(map(repr, unknown))} (it takes {sorted(reads) or 'no parameters'}); "
+                "nothing was done (a receiver started with control_ignore_unknown ignores such names, as FastDeploy does)"
+            )
+        return body
+
     # -- endpoints --------------------------------------------------------------------------
     async def _pause(self, request: web.Request) -> web.Response:
+        body = await self._params(request)
         await self.receiver.pause()
-        return self._ok(request)
+        return self._ok(request, body=body)
 
     async def _resume(self, request: web.Request) -> web.Response:
+        body = await self._params(request)
         await self.receiver.resume()
-        return self._ok(request)
+        return self._ok(request, body=body)
 
     async def _is_paused(self, request: web.Request) -> web.Response:
         return self._ok(request, {"is_paused": self.receiver.is_paused})
 
     async def _sleep(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await self._params(request, ("tags",))
         return self._ok(request, [await self.receiver.sleep(_tags(request, body))], body, ("tags",))
 
     async def _wakeup(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await self._params(request, ("tags",))
         return self._ok(request, [await self.receiver.wakeup(_tags(request, body), require_resume=True)], body, ("tags",))
 
     async def _clear_load_weight(self, request: web.Request) -> web.Response:
-        return self._ok(request, [await self.receiver.sleep()])
+        body = await self._params(request)
+        return self._ok(request, [await self.receiver.sleep()], body)
 
     async def _update_model_weight(self, request: web.Request) -> web.Response:
-        return self._ok(request, [await self.receiver.wakeup(require_resume=True)])
+        body = await self._params(request)
+        return self._ok(request, [await self.receiver.wakeup(require_resume=True)], body)
 
     async def _update_weights(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await self._params(request, ("version", "verify_checksum", "timeout"))
         timeout = body.get("timeout", 60.0)
         if type(timeout) not in (int, float) or not timeout > 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -214,7 +247,7 @@ class ControlServer:
         return self._ok(request, [result], body, ("version", "verify_checksum", "timeout"))
 
     async def _abort_requests(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await self._params(request, ("abort_all", "req_ids"))
         result = await self.receiver.abort_requests(body.get("abort_all", False), body.get("req_ids"))
         return self._ok(request, result, body, ("abort_all", "req_ids"))
 

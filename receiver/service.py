@@ -88,6 +88,7 @@ class Receiver(ControlCalls):
         relay_curve: CurveServer | None = None,
         hold: bool = False,
         hooks: StrategyHooks | None = None,
+        control_ignore_unknown: bool = False,
     ) -> None:
         """``control_address`` (``HOST:PORT``, port 0 for any) serves the control API over
         HTTP from ``start()``; ``name_mapping`` renames this model's names to the trainer's
@@ -98,6 +99,8 @@ class Receiver(ControlCalls):
         is a ``ConfigError`` unless ``insecure_plaintext``. ``limits`` bounds inbound
         messages (default: derived from this model). ``control_token`` is required by the
         control API (``Authorization: Bearer``) and must be set to serve it off localhost.
+        ``control_ignore_unknown``: the control API ignores (and lists) parameters a changing
+        call does not know, as FastDeploy does, instead of refusing the call (400).
 
         ``endpoint`` may be a list of upstreams (the sender, or relays) tried in turn:
         whenever a session is lost, the next one is tried. Or a resolver: a callable
@@ -122,6 +125,7 @@ class Receiver(ControlCalls):
         self.endpoints = self._upstreams.endpoints
         self.curve = curve
         self._control_token = control_token
+        self._control_ignore_unknown = control_ignore_unknown
         self.model = model
         self.config = load_config(config)
         self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -190,7 +194,7 @@ class Receiver(ControlCalls):
         if self._control_address is not None:
             from .http_api import ControlServer  # aiohttp only when the control API is wanted
 
-            self._control_server = ControlServer(self, self._control_address, token=self._control_token)
+            self._control_server = ControlServer(self, self._control_address, token=self._control_token, ignore_unknown=self._control_ignore_unknown)
             await self._control_server.start()
         # Before the clock starts: on a fresh install this compiles the kernels (numba,
         # tens of seconds, cached on disk after), local work the timeout is not about.

@@ -187,7 +187,9 @@ async def test_sleep_and_wakeup_read_tags_from_the_body_which_wins_over_the_quer
 
 
 # -- unknown fields and parameters -----------------------------------------------------------------
-async def test_unknown_fields_and_query_parameters_are_ignored_and_listed(caplog: pytest.LogCaptureFixture) -> None:
+async def test_fastdeploys_own_fields_are_ignored_and_listed(caplog: pytest.LogCaptureFixture) -> None:
+    """Fields FastDeploy's clients send that weightsync does not act on, and any parameter of
+    a read-only GET, are accepted, listed in ``ignored`` and logged once."""
     async with rig() as r:
         with caplog.at_level(logging.WARNING, logger="receiver.http_api"):
             body = await success(r, "POST", "/v1/pause?wait_for_inflight_requests=false")
@@ -203,9 +205,34 @@ async def test_unknown_fields_and_query_parameters_are_ignored_and_listed(caplog
         await assert_matches(r.receiver, r.trainer, v1)
         body = await success(r, "GET", "/v1/is_paused?verbose=1")
         assert body["result"] == {"is_paused": True} and body["ignored"] == ["verbose"]
-        body = await success(r, "POST", "/v1/sleep?tag=weight")  # a typo: FastDeploy's default (both), and it shows
+        assert "ignored" not in await success(r, "POST", "/v1/sleep?tags=weight")
+        assert "ignored" not in await success(r, "POST", "/v1/wakeup?tags=weight")
+
+
+async def test_a_misspelt_parameter_changes_nothing() -> None:
+    """A changing call with a name it does not know (a typo) is a 400 naming it, and is not
+    made: ``?tag=weight`` slept both tags, ``{"verison": 5}`` updated to the sender's latest,
+    malformed JSON on /v1/pause paused. A receiver started with ``control_ignore_unknown``
+    ignores such names instead, as FastDeploy does, and lists them."""
+    async with rig() as r:
+        message = await failed(r, "POST", "/v1/sleep?tag=weight", 400, "ConfigError")
+        assert "does not take 'tag'" in message and "['tags']" in message and "nothing was done" in message
+        assert r.receiver.asleep == frozenset()
+        assert "'tags'" in await failed(r, "POST", "/v1/pause", 400, "ConfigError", '{"tags": "weight"}')
+        assert "not valid JSON" in await failed(r, "POST", "/v1/pause", 400, "ConfigError", '{"pause": tru')
+        assert not r.receiver.is_paused
+        await success(r, "POST", "/v1/pause")
+        v1 = await r.sync()
+        assert "'verison'" in await failed(r, "POST", "/v1/update_weights", 400, "ConfigError", f'{{"verison": {v1}}}')
+        assert r.receiver.version == 0  # not updated to the sender's latest
+        assert "'req_id'" in await failed(r, "POST", "/v1/abort_requests", 400, "ConfigError", '{"req_id": ["a"]}')
+        assert "'force'" in await failed(r, "POST", "/v1/resume?force=1", 400, "ConfigError")
+        assert r.receiver.is_paused
+        assert "'now'" in await failed(r, "GET", "/clear_load_weight?now=1", 400, "ConfigError")
+        assert r.receiver.asleep == frozenset()
+    async with rig(control_ignore_unknown=True) as r:
+        body = await success(r, "POST", "/v1/sleep?tag=weight")  # FastDeploy's default: both tags, and it shows
         assert body["ignored"] == ["tag"] and body["result"][0]["asleep"] == ["kv_cache", "weight"]
-        assert "ignored" not in await success(r, "POST", "/v1/wakeup")
 
 
 # -- errors: FastDeploy's codes and messages, weightsync's type -----------------------------------------
