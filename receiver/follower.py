@@ -46,7 +46,7 @@ from .naming import NameMapping
 from .pending import PendingVersion
 from .relay import Relay
 from .rwlock import ReadWriteLock
-from .session import Leave, Reconnect, Session
+from .session import Foreign, Leave, Reconnect, Session
 from .stats import ApplyStats
 from .upstreams import Upstreams
 
@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 _REJECTED = (StaleVersionError, ProtocolError, IntegrityError)  # the sender can fix these with a resync
 _FATAL = (MetadataMismatchError, ConfigError, ResyncLimitError)  # reconnecting would not help
+FOREIGN_BACKOFF = 30.0  # seconds, at most, between tries of an upstream that is not a weightsync sender
 HANDSHAKE_GRACE = 60.0  # seconds past peer_timeout for each message of a handshake (``_handshake``)
 TRICKLE_BPS = 4096  # bytes a second that heartbeats alone never reach: more is a message in progress
 
@@ -123,7 +124,8 @@ class Follower:
     async def run(self) -> None:
         """Sessions, one after another, until a fatal error (raised) or cancellation."""
         identity, backoff, owner = self.settings.identity, self.settings.reconnect_backoff, self._owner
-        delay = backoff[0]
+        delay, cap = backoff[0], backoff[1]
+        told: set[str] = set()  # upstreams already named as not a weightsync sender
         while True:
             await owner.wait(self.lifecycle.may_connect, None, fail=False)  # paused or asleep: no new session
             handshakes = self.handshakes
@@ -134,6 +136,12 @@ class Follower:
                 log.info("receiver %s left the sender", identity)
                 await owner.notify()
                 continue
+            except Foreign as e:
+                cap = max(backoff[1], FOREIGN_BACKOFF)
+                endpoint = str(self.upstreams.endpoint)
+                level = logging.DEBUG if endpoint in told else logging.ERROR
+                told.add(endpoint)
+                log.log(level, "receiver %s: %s; trying again with a backoff of up to %.0fs (said once)", identity, e, cap)
             except Reconnect as e:
                 log.warning("receiver %s: %s; reconnecting in %.2fs", identity, e, delay)
             except _FATAL as e:
@@ -146,9 +154,9 @@ class Follower:
             self.reconnects += 1
             self.upstreams.lost()
             if self.handshakes != handshakes:  # that session worked: start backing off afresh
-                delay = backoff[0]
+                delay, cap = backoff[0], backoff[1]
             await asyncio.sleep(delay)
-            delay = min(delay * 2, backoff[1])
+            delay = min(delay * 2, cap)
 
     async def _session(self) -> None:
         """One connection: HELLO (with the digest, computed first: HELLO must be the first
@@ -218,13 +226,15 @@ class Follower:
         # large), elsewhere message by message.
         incoming = Incoming(link, Progress(log, f"receiver {identity} bootstrap from {endpoint}", model_bytes(owner.state()), peer=identity))
         welcomed = False
+        received = 0
 
         async def recv() -> Sequence[Buffer]:
-            nonlocal welcomed
+            nonlocal welcomed, received
             before = link.bytes_received()
             while True:
                 try:
                     frames = await asyncio.wait_for(link.recv(), bound)
+                    received += 1
                     if welcomed:  # every message after WELCOME is a bootstrap part
                         nbytes = sum(len(f) for f in frames)
                         owner.metrics().bootstrap_bytes.inc(nbytes)
@@ -246,6 +256,11 @@ class Follower:
             if owner.names is None:
                 raise
             raise MetadataMismatchError(owner.names.explain(str(e))) from e
+        except ProtocolError as e:
+            if received != 1:  # a damaged bootstrap part: the sender's, asked again
+                raise
+            raise Foreign(f"{endpoint} answered with something that is not a weightsync message ({e}): is it a weightsync "
+                          "sender, of this protocol version?") from e
         finally:
             await incoming.close()
         self.connected = True

@@ -43,6 +43,11 @@ class Reconnect(Exception):
     """The connection to the upstream is lost or was reset: start a new session."""
 
 
+class Foreign(Reconnect):
+    """The upstream's first answer is not a weightsync message: not a weightsync sender (or
+    one of another protocol version). Said once, then retried with a long backoff."""
+
+
 class Leave(Exception):
     """End the session on purpose (sleep, pause): start no new one until allowed."""
 

@@ -370,6 +370,24 @@ async def test_metadata_mismatch_is_refused_others_unaffected(mode: str, bad_fir
     assert sorted(s.receivers) == ["r0", "r1"]
 
 
+async def test_a_later_receiver_of_another_dtype_is_told_what_the_others_hold(daemons: Daemons) -> None:
+    """Receivers of one sender share the wire's dtypes: a later one in fp32 beside bf16 ones
+    is told its own shape and dtype, the others', and the trainer's shape (it was told only
+    'this receiver differs from the other receivers')."""
+    trainer = Trainer()
+    s = await daemons.sender(trainer, "patch")
+    await daemons.start_receiver(s.endpoint, "patch", "r0")  # bf16
+    odd = daemons.receiver(s.endpoint, "patch", "odd", receiver_model().to(torch.float32))
+    with pytest.raises(WeightSyncError) as info:
+        await odd.start(timeout=T)
+    text = f"{info.value} | {info.value.__cause__}"
+    assert isinstance(info.value.__cause__, MetadataMismatchError), text
+    assert "this receiver holds [" in text and "torch.float32; the other receivers: [" in text and "torch.bfloat16" in text, text
+    assert "the trainer's shape: [" in text, text
+    await asyncio.wait_for(odd.close(), T)
+    assert "odd" not in s.receivers
+
+
 # -- readers never see a half-applied version -------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 async def test_readers_never_see_a_half_applied_version(mode: str, daemons: Daemons) -> None:

@@ -84,6 +84,7 @@ OUTSIDE: dict[type[BaseException], tuple[Callable[[Site], bool], str]] = {
 # weightsync the class is defined.
 SIGNALS: dict[str, str] = {
     "Reconnect": "ends a receiver's session; its loop opens a new one",
+    "Foreign": "a Reconnect whose upstream answered with no weightsync message: said once, retried with a long backoff",
     "Leave": "ends a receiver's session on purpose (pause, sleep, close)",
     "_Superseded": "a resync overtook an incomplete patch; the receive takes the resync",
     "BuildFailed": "a version's build failed or was not synced; its parts already out are abandoned",

@@ -196,4 +196,5 @@ def test_whole_tensors_written_through_the_tiling_a_few_experts_at_a_time(monkey
     assert isinstance(tensor, MappedTensor) and tensor.segments[0].perm is not None and len(tensor.segments[0]._rows()) == 4
     held, values = tensor.read_held(torch.arange(tensor.numel()))
     assert torch.equal(values[held], checkpoint["model.layers.0.mlp.experts.down_proj"].reshape(-1)[held])
-    assert torch.equal(tensor.segments[0].take().reshape(-1), tensor.segments[0].src_view(checkpoint["model.layers.0.mlp.experts.down_proj"]).reshape(-1))
+    seg = tensor.segments[0]
+    assert torch.equal(seg.take().reshape(-1), seg.src_view(checkpoint["model.layers.0.mlp.experts.down_proj"]).reshape(-1))

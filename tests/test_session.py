@@ -176,3 +176,44 @@ async def test_bytes_received_counts_what_arrives_over_tcp_and_nothing_over_ipc(
         tcp.close()
         ipc.close()
         local.close(linger=0)
+
+
+async def test_a_receiver_pointed_at_something_else_says_so_once_and_backs_off(
+    upstream: zmq.asyncio.Socket, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ZeroMQ peer that is not a weightsync sender answers HELLO with bytes that are no
+    weightsync message: the receiver names the address and what it got, once (ERROR), then
+    retries quietly with a backoff growing past its usual cap (it logged a msgpack error at
+    every try, every 2 s, forever)."""
+    import logging
+
+    import torch
+
+    from receiver import Receiver
+
+    endpoint = upstream.getsockopt_string(zmq.LAST_ENDPOINT)
+    hellos = 0
+
+    async def answer_with_garbage() -> None:
+        nonlocal hellos
+        while True:
+            identity, *frames = await upstream.recv_multipart()
+            if frames:  # any message (HELLO, heartbeats): answered with something else
+                hellos += 1
+                await upstream.send_multipart([identity, b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+
+    peer = asyncio.create_task(answer_with_garbage())
+    model = torch.nn.Linear(4, 4)
+    receiver = Receiver(model, endpoint, None, identity="lost", reconnect_backoff=(0.05, 0.2), heartbeat_interval=0.05)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="receiver.follower"):
+            with pytest.raises((WeightSyncTimeout, TimeoutError, WeightSyncError)):  # no bootstrap ever comes
+                await receiver.start(timeout=4.0)
+        said = [r for r in caplog.records if "not a weightsync message" in r.getMessage()]
+        errors = [r for r in said if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and endpoint in errors[0].getMessage(), [r.getMessage() for r in said]
+        assert len(said) == receiver.reconnects >= 2  # every later try at DEBUG only
+        assert receiver.reconnects <= 12  # backing off past the 0.2 s cap: 4 s at 0.2 s would be ~20 tries
+    finally:
+        peer.cancel()
+        await receiver.close()

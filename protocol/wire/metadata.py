@@ -83,7 +83,17 @@ class ModelMetadata:
         share the wire's ordinals and dtypes. ``ours_are`` names whose metadata this is."""
         if theirs == self:
             return
+        same = "every receiver of one sender holds the same keys, in one order, with the same shapes and dtypes"
         for key, shape, dtype in zip(theirs.keys, theirs.shapes, theirs.dtypes):
-            if key not in self or self.shapes[self.ordinal(key)] != shape or self.dtypes[self.ordinal(key)] != dtype:
-                raise MetadataMismatchError(f"key {key!r}: this receiver differs from {ours_are} ({list(shape)}, {dtype})")
-        raise MetadataMismatchError(f"this receiver's keys differ from {ours_are}")
+            if key not in self:
+                raise MetadataMismatchError(f"key {key!r}: this receiver has it; {ours_are} do not ({same})")
+            want_shape, want_dtype = self.shapes[self.ordinal(key)], self.dtypes[self.ordinal(key)]
+            if want_shape != shape or want_dtype != dtype:
+                raise MetadataMismatchError(
+                    f"key {key!r}: this receiver holds {list(shape)} {dtype}; {ours_are}: {list(want_shape)} {want_dtype} "
+                    f"(the trainer's shape: {list(want_shape)}; {same})"
+                )
+        missing = next((k for k in self.keys if k not in theirs), None)
+        if missing is not None:
+            raise MetadataMismatchError(f"key {missing!r}: this receiver does not have it; {ours_are} do ({same})")
+        raise MetadataMismatchError(f"this receiver's keys are in another order than those of {ours_are} ({same})")
