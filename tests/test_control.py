@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import json
 import sys
@@ -26,7 +27,7 @@ import torch
 from daemon_helpers import CONFIGS, DAEMON_KW, ROOT, T, Trainer, assert_matches, mismatches, receiver_model, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol.errors import ConfigError, MetadataMismatchError, StateError, WeightSyncError
+from protocol.errors import ConfigError, MetadataMismatchError, StateError, TransportError, WeightSyncError
 from protocol.state import resolve_state
 from receiver import Receiver, http_client
 from receiver.naming import AGENT_PREFIX
@@ -490,6 +491,7 @@ async def test_bad_control_addresses() -> None:
         await wait_until(lambda: first.control_url is not None)
         taken = first.control_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
         async with Receiver(receiver_model(), "tcp://127.0.0.1:1", control_address=f"127.0.0.1:{taken}") as second:
-            with pytest.raises(ConfigError, match="cannot serve the control API"):
+            with pytest.raises(TransportError, match="cannot serve the control API") as caught:  # one type for every port in use
                 await second.start(timeout=T)
+            assert caught.value.errno == errno.EADDRINUSE
         first_start.cancel()

@@ -272,3 +272,24 @@ async def test_the_status_command_takes_the_logged_url_and_knows_a_sender_from_a
     from sender.status import not_a_sender
 
     assert not_a_sender("<html>hello</html>") is not None and not_a_sender("weightsync_sender_version 3\n") is None
+
+
+async def test_a_metrics_port_in_use_is_a_transport_error_as_a_socket_port_is() -> None:
+    """Every port weightsync opens fails alike when taken: a TransportError with EADDRINUSE
+    (the metrics and control ports raised ConfigError, the ZeroMQ ports TransportError)."""
+    import errno
+
+    from protocol.errors import TransportError
+
+    async with Sender("tcp://127.0.0.1:0", CONFIG, metrics_address="127.0.0.1:0") as first:
+        await first.start(build(seed=0), version=0)
+        taken = str(first.metrics_url).rsplit(":", 1)[1]
+        async with Sender("tcp://127.0.0.1:0", CONFIG, metrics_address=f"127.0.0.1:{taken}") as second:
+            with pytest.raises(TransportError, match="cannot serve") as caught:
+                await second.start(build(seed=0), version=0)
+            assert caught.value.errno == errno.EADDRINUSE
+        port = first.endpoint.rsplit(":", 1)[1]
+        with pytest.raises(TransportError) as zmq_caught:
+            async with Sender(f"tcp://127.0.0.1:{port}", CONFIG) as third:
+                await third.start(build(seed=0), version=0)
+        assert zmq_caught.value.errno == errno.EADDRINUSE

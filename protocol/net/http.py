@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, TransportError
 from protocol.net.security import is_local_host
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ def bearer_auth(token: str, refused: Callable[[], web.Response], open_paths: Col
 
 async def serve(app: web.Application, host: str, port: int, what: str) -> tuple[web.AppRunner, str]:
     """Bind ``app`` on ``host:port``; the runner (``cleanup`` it to stop) and the resolved
-    ``http://host:port``. A port that cannot be bound is a ``ConfigError``."""
+    ``http://host:port``. A port that cannot be bound (in use, an address not of this host)
+    is a ``TransportError`` with the OS's ``errno``, as a ZeroMQ socket's bind is: one type
+    for every port weightsync opens."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:
@@ -73,7 +75,7 @@ async def serve(app: web.Application, host: str, port: int, what: str) -> tuple[
     except BaseException as e:
         await runner.cleanup()
         if isinstance(e, OSError):
-            raise ConfigError(f"cannot serve the {what} on {host}:{port}: {e}") from e
+            raise TransportError(f"cannot serve the {what} on {host}:{port}: {e}", errno=e.errno) from e
         raise
     bound, real_port = runner.addresses[0][:2]
     url = f"http://[{bound}]:{real_port}" if ":" in bound else f"http://{bound}:{real_port}"
