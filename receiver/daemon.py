@@ -90,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--insecure-plaintext", action="store_true",
                    help="allow a non-loopback --endpoint without CURVE (weights in plaintext, sender not authenticated)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--verbose", action="store_true", help="a fatal error's whole traceback, not one line")
     p.add_argument("--log-format", choices=FORMATS, default="text", help="text, or json: one object a line with the fields as keys")
     args = p.parse_args(argv)
     args.endpoint = args.endpoint or ["tcp://127.0.0.1:5555"]
@@ -175,4 +176,4 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format)
     if args.log_format == "text":
         progress.use_bars()  # a bar for long transfers when stderr is a terminal
-    run(lambda stop: serve(args, stop))
+    run(lambda stop: serve(args, stop), prog="python -m receiver", verbose=args.verbose)

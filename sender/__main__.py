@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-token", default=os.environ.get(METRICS_TOKEN_ENV),
                    help=f"bearer token the metrics endpoint requires (needed off loopback; default ${METRICS_TOKEN_ENV})")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--verbose", action="store_true", help="a fatal error's whole traceback, not one line")
     p.add_argument("--log-format", choices=FORMATS, default="text", help="text, or json: one object a line with the fields as keys")
     args = p.parse_args(argv)
     if args.io_threads < 1:
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format)
     if args.log_format == "text":
         progress.use_bars()  # a bar for long transfers when stderr is a terminal
-    run(lambda stop: serve_shm(args, stop) if args.load_strategy == "ipc" else serve(args, stop))
+    run(lambda stop: serve_shm(args, stop) if args.load_strategy == "ipc" else serve(args, stop), prog="python -m sender", verbose=args.verbose)
 
 
 if __name__ == "__main__":

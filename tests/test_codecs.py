@@ -505,6 +505,14 @@ def test_parse_compression_unknown():
         parse_compression("gzip")
 
 
+def test_an_unknown_compression_in_a_config_names_its_key():
+    """``zstandard`` for ``zstd``: the error names the setting to fix (it named only the value)."""
+    from protocol.config import load_config
+
+    with pytest.raises(ConfigError, match=r"^patch\.compression: unknown compression 'zstandard'; choose one of"):
+        load_config({"weight_syncer": {"type": "patch", "patch": {"compression": "zstandard"}}})
+
+
 def test_nvcomp_needs_transport_device_cuda():
     with pytest.raises(ConfigError, match="transport_device"):
         parse_compression("nvcomp_lz4", "cpu")

@@ -266,8 +266,15 @@ def test_the_clis_report_a_malformed_endpoint_as_one(cli: str, tmp_path: Path) -
         [sys.executable, "-m", cli, *args, "--model", MODEL, "--endpoint", "tcp://127.0.0.1"],
         cwd=ROOT, capture_output=True, text=True, timeout=T,
     )
-    assert done.returncode != 0 and "malformed endpoint 'tcp://127.0.0.1': no port" in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 2 and "malformed endpoint 'tcp://127.0.0.1': no port" in done.stderr, done.stderr[-2000:]
     assert "--insecure-plaintext" not in done.stderr
+    # one line, not a chained traceback (it was 33-57 lines); the traceback under --verbose
+    assert "Traceback" not in done.stderr and f"python -m {cli}: ConfigError: malformed endpoint" in done.stderr, done.stderr
+    verbose = subprocess.run(
+        [sys.executable, "-m", cli, *args, "--model", MODEL, "--endpoint", "tcp://127.0.0.1", "--verbose"],
+        cwd=ROOT, capture_output=True, text=True, timeout=T,
+    )
+    assert verbose.returncode != 0 and "Traceback" in verbose.stderr and "malformed endpoint" in verbose.stderr
 
 
 # -- control API token -------------------------------------------------------------------------

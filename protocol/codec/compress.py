@@ -44,15 +44,16 @@ class _Compressor(Protocol):
     def decompress(self, data: Buffer, nbytes: int, device: torch.device) -> torch.Tensor: ...
 
 
-def parse_compression(name: str, transport_device: str = "cpu") -> Codec:
-    """Validate a ``compression`` setting against the transport device and installed packages."""
+def parse_compression(name: str, transport_device: str = "cpu", key: str = "patch.compression") -> Codec:
+    """Validate a ``compression`` setting (the config's ``key``) against the transport device
+    and installed packages."""
     if name not in COMPRESSION_NAMES:
-        raise ConfigError(f"unknown compression {name!r}; choose one of {sorted(COMPRESSION_NAMES)}")
+        raise ConfigError(f"{key}: unknown compression {name!r}; choose one of {sorted(COMPRESSION_NAMES)}")
     codec = COMPRESSION_NAMES[name]
     if codec is Codec.NVCOMP_LZ4:
         if transport_device != "cuda":
             raise ConfigError(
-                f"compression 'nvcomp_lz4' compresses on the GPU and needs transport_device: cuda, "
+                f"{key}: 'nvcomp_lz4' compresses on the GPU and needs transport_device: cuda, "
                 f"got transport_device: {transport_device}"
             )
         from protocol.codec import nvcomp

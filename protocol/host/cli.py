@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from protocol.errors import ConfigError, WeightSyncError
 from protocol.host import logs
 
 
@@ -33,8 +35,21 @@ def report(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}, default=str), flush=True)
 
 
-def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop)`` on uvloop when available; SIGINT/SIGTERM set ``stop``."""
+def run(main: Callable[[asyncio.Event], Awaitable[None]], *, prog: str = "weightsync", verbose: bool = False) -> None:
+    """Run ``main(stop)`` on uvloop when available; SIGINT/SIGTERM set ``stop``. A
+    ``WeightSyncError`` that ends it is one log line (``prog: Type: message``, JSON under
+    ``--log-format json``) and the exit code: 2 for a ``ConfigError`` (a setting to fix),
+    1 for any other; ``verbose`` raises it instead, with its traceback."""
+    try:
+        _run(main)
+    except WeightSyncError as e:
+        if verbose:
+            raise
+        logging.getLogger(prog).error("%s: %s: %s", prog, type(e).__name__, e, extra={"error_type": type(e).__name__})
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
+
+
+def _run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
     async def wrapper() -> None:
         stop = asyncio.Event()
