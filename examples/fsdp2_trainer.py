@@ -8,9 +8,13 @@ to rank 0, which publishes them: no rank ever holds a weight gathered for a patc
 needs the whole model, which the ranks gather together at the next version, so it holds
 v1 after the first sync and is patched from then on. ``--gather`` runs the gathering
 build instead (every weight gathered to rank 0, one at a time, each version). Prints a
-JSON line per version, like ``examples/trainer.py``.
+``listening`` JSON line with the Sender's endpoint, then a JSON line per version, like
+``examples/trainer.py``. Rollouts of your own join it at that endpoint (``--endpoint`` fixes
+it; ``--step-interval`` leaves them time to follow):
 
     python examples/fsdp2_trainer.py --steps 5
+    python examples/fsdp2_trainer.py --endpoint tcp://127.0.0.1:5555 --steps 50 --step-interval 1 &
+    python -m receiver --endpoint tcp://127.0.0.1:5555 --model examples.tiny_model:build
 """
 
 from __future__ import annotations
@@ -82,9 +86,11 @@ async def train(rank: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     async with contextlib.AsyncExitStack() as stack:
         sender = None
         if rank == 0:
-            sender = Sender("tcp://127.0.0.1:0", args.config, trainable_keys=sharded.trainable_keys)
+            sender = Sender(args.endpoint, args.config, trainable_keys=sharded.trainable_keys)
             await stack.enter_async_context(sender)
         await sharded.start(sender, version=0)
+        if sender is not None:
+            report("listening", endpoint=sender.endpoint, version=0)
         receiver: Receiver | None = None
         joined: asyncio.Future[Any] | None = None
         if sender is not None:
@@ -95,6 +101,8 @@ async def train(rank: int, args: argparse.Namespace) -> list[dict[str, Any]]:
             while not sender.bootstrap_wanted and not joined.done():  # its HELLO is in: v1 bootstraps it
                 await asyncio.sleep(0.01)
         for step in range(1, args.steps + 1):
+            if args.step_interval:
+                await asyncio.sleep(args.step_interval)
             loss = train_step(model, optimizer, generator)
             stats = await sharded.sync(sender, step)  # every rank; the Sender's stats on rank 0
             digest = full_bf16_digest(model)
@@ -138,6 +146,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="weight_syncer YAML (default: patch defaults)")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--gather", action="store_true", help="the gathering build (ShardedSync(gather=True))")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:0", help="where rank 0's Sender binds (port 0: any; printed as 'listening')")
+    p.add_argument("--step-interval", type=float, default=0.0, help="seconds between steps (time for rollouts of your own to follow)")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 

@@ -3,6 +3,7 @@
     python -m receiver ctl pause --url http://127.0.0.1:8000
     python -m receiver ctl update-weights --version 12 --verify-checksum --url ...
     python -m receiver ctl resume --url ...
+    python -m receiver ctl abort-requests --all --url ...        # or --req-ids ID[,ID...]
 
 Prints the receiver's JSON answer (FastDeploy's ControlResponse: ``request_id``,
 ``status``, ``error_message``, ``result``, and ``error_type`` on an error); exits 0 on
@@ -36,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str, bool]] = {
     "sleep": ("POST", "/v1/sleep", True),
     "wakeup": ("POST", "/v1/wakeup", True),
     "update-weights": ("POST", "/v1/update_weights", False),
+    "abort-requests": ("POST", "/v1/abort_requests", False),
 }
 
 
@@ -48,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--version", dest="weight_version", help="update-weights: the version to reach (default: the sender's current)")
     p.add_argument("--verify-checksum", action="store_true", help="update-weights: compare the state digest with the sender's")
     p.add_argument("--timeout", type=float, default=60.0, help="update-weights: seconds to wait for the version")
+    p.add_argument("--all", dest="abort_all", action="store_true", help="abort-requests: every request in flight")
+    p.add_argument("--req-ids", help="abort-requests: comma-separated ids of the requests to abort")
     args = p.parse_args(argv)
     if not args.url:
         p.error(f"--url is required (or set ${ENV_URL})")
@@ -55,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tags applies to sleep and wakeup, not {args.command}")
     if args.command != "update-weights" and (args.weight_version is not None or args.verify_checksum):
         p.error("--version and --verify-checksum apply to update-weights only")
+    if args.command != "abort-requests" and (args.abort_all or args.req_ids is not None):
+        p.error("--all and --req-ids apply to abort-requests only")
+    if args.command == "abort-requests" and not args.abort_all and not args.req_ids:
+        p.error("abort-requests needs --all or --req-ids ID[,ID...]")
     return args
 
 
@@ -75,6 +83,9 @@ def request(args: argparse.Namespace) -> tuple[int, Any]:
         if version is not None and version.isdigit():
             version = int(version)
         data = json.dumps({"version": version, "verify_checksum": args.verify_checksum, "timeout": args.timeout}).encode()
+    if args.command == "abort-requests":
+        ids = [] if not args.req_ids else [i for i in args.req_ids.split(",") if i]
+        data = json.dumps({"abort_all": args.abort_all, "req_ids": ids}).encode()
     headers = {"Content-Type": "application/json"}
     if args.token:
         headers["Authorization"] = f"Bearer {args.token}"

@@ -418,6 +418,27 @@ async def test_ctl_cli(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as usage:
         http_client.parse_args(["pause", "--tags", "weight", "--url", "http://127.0.0.1:1"])
     assert usage.value.code == 2
+    for bad in (["abort-requests", "--url", "http://127.0.0.1:1"], ["pause", "--all", "--url", "http://127.0.0.1:1"]):
+        with pytest.raises(SystemExit) as usage:
+            http_client.parse_args(bad)  # abort-requests needs --all or --req-ids; only it takes them
+        assert usage.value.code == 2
+
+
+async def test_ctl_aborts_requests() -> None:
+    """``ctl abort-requests``, a real process: --all, then by id, through the engine's hook."""
+    async with rig() as r:
+        calls: list[tuple[bool, list[str]]] = []
+
+        async def abort(abort_all: bool, req_ids: list[str]) -> dict[str, list[str]]:
+            calls.append((abort_all, req_ids))
+            return {"aborted": ["r-1"] if abort_all else [i for i in req_ids if i != "gone"], "not_found": [i for i in req_ids if i == "gone"]}
+
+        r.receiver.register_engine(on_pause=lambda: None, on_abort_requests=abort)
+        rc, body = await ctl("abort-requests", "--all", "--url", r.url)
+        assert rc == 0 and body["result"] == {"aborted": ["r-1"], "not_found": []}, body
+        rc, body = await ctl("abort-requests", "--req-ids", "a,gone", "--url", r.url)
+        assert rc == 0 and body["result"] == {"aborted": ["a"], "not_found": ["gone"]}, body
+        assert calls == [(True, []), (False, ["a", "gone"])]
 
 
 # -- name mapping --------------------------------------------------------------------------------------

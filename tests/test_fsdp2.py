@@ -175,3 +175,51 @@ def test_divergent_gathers_are_refused_before_the_collective(ranks: list[dict[st
     for rank in ranks:
         assert rank[mode]["refused"] == ["out_of_order", "outside_sync"]
         assert rank[mode]["disagreement_raised"]
+
+
+@pytest.mark.timeout(180)
+async def test_the_example_trainer_prints_its_endpoint_and_an_outside_rollout_follows_it() -> None:
+    """examples/fsdp2_trainer.py as a user runs it: the Sender's endpoint is printed (a
+    ``listening`` line; it bound a random port and never said which) and taken from
+    ``--endpoint``, so a rollout of one's own, here a bf16 Receiver in this process, joins
+    it and ends on the trainer's last version, bit for bit."""
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(root / "examples" / "fsdp2_trainer.py"), "--steps", "6", "--step-interval", "0.5",
+        "--endpoint", "tcp://127.0.0.1:0", cwd=root, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdout is not None
+    lines: list[dict[str, Any]] = []
+
+    async def line() -> dict[str, Any]:
+        assert proc.stdout is not None
+        while True:
+            raw = await asyncio.wait_for(proc.stdout.readline(), 120)
+            assert raw, f"the trainer ended early (rc {await proc.wait()}); lines {lines}"
+            if raw.startswith(b"{"):
+                lines.append(json.loads(raw))
+                return lines[-1]
+
+    try:
+        listening = await line()
+        assert listening["event"] == "listening" and listening["endpoint"].startswith("tcp://127.0.0.1:"), listening
+        rollout = build(seed=5).to(torch.bfloat16)
+        async with Receiver(rollout, listening["endpoint"], None, identity="outside") as receiver:
+            joined = asyncio.ensure_future(receiver.start(timeout=120))
+            while (event := await line())["event"] != "done":
+                assert event["event"] == "synced"
+            await joined
+            last = max(e["version"] for e in lines if e["event"] == "synced")
+            await receiver.wait_for_version(last, timeout=60)
+            async with receiver.reading():
+                held = state_digest(rollout.state_dict())
+        assert held == next(e["digest"] for e in lines if e.get("version") == last and e["event"] == "synced")
+        assert "outside" in lines[-1]["receivers"]
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
