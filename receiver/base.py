@@ -22,7 +22,7 @@ from protocol.wire.framing import Message, MessageType, decode_message, encode_m
 from protocol.wire.messages import ErrorReport, Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from .checks import check_first, check_same_version, claim
+from .checks import check_first, check_same_version, check_untracked, claim
 from .commit import StagedUpdate, Target
 from .decode import decode_part
 from .hooks import HOOK_NAMES, StrategyHooks
@@ -113,7 +113,10 @@ class ReceiverBase(WriteSide):
         welcome = await self._next(recv)
         if welcome.type is not MessageType.WELCOME:
             raise ProtocolError(f"expected WELCOME, got {welcome.describe()}")
-        parts = self._welcome(welcome).bootstrap
+        told = self._welcome(welcome)
+        if told.untracked:
+            await in_thread(check_untracked, tensors, self.metadata, told.untracked)
+        parts = told.bootstrap
         if parts:
             pending = await self.receive(model, recv, bootstrap=Announced(welcome.version, parts))
             if self._hooks.commit_gate is not None:

@@ -5,10 +5,15 @@ which tensors (or spans of them) its entries write."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from protocol.errors import ProtocolError, StaleVersionError
+import torch
+
+from protocol.errors import MetadataMismatchError, ProtocolError, StaleVersionError
+from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType, TensorEntry
+from protocol.wire.metadata import ModelMetadata
 
 WHOLE = -1  # ``claim``: a tensor written by an entry without a span
 
@@ -76,3 +81,24 @@ def claim(msg: Message, entry: TensorEntry, shapes: Sequence[tuple[int, ...]], s
             raise ProtocolError(f"{msg.describe()}: tensor {key}: span [{lo}, {hi}) overlaps or precedes one ending at {last} "
                                 "(a tensor's spans are disjoint and ascending)")
         seen[key] = hi
+
+
+def check_untracked(tensors: Mapping[str, Any], metadata: ModelMetadata, untracked: Sequence[tuple[int, str]]) -> None:
+    """WELCOME's ``untracked``: the digest of each tensor the sender will never send (a
+    frozen weight under ``init_sync`` off). This receiver's copy must be the trainer's, or
+    it would differ from it every version without a word: ``MetadataMismatchError`` naming
+    the first that differs, and the fix. A tensor held in parts (an engine's ``Placed``)
+    cannot be hashed here and is not checked."""
+    for ordinal, digest in untracked:
+        if ordinal >= len(metadata.keys):
+            raise ProtocolError(f"WELCOME names untracked tensor {ordinal}: this model has {len(metadata.keys)}")
+        key = metadata.keys[ordinal]
+        t = tensors[key]
+        if not isinstance(t, torch.Tensor):
+            continue
+        if state_digest({key: t}, [key]) != digest:
+            raise MetadataMismatchError(
+                f"key {key!r}: this receiver's copy differs from the trainer's, and the sender never sends it (not "
+                "tracked, e.g. frozen, and not in the bootstrap: init_sync is off or leaves it out), so it would differ "
+                "every version; turn init_sync on (init_sync.enabled: true) or load the trainer's checkpoint here"
+            )

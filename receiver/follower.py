@@ -35,7 +35,7 @@ from protocol.state import StateLike, state_tensors
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, peek_type
 from protocol.wire.limits import Limits
-from protocol.wire.messages import Ack, Nack
+from protocol.wire.messages import Ack, ErrorReport, Nack
 
 from .base import ReceiverBase
 from .digest import digest_of
@@ -183,6 +183,10 @@ class Follower:
             await self._owner.notify()
             await self._follow(link)
         except Leave:
+            goodbye = Message(MessageType.BYE, version=self.version)
+            raise
+        except _FATAL as e:  # this receiver stops: the sender logs why (ERROR) and drops it at once (BYE)
+            link.try_send(ErrorReport.of(e).to_message(self.version))
             goodbye = Message(MessageType.BYE, version=self.version)
             raise
         finally:

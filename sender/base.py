@@ -87,7 +87,7 @@ class SenderBase:
             raise
         self.plan, self.version = plan, version
         parts, bootstrap = plan.bootstrap(version)
-        await send(self.stamp(plan.welcome(self.strategy, parts).to_message(version)))
+        await send(self.stamp(plan.welcome(self.strategy, parts, plan.untracked_digests()).to_message(version)))
         started = time.perf_counter()
         nbytes = await send_all(send, self.stamp, bootstrap)
         log.info("bootstrap sent: %d buckets, %d bytes in %.3fs (version %s)", parts, nbytes, time.perf_counter() - started, version)

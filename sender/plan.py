@@ -12,6 +12,7 @@ from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.config import InitSyncConfig
 from protocol.errors import ConfigError, MetadataMismatchError
 from protocol.state import ModelState, sync_keys
+from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.messages import Welcome
 from protocol.wire.metadata import ModelMetadata
@@ -96,6 +97,25 @@ class SyncPlan:
         )
         return len(buckets), messages
 
-    def welcome(self, strategy: str, bootstrap_parts: int = 0) -> Welcome:
+    def never_sent(self) -> list[str]:
+        """The keys a receiver of this plan never gets whole: neither tracked (itself or as
+        the alias of a tracked key) nor in the bootstrap (``init_sync`` off, or outside its
+        prefixes): a frozen weight, an untracked buffer. It must already hold them."""
+        sent = set(self.tracked) | set(self.bootstrap_keys() if self.init_sync.enabled else [])
+        aliases = self.state.aliases
+        return [k for k in self.metadata.keys if aliases.get(k, k) not in sent]
+
+    def untracked_digests(self, source: Source | None = None) -> tuple[tuple[int, str], ...]:
+        """(ordinal, state digest at the receiver's dtype) of each ``never_sent`` key, for
+        WELCOME: the receiver compares its own copies and refuses to follow a trainer it
+        would silently differ from. ``source`` gives a key's tensor (default: the model's)."""
+        get = source or self.state.tensors.__getitem__
+        aliases = self.state.aliases
+        return tuple(
+            (self.ordinal(k), state_digest({k: get(aliases.get(k, k)).detach().to(self.receiver_dtype(k))}, [k]))
+            for k in self.never_sent()
+        )
+
+    def welcome(self, strategy: str, bootstrap_parts: int = 0, untracked: tuple[tuple[int, str], ...] = ()) -> Welcome:
         """What a receiver of this plan is told in WELCOME."""
-        return Welcome(strategy, tuple((a, c) for a, c in self.wire_aliases()), bootstrap_parts)
+        return Welcome(strategy, tuple((a, c) for a, c in self.wire_aliases()), bootstrap_parts, untracked)

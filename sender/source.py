@@ -35,6 +35,7 @@ class TrainerSource:
         self.plan: SyncPlan | None = None
         self.builder: VersionBuilder | None = None
         self._held: dict[str, torch.Tensor] | None = None  # the current version, before any receiver
+        self._untracked: tuple[tuple[int, str], ...] | None = None  # WELCOME's digests of what is never sent
         self.hold(state.tensors)
 
     def hold(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -83,7 +84,9 @@ class TrainerSource:
             self._held = None  # the snapshot (or retained copy) holds the version from now on
         else:
             self.plan.metadata.require_same(hello.metadata, "the other receivers")
-        return self.plan.welcome(self.config.type)
+        if self._untracked is None:  # what is never sent does not change: hashed once
+            self._untracked = await asyncio.to_thread(self.plan.untracked_digests, self.at_rest())
+        return self.plan.welcome(self.config.type, untracked=self._untracked)
 
     async def bootstrap(self, version: int | None) -> list[Message]:
         """The init-sync keys, plus every tracked key once the trainer has moved past its

@@ -174,3 +174,51 @@ async def test_an_rlinf_patch_file_drives_a_real_sync(tmp_path: Path) -> None:
                 await receiver.wait_for_version(version, timeout=T)
                 await assert_matches(receiver, trainer, version)
             assert sender.config.patch.compressor is Codec.LZ4 and receiver.config.patch.compressor is Codec.LZ4
+
+
+SHIPPED_BUCKET = Path(__file__).resolve().parent.parent / "examples" / "config" / "weight_syncer" / "bucket_syncer.yaml"
+
+
+async def test_the_shipped_bucket_file_refuses_a_rollout_whose_frozen_weight_differs() -> None:
+    """``bucket_syncer.yaml`` (init_sync off, as in RLinf) never sends a frozen weight: a
+    rollout whose copy differs would differ from the trainer every version, silently. WELCOME
+    carries the digest of what is never sent: such a rollout is refused, naming the key and
+    the fix; one that loaded the trainer's checkpoint follows it; with init_sync on, the
+    same different rollout is bootstrapped instead."""
+    import torch
+
+    from examples.tiny_model import build, train_step
+    from protocol.errors import MetadataMismatchError, WeightSyncError
+
+    model = build(seed=0)
+    model.pos.requires_grad_(False)  # frozen: tracked by no version
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    async with Sender("tcp://127.0.0.1:0", str(SHIPPED_BUCKET), **DAEMON_KW) as sender:
+        await asyncio.wait_for(sender.start(model, version=0), T)
+        other = build(seed=1).to(torch.bfloat16)
+        async with Receiver(other, sender.endpoint, str(SHIPPED_BUCKET), identity="other", **DAEMON_KW) as refused:
+            with pytest.raises(WeightSyncError) as caught:
+                await refused.start(timeout=T)
+        cause = caught.value.__cause__ or caught.value
+        assert isinstance(cause, MetadataMismatchError), repr(caught.value)
+        assert "key 'pos'" in str(cause) and "init_sync" in str(cause) and "checkpoint" in str(cause), str(cause)
+        assert "other" not in sender.receivers
+        same = build(seed=0).to(torch.bfloat16)  # the trainer's initial checkpoint, in the rollout's dtype
+        async with Receiver(same, sender.endpoint, str(SHIPPED_BUCKET), identity="same", **DAEMON_KW) as receiver:
+            await receiver.start(timeout=T)
+            train_step(model, optimizer, generator)
+            await sender.sync(model, 1)
+            await receiver.wait_for_version(1, timeout=T)
+            want = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+            async with receiver.reading():
+                held = same.state_dict()
+                assert [k for k in want if not torch.equal(held[k], want[k])] == []
+    config = {"weight_syncer": {"type": "bucket", "bucket": {"init_sync": {"enabled": True}}}}
+    async with Sender("tcp://127.0.0.1:0", config, **DAEMON_KW) as sender:
+        await asyncio.wait_for(sender.start(model, version=1), T)
+        other = build(seed=1).to(torch.bfloat16)
+        async with Receiver(other, sender.endpoint, config, identity="bootstrapped", **DAEMON_KW) as receiver:
+            await receiver.start(timeout=T)
+            async with receiver.reading():
+                assert torch.equal(other.pos, model.pos.detach().to(torch.bfloat16))

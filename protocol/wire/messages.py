@@ -117,15 +117,23 @@ class Hello(_Body):
 @dataclass(frozen=True)
 class Welcome(_Body):
     """A server's answer to HELLO: its strategy, its tied tensors as (alias, canonical)
-    ordinal pairs, and how many BOOTSTRAP messages follow (0: none)."""
+    ordinal pairs, how many BOOTSTRAP messages follow (0: none), and ``untracked``: the
+    (ordinal, state digest) of each tensor it will never send (not tracked, not in the
+    bootstrap: a frozen weight under ``init_sync`` off), in the receiver's dtype, for the
+    receiver to check it holds the same. Optional on the wire: a peer without it checks
+    nothing."""
 
     TYPE: ClassVar[MessageType] = MessageType.WELCOME
     strategy: str
     aliases: tuple[tuple[int, int], ...]
     bootstrap: int
+    untracked: tuple[tuple[int, str], ...] = ()
 
     def to_body(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "aliases": [[a, c] for a, c in self.aliases], "bootstrap": self.bootstrap}
+        body: dict[str, Any] = {"strategy": self.strategy, "aliases": [[a, c] for a, c in self.aliases], "bootstrap": self.bootstrap}
+        if self.untracked:
+            body["untracked"] = [[o, d] for o, d in self.untracked]
+        return body
 
     @classmethod
     def from_body(cls, body: Mapping[Any, Any]) -> Welcome:
@@ -136,7 +144,11 @@ class Welcome(_Body):
         for pair in aliases:
             if not (isinstance(pair, list) and len(pair) == 2 and all(_count(x) for x in pair)):
                 raise ProtocolError(f"{k.name} body: 'aliases' has a bad entry {pair!r:.60}")
-        return cls(strategy, tuple((a, c) for a, c in aliases), bootstrap)
+        untracked = _field(k, body, "untracked", "a list of [ordinal, digest] pairs", lambda v: isinstance(v, list), optional=True) or []
+        for pair in untracked:
+            if not (isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and _str(pair[1]) and len(pair[1]) <= 64):
+                raise ProtocolError(f"{k.name} body: 'untracked' has a bad entry {pair!r:.60}")
+        return cls(strategy, tuple((a, c) for a, c in aliases), bootstrap, tuple((o, d) for o, d in untracked))
 
 
 @dataclass(frozen=True)
