@@ -230,10 +230,11 @@ class Follower:
         # large), elsewhere message by message.
         incoming = Incoming(link, Progress(log, f"receiver {identity} bootstrap from {endpoint}", model_bytes(owner.state()), peer=identity))
         welcomed = False
-        received = 0
+        asked = received = 0  # calls of recv, messages it returned
 
         async def recv() -> Sequence[Buffer]:
-            nonlocal welcomed, received
+            nonlocal welcomed, asked, received
+            asked += 1
             before = link.bytes_received()
             while True:
                 try:
@@ -261,7 +262,9 @@ class Follower:
                 raise
             raise MetadataMismatchError(owner.names.explain(str(e))) from e
         except ProtocolError as e:
-            if received != 1:  # a damaged bootstrap part: the sender's, asked again
+            # Only the first message failing to decode (nothing asked after it) says the peer is no
+            # weightsync sender; a bootstrap part's error, or a message over the limits, is not that.
+            if (asked, received) != (1, 1) or isinstance(e, LimitError):
                 raise
             raise Foreign(f"{endpoint} answered with something that is not a weightsync message ({e}): is it a weightsync "
                           "sender, of this protocol version?") from e
