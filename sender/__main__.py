@@ -141,15 +141,16 @@ class Checkpoints:
 
     def __init__(self, watch: Path) -> None:
         self.watch = watch
-        self._refused: dict[Path, int] = {}  # path -> the mtime_ns it was refused at
+        self._refused: dict[Path, tuple[int, int, int]] = {}  # path -> (mtime_ns, size, inode) it was refused at
 
     def next(self, after: int | None, reference: dict[str, torch.Tensor] | None) -> tuple[int, Path, dict[str, torch.Tensor]] | None:
         """The newest readable checkpoint newer than ``after`` that fits ``reference``."""
         for step, path in candidates(self.watch, after):
             try:
-                stamp = path.stat().st_mtime_ns
+                st = path.stat()
             except FileNotFoundError:  # replaced or removed meanwhile
                 continue
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)  # a file renamed over it is another inode
             if self._refused.get(path) == stamp:
                 continue
             try:
