@@ -54,7 +54,9 @@ class InitSyncConfig:
 
 @dataclass
 class PatchConfig:
-    snapshot_device: str = "cpu"  # where the sender's snapshot lives (pinned when CUDA is present)
+    # Where the sender's snapshot lives: cpu (pinned when CUDA is present), cuda, or auto: the
+    # trainer's GPU when it takes at most half the memory free there (sender/snapshot.py), else cpu.
+    snapshot_device: str = "auto"
     transport_device: str = "cpu"  # where patch buffers are packed: cuda for nvcomp_lz4
     delta_encoding: bool = True  # RLinf's COO only: delta-encode rows/cols
     compression: str = "zstd"  # none | lz4 | zstd | nvcomp_lz4
@@ -129,7 +131,7 @@ class SyncConfig:
             raise ConfigError(f"type must be 'patch' or 'bucket', got {self.type!r}")
         p, b = self.patch, self.bucket
         for name, value, allowed in (
-            ("patch.snapshot_device", p.snapshot_device, DEVICES),
+            ("patch.snapshot_device", p.snapshot_device, (*DEVICES, "auto")),
             ("patch.transport_device", p.transport_device, DEVICES),
             ("patch.position_encoding", p.position_encoding, tuple(POSITION_ENCODINGS)),
             ("patch.value_encoding", p.value_encoding, tuple(VALUE_ENCODINGS)),

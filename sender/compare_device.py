@@ -74,6 +74,7 @@ class DeviceCompare:
     # -- the snapshot ---------------------------------------------------------------------
     def capture(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Take the snapshot in runs: what the receivers hold after the bootstrap."""
+        self.snapshot.place({k: tensors[k] for k in self.plan.tracked}, self.plan.receiver_dtype)  # auto: where it goes
         self._alone, self._runs = lay_out(self.plan, self._groups, self.snapshot, tensors)
         self._host.capture(tensors, self._alone)
         for run in self._runs:  # one pair of work buffers for each device and dtype, as large as its largest run

@@ -73,6 +73,7 @@ class HostCompare:
     def capture(self, tensors: Mapping[str, torch.Tensor], keys: Sequence[str] | None = None) -> None:
         """Take the snapshot of ``keys`` (default: every tracked key): what the receivers
         hold after the bootstrap; a group is captured as one run when all of it is in ``keys``."""
+        self.snapshot.place({k: tensors[k] for k in self.plan.tracked}, self.plan.receiver_dtype)  # auto: where it goes
         keys = self.plan.tracked if keys is None else keys
         chosen = set(keys)
         for key in keys:

@@ -2,7 +2,9 @@
 
 Patches are the bitwise difference between the current weights (cast to the
 receiver's dtype) and this snapshot. It lives on ``cuda`` (fastest, costs a model's
-worth of GPU memory) or ``cpu`` (pinned when CUDA is present). With a CPU snapshot and
+worth of GPU memory) or ``cpu`` (pinned when CUDA is present); ``auto`` (the default)
+chooses at the first capture (``choose_place``): the trainer's GPU where the snapshot
+fits ``SNAPSHOT_BUDGET`` of its free memory, else the host. With a CPU snapshot and
 CUDA weights, each tensor's snapshot is prefetched to the GPU on a copy stream, updated
 there, and written back to host memory in the background; the next build waits for
 those write-backs first.
@@ -12,11 +14,44 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from .streams import CopyStream, cuda_present, host_empty, host_empty_like, host_zeros
+
+log = logging.getLogger(__name__)
+
+# ``auto`` keeps the snapshot on the trainer's GPU when it takes at most this share of the
+# memory free there at the first capture: the rest is left to the trainer's later peaks.
+SNAPSHOT_BUDGET = 0.5
+_GiB = float(1 << 30)
+
+
+def trainer_device(devices: Iterable[torch.device]) -> torch.device | None:
+    """The one CUDA device every tracked tensor lives on; None for a CPU trainer, or one
+    whose tensors span devices (each tensor's snapshot is then fetched to its own)."""
+    found = set(devices)
+    if len(found) != 1:
+        return None
+    (device,) = found
+    return device if device.type == "cuda" else None
+
+
+def choose_place(trainer: torch.device | None, nbytes: int, free: int | None, budget: float = SNAPSHOT_BUDGET) -> torch.device:
+    """Where ``auto`` keeps a snapshot of ``nbytes`` (at the receivers' dtypes): on
+    ``trainer`` (``trainer_device``) when that is a GPU with ``free`` bytes of which
+    ``budget`` holds it (no copies over PCIe a version), else in pinned host memory."""
+    if trainer is None or free is None or nbytes > budget * free:
+        return torch.device("cpu")
+    return trainer
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` as the driver counts them: memory PyTorch's caching
+    allocator holds (the trainer's, reusable by it alone) counts as taken."""
+    return int(torch.cuda.mem_get_info(device)[0])
 
 
 class Snapshot:
@@ -25,10 +60,43 @@ class Snapshot:
             from protocol.errors import ConfigError
 
             raise ConfigError("snapshot_device: cuda, but torch sees no CUDA device")
-        self.device = torch.device(device) if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        self._device: torch.device | None = None  # auto: settled by ``place``
+        if device == "cpu":
+            self._device = torch.device("cpu")
+        elif device == "cuda":
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self.tensors: dict[str, torch.Tensor] = {}
         self._streams: dict[torch.device, CopyStream] = {}
         self._writebacks: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+
+    @property
+    def device(self) -> torch.device:
+        """Where the snapshot lives (``auto``: once ``place``d)."""
+        if self._device is None:
+            raise RuntimeError("snapshot_device auto: place() the snapshot before its first capture")
+        return self._device
+
+    def place(self, tensors: Mapping[str, torch.Tensor], dtype: Callable[[str], torch.dtype]) -> torch.device:
+        """Settle ``auto`` (once; a set device stays) for a snapshot of the tracked
+        ``tensors`` at the receivers' dtypes (``dtype`` of a key): by ``choose_place``, with
+        the trainer's device and free memory now, and say so in the log."""
+        if self._device is not None:
+            return self._device
+        nbytes = sum(t.numel() * dtype(key).itemsize for key, t in tensors.items())
+        trainer = trainer_device(t.device for t in tensors.values())
+        free = None if trainer is None else free_memory(trainer)
+        self._device = place = choose_place(trainer, nbytes, free)
+        facts = {"snapshot_device": str(place), "snapshot_bytes": nbytes, "free_bytes": free}
+        if trainer is None:
+            log.info("snapshot_device auto: cpu, the tracked tensors are not on one CUDA device (%.2f GiB snapshot)",
+                     nbytes / _GiB, extra=facts)
+        else:
+            assert free is not None
+            verdict = "fits within" if place == trainer else "exceeds"
+            log.info("snapshot_device auto: %s, the %.2f GiB snapshot (at the receivers' dtypes) %s %.0f%% of %s's %.2f GiB free",
+                     "pinned cpu" if place.type == "cpu" else place, nbytes / _GiB, verdict, SNAPSHOT_BUDGET * 100, trainer,
+                     free / _GiB, extra=facts)
+        return place
 
     def stream(self, device: torch.device) -> CopyStream:
         if device not in self._streams:

@@ -272,7 +272,7 @@ def test_config_defaults():
     cfg = load_config()
     assert cfg.type == "patch"
     p = cfg.patch
-    assert (p.snapshot_device, p.transport_device, p.delta_encoding) == ("cpu", "cpu", True)
+    assert (p.snapshot_device, p.transport_device, p.delta_encoding) == ("auto", "cpu", True)
     assert p.compression in COMPRESSION_NAMES and p.compressor is not Codec.NVCOMP_LZ4  # a default must work on CPU
     assert cfg.init_sync is p.init_sync and p.init_sync.enabled and p.init_sync.prefixes is None
     assert p.init_sync.bucket_size == 128 << 20
