@@ -36,6 +36,7 @@ from .plan import SyncPlan
 from .runs import Run, lay_out
 from .snapshot import Snapshot
 from .stats import SyncStats
+from .streams import record
 
 T = TypeVar("T")
 
@@ -244,9 +245,9 @@ class DeviceCompare:
         self, run: Run, made: list[Changes], flat: torch.Tensor | None, new: torch.Tensor | None, old: torch.Tensor | None
     ) -> list[Changes]:
         """``made`` as views of pinned host copies of the run's changes, and of its whole
-        copies, taken on the copy stream behind one event."""
+        copies, taken on the out stream behind one event, after the compare that made them."""
         held = [t for t in (flat, new, old) if t is not None] + [c.dense for c in made if c.dense is not None]
-        hosts, event = self.snapshot.stream(run.device).to_host_all(held)
+        hosts, event = self.snapshot.stream(run.device).to_host_all(held, after=record(run.device))
         events = [] if event is None else [event]
         if flat is not None:
             flat, new, old = hosts[:3]

@@ -28,6 +28,7 @@ from .copies import LentSnapshots
 from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
+from .streams import record
 
 if TYPE_CHECKING:
     from . import fastdiff
@@ -281,14 +282,18 @@ class HostCompare:
         return nnz, flat, new, old
 
     def _staged(self, changes: Changes) -> Changes:
-        """``changes`` with their device tensors copied to pinned host memory, behind events."""
+        """``changes`` with their device tensors copied to pinned host memory, behind events:
+        on the out stream, after the compare that made them (not behind snapshot fetches)."""
         events: list[torch.cuda.Event] = []
         staged: list[torch.Tensor | None] = []
+        held = changes.flat if changes.flat is not None else changes.dense
+        assert held is not None
+        after = record(held.device)  # the compare's work that made them: the last queued
         for t in (changes.flat, changes.new, changes.old, changes.dense):
             if t is None:
                 staged.append(t)
                 continue
-            host, event = self.snapshot.stream(t.device).to_host(t)
+            host, event = self.snapshot.stream(t.device).to_host(t, after=after)
             staged.append(host)
             if event is not None:
                 events.append(event)

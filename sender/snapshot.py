@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .streams import CopyStream, cuda_present, host_empty, host_empty_like, host_zeros
+from .streams import CopyStream, cuda_present, host_empty, host_empty_like, host_zeros, record
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class Snapshot:
         return place
 
     def stream(self, device: torch.device) -> CopyStream:
+        """``device``'s copy streams: the snapshot's fetches and write-backs on one, the
+        changes and parts leaving for the host on the other (``CopyStream``)."""
         if device not in self._streams:
             self._streams[device] = CopyStream(device)
         return self._streams[device]
@@ -152,7 +154,8 @@ class Snapshot:
         if working is stored:
             return
         if stored.device.type == "cpu" and working.device.type == "cuda":
-            _, event = self.stream(working.device).to_host(working, stored)
+            # on the fetch stream, after the work that moved ``working`` (just queued on this one)
+            event = self.stream(working.device).write_back(working, stored, after=record(working.device))
             assert event is not None
             self._writebacks.append((event, working))
         else:
