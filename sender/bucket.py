@@ -20,6 +20,7 @@ from .base import Send, SenderBase
 from .builder import Build, VersionBuilder
 from .plan import SyncPlan
 from .stats import SyncStats
+from .streams import Mark
 
 
 class BucketBuilder(VersionBuilder):
@@ -41,11 +42,14 @@ class BucketBuilder(VersionBuilder):
         self.retained: dict[str, torch.Tensor] = {}  # the current version (``hold``)
         self.held_d2h_seconds = 0.0  # the device time of ``hold``'s copies to the host (CUDA events)
 
-    async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Keep ``tensors``' version (``retain``): resyncs are built from it."""
-        self.retained, self.held_d2h_seconds = await asyncio.to_thread(self._timed_retain, tensors)
+    async def hold(self, tensors: dict[str, torch.Tensor], after: Mark | None = None) -> None:
+        """Keep ``tensors``' version (``retain``): resyncs are built from it. Read after
+        ``after`` (default: the caller's current streams now), on a thread of its own."""
+        after = Mark.now(tensors.values()) if after is None else after
+        self.retained, self.held_d2h_seconds = await asyncio.to_thread(self._timed_retain, tensors, after)
 
-    def _timed_retain(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    def _timed_retain(self, tensors: dict[str, torch.Tensor], after: Mark) -> tuple[dict[str, torch.Tensor], float]:
+        after.wait()
         spent = [0.0]
         return self.retain(tensors, spent), spent[0]
 
@@ -59,12 +63,15 @@ class BucketBuilder(VersionBuilder):
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
-    def build(self, tensors: dict[str, torch.Tensor], version: int, base: int | None, stats: SyncStats) -> Build:
-        """``version`` whole: ``read`` keeps its copy (``hold``), whose buckets ``parts``
-        then yields, built off the event loop and sharing memory with that copy."""
+    def build(
+        self, tensors: dict[str, torch.Tensor], version: int, base: int | None, stats: SyncStats, after: Mark | None = None
+    ) -> Build:
+        """``version`` whole: ``read`` keeps its copy (``hold``, after ``after``), whose
+        buckets ``parts`` then yields, built off the event loop and sharing memory with that copy."""
+        after = Mark.now(tensors.values()) if after is None else after
 
         async def read() -> None:
-            await self.hold(tensors)
+            await self.hold(tensors, after)
             stats.d2h_seconds = self.held_d2h_seconds
 
         async def parts() -> AsyncGenerator[Message, None]:

@@ -20,6 +20,7 @@ import torch
 from protocol.wire.framing import Message
 
 from .stats import SyncStats
+from .streams import Mark
 
 
 class BuildFailed(Exception):
@@ -53,7 +54,7 @@ class VersionBuilder(ABC):
     streams: ClassVar[bool]
 
     @abstractmethod
-    async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
+    async def hold(self, tensors: dict[str, torch.Tensor], after: Mark | None = None) -> None:
         """Take ``tensors``' version as the one at rest (the first receiver's plan is known):
         the snapshot the patches are made from, or the copy the buckets are."""
 
@@ -66,9 +67,13 @@ class VersionBuilder(ABC):
         """Until ``held`` is the current version."""
 
     @abstractmethod
-    def build(self, tensors: dict[str, torch.Tensor], version: int, base: int | None, stats: SyncStats) -> Build:
+    def build(
+        self, tensors: dict[str, torch.Tensor], version: int, base: int | None, stats: SyncStats, after: Mark | None = None
+    ) -> Build:
         """``version`` from ``tensors``, its messages from ``base`` (the version before), its
-        figures in ``stats``; the version at rest becomes ``version`` once read."""
+        figures in ``stats``; the version at rest becomes ``version`` once read. The read
+        comes after the work ``after`` marks (``Sender.sync``'s caller's streams; default:
+        the current streams at this call), whatever thread it runs on."""
 
     @property
     def diverged(self) -> bool:
@@ -76,9 +81,10 @@ class VersionBuilder(ABC):
         midway): the next version must ``recapture`` and resync them all instead."""
         return False
 
-    async def recapture(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The version at rest anew from ``tensors``: what receivers resynced to it hold."""
-        await self.hold(tensors)
+    async def recapture(self, tensors: dict[str, torch.Tensor], after: Mark | None = None) -> None:
+        """The version at rest anew from ``tensors`` (read after ``after``, as ``build``):
+        what receivers resynced to it hold."""
+        await self.hold(tensors, after)
 
     @property
     def backlog_bytes(self) -> int:

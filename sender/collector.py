@@ -30,6 +30,7 @@ from .compare import Compare
 from .part_encoder import PartEncoder
 from .plan import SyncPlan
 from .stats import SyncStats
+from .streams import Mark
 
 T = TypeVar("T")
 BACKLOG_SHARE = 32  # patch.encode_backlog_bytes by default: this fraction of the snapshot...
@@ -71,13 +72,19 @@ class Collector:
         a patch from it would leave receivers silently behind on those elements."""
         return self._diverged
 
-    async def recapture(self, tensors: dict[str, torch.Tensor]) -> None:
+    async def recapture(self, tensors: dict[str, torch.Tensor], after: Mark | None = None) -> None:
         """The snapshot anew from ``tensors`` (checked first), in place, once any compare a
-        cancelled collect left running has ended: what receivers resynced to it will hold."""
+        cancelled collect left running has ended: what receivers resynced to it will hold.
+        Read after ``after`` (default: the caller's current streams now), as ``collect``."""
+        after = self._mark(tensors) if after is None else after
         self.plan.check_tensors(tensors)
         await self.settle()
-        await asyncio.to_thread(self.compare.recapture, tensors)
+        await asyncio.to_thread(self._recaptured, tensors, after)
         self._diverged = False
+
+    def _recaptured(self, tensors: dict[str, torch.Tensor], after: Mark) -> None:
+        after.wait()
+        self.compare.recapture(tensors)
 
     async def settle(self) -> None:
         """Until the compare of a cancelled collect, still running on its thread, is done,
@@ -104,7 +111,8 @@ class Collector:
 
     # -- a version's compare -------------------------------------------------------------
     async def collect(
-        self, tensors: dict[str, torch.Tensor], version: int, stream: CapturedStream | None = None, stats: SyncStats | None = None
+        self, tensors: dict[str, torch.Tensor], version: int, stream: CapturedStream | None = None, stats: SyncStats | None = None,
+        after: Mark | None = None,
     ) -> tuple[list[Captured], SyncStats]:
         """Compare the model with the snapshot, collect the changes and advance the
         snapshot to ``version``: the only part that reads the model. Off the event loop's
@@ -112,7 +120,10 @@ class Collector:
         so encoding runs beside the compare and a tensor's raw changes live only until they
         are coded; a state compared on the loop's thread is encoded with its parts.
         ``stream`` gets each ``Captured`` as it is collected, and is closed at the end
-        (with the failure, if the compare fails)."""
+        (with the failure, if the compare fails). The compare reads the model once the
+        work marked by ``after`` is done, on whichever thread it runs (default: what the
+        caller's current streams hold now, as ``Sender.sync`` marks them when called)."""
+        after = self._mark(tensors) if after is None else after
         stats = SyncStats(version, "patch") if stats is None else stats
         started = time.perf_counter()
         try:
@@ -134,7 +145,7 @@ class Collector:
             def later(changes: Changes) -> Captured:
                 return Captured(changes.captured_nbytes(), None, changes)
 
-            captured = await self._compared(tensors, stats, later, stream)
+            captured = await self._compared(tensors, stats, later, stream, after)
         else:
             # Each tensor's changes go to the encoder threads; once they are on the stream, the
             # compare waits while too many bytes wait to be encoded ahead of them (``Backlog``).
@@ -147,7 +158,7 @@ class Collector:
             def pace() -> None:
                 stats.backlog_wait_seconds += backlog.wait()
 
-            captured = await self._compared(tensors, stats, submit, stream, pace)
+            captured = await self._compared(tensors, stats, submit, stream, after, pace)
         self._diverged = False
         stats.build_seconds = time.perf_counter() - started
         return captured, stats
@@ -158,14 +169,15 @@ class Collector:
         stats: SyncStats,
         emit: Callable[[Changes], Captured],
         stream: CapturedStream | None,
+        after: Mark,
         pace: Callable[[], None] | None = None,
     ) -> list[Captured]:
         """``_streamed`` on the caller's thread for a small CPU state (``_inline``), else on
         the compare thread, shielded: a cancelled collect cannot stop its thread, which goes
         on moving the snapshot; the next collect waits for it (``settle``) and finds it diverged."""
         if self._inline(tensors):
-            return self._streamed(tensors, stats, emit, stream, pace)
-        self._comparing = self._on_thread(self._streamed, tensors, stats, emit, stream, pace)
+            return self._streamed(tensors, stats, emit, stream, after, pace)
+        self._comparing = self._on_thread(self._streamed, tensors, stats, emit, stream, after, pace)
         try:
             captured = await asyncio.shield(self._comparing)
         except BaseException as e:  # cancelled: what the thread still streams comes after this end
@@ -186,10 +198,11 @@ class Collector:
         stats: SyncStats,
         emit: Callable[[Changes], Captured],
         stream: CapturedStream | None,
+        after: Mark,
         pace: Callable[[], None] | None = None,
     ) -> list[Captured]:
-        """The compare, each item also put on ``stream``, which is closed however it ends,
-        and ``pace`` called after each."""
+        """The compare, once this thread's streams wait for ``after``, each item also put on
+        ``stream``, which is closed however it ends, and ``pace`` called after each."""
 
         def handed(changes: Changes) -> Captured:
             item = emit(changes)
@@ -200,6 +213,7 @@ class Collector:
             return item
 
         try:
+            after.wait()  # before the first read of the model
             captured = self.compare.collect(tensors, stats, handed)
         except BaseException as e:
             if stream is not None:
@@ -208,6 +222,10 @@ class Collector:
         if stream is not None:
             stream.close()
         return captured
+
+    def _mark(self, tensors: dict[str, torch.Tensor]) -> Mark:
+        """The caller's current streams now, on the devices of the tracked ``tensors``."""
+        return Mark.now(tensors[k] for k in self.plan.tracked if k in tensors)
 
     def _inline(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether to compare on the caller's thread: a small state of plain CPU tensors,

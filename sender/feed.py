@@ -23,6 +23,7 @@ from protocol.wire.framing import Message
 from .builder import BuildFailed, VersionBuilder
 from .source import TrainerSource
 from .stats import SyncStats
+from .streams import Mark
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +38,18 @@ class VersionFeed:
         self._moved: asyncio.Future[bool] | None = None  # whether that version became the server's
         self._reported: int | None = None  # the version whose stats its task reports once served
 
-    async def build(self, source: TrainerSource, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
+    async def build(self, source: TrainerSource, tensors: dict[str, torch.Tensor], version: int, after: Mark) -> SyncStats:
         """``version`` read from ``tensors`` and handed to the server (call under its lock,
-        then ``server.moved`` and ``settle``); returns once the model has been read."""
+        then ``server.moved`` and ``settle``); returns once the model has been read, which
+        is after the work ``after`` marks (the trainer's step, on the streams of ``sync``'s caller)."""
         builder = source.builder
         if builder is None:  # no receiver yet: nothing to diff against, only the version moves
             source.hold(tensors)
             return SyncStats(version, self.strategy)
         if builder.diverged:  # a failed sync moved what is at rest: patches from it would be wrong
-            return await self._resync_all(builder, tensors, version)
+            return await self._resync_all(builder, tensors, version, after)
         base, stats = self.server.version, SyncStats(version, self.strategy)
-        build = builder.build(tensors, version, base, stats)
+        build = builder.build(tensors, version, base, stats, after)
         if not builder.streams:  # a whole version: read, built, then served at once before it moves
             started = time.perf_counter()
             await build.read()
@@ -87,12 +89,12 @@ class VersionFeed:
         stats.wire_bytes += sum(len(f) for f in frames)
         self.server.publish_patch(base, version, frames, last=msg.last)
 
-    async def _resync_all(self, builder: VersionBuilder, tensors: dict[str, torch.Tensor], version: int) -> SyncStats:
+    async def _resync_all(self, builder: VersionBuilder, tensors: dict[str, torch.Tensor], version: int, after: Mark) -> SyncStats:
         """``version`` as a new snapshot and no patch: every receiver, none of which is at
         it, is resynced to it by bootstrap (the ring is dropped)."""
         started = time.perf_counter()
         await self.flush()  # the versions before it reach the ring first
-        await builder.recapture(tensors)
+        await builder.recapture(tensors, after)
         self.server.forget()
         log.warning("sender %s: a failed sync left the snapshot ahead of the receivers; v%s resyncs them all",
                     self.server.session[:8], version)

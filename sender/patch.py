@@ -32,6 +32,7 @@ from .parts import cut, cut_stream
 from .plan import SyncPlan
 from .snapshot import Snapshot
 from .stats import SyncStats
+from .streams import Mark
 
 __all__ = ["Captured", "CapturedStream", "PatchBuilder", "PatchSender", "encode_threads"]
 
@@ -78,16 +79,20 @@ class PatchBuilder(VersionBuilder):
         return self.encoding.threads
 
     # -- the snapshot -------------------------------------------------------------------
-    def capture(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take the snapshot: what the receivers hold after the bootstrap."""
+    def capture(self, tensors: dict[str, torch.Tensor], after: Mark | None = None) -> None:
+        """Take the snapshot: what the receivers hold after the bootstrap (read once this
+        thread's streams wait for ``after``, where ``tensors`` were made on another's)."""
+        if after is not None:
+            after.wait()
         self.collector.capture(tensors)
         # JIT now, while the first receiver's HELLO is answered (the server heartbeats it
         # meanwhile), rather than in the first sync (the device encoder has nothing to compile).
         self.encoder.warm_up(self.plan.metadata.dtypes)
 
-    async def hold(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Start holding the version in ``tensors`` (the first receiver's dtypes are known)."""
-        await asyncio.to_thread(self.capture, tensors)
+    async def hold(self, tensors: dict[str, torch.Tensor], after: Mark | None = None) -> None:
+        """Start holding the version in ``tensors`` (the first receiver's dtypes are known),
+        read after ``after`` (default: the caller's current streams now)."""
+        await asyncio.to_thread(self.capture, tensors, Mark.now(tensors.values()) if after is None else after)
 
     def held(self) -> dict[str, torch.Tensor]:
         """The tracked tensors of the current version at rest (after ``settled``)."""
@@ -101,8 +106,8 @@ class PatchBuilder(VersionBuilder):
     def diverged(self) -> bool:
         return self.collector.diverged
 
-    async def recapture(self, tensors: dict[str, torch.Tensor]) -> None:
-        await self.collector.recapture(tensors)
+    async def recapture(self, tensors: dict[str, torch.Tensor], after: Mark | None = None) -> None:
+        await self.collector.recapture(tensors, after)
 
     @property
     def backlog_bytes(self) -> int:
@@ -114,15 +119,19 @@ class PatchBuilder(VersionBuilder):
         await self.encoding.close()
 
     # -- versions -----------------------------------------------------------------------
-    def build(self, tensors: dict[str, torch.Tensor], version: int, base: int | None, stats: SyncStats) -> Build:
+    def build(
+        self, tensors: dict[str, torch.Tensor], version: int, base: int | None, stats: SyncStats, after: Mark | None = None
+    ) -> Build:
         """The patch from ``base`` to ``version``, streamed: each part is yielded once its
         tensors are encoded and the next one is collected, so the first parts travel while
-        the rest of the model is compared. The snapshot moves to ``version`` in ``read``;
+        the rest of the model is compared. The snapshot moves to ``version`` in ``read``
+        (which reads the model after ``after``, default the caller's current streams now);
         the parts raise ``BuildFailed`` if that compare does not finish."""
         stream = CapturedStream()
+        after = Mark.now(tensors.values()) if after is None else after
 
         async def read() -> None:
-            await self.collector.collect(tensors, version, stream, stats)
+            await self.collector.collect(tensors, version, stream, stats, after)
 
         async def parts() -> AsyncGenerator[Message, None]:
             part = 0
@@ -173,7 +182,7 @@ class PatchSender(SenderBase):
     async def on_init(self, state: ModelState) -> None:
         assert self.plan is not None
         self.builder = PatchBuilder(self.plan, self.config.patch)
-        await asyncio.to_thread(self.builder.capture, state.tensors)
+        await self.builder.hold(state.tensors)
 
     async def close(self) -> None:
         """Stop the builder's threads (once a compare under way has ended)."""

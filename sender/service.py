@@ -35,6 +35,7 @@ from .plan import SyncPlan
 from .shard_source import ShardedSource
 from .source import TrainerSource
 from .stats import SyncStats
+from .streams import Mark
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,9 @@ class Sender:
         if source is None:
             raise ConfigError("this sender was started for a sharded build: its versions come from ShardedSync.sync (publish)")
         tensors = state_tensors(model)
+        # The trainer's step is queued on this thread's current streams (a side stream, maybe):
+        # the model is read after it, on whatever thread and stream the build reads it.
+        after = Mark.now(tensors.values())
         async with self.server.lock:
             # Checked under the lock: of two syncs racing, the one that waited for the other
             # sees its version, and a stale one (sync(5) after sync(6)) is refused here; so
@@ -170,7 +174,7 @@ class Sender:
             check_next_version(self.version, version)
             source.model = model
             try:
-                stats = await self._feed.build(source, tensors, version)
+                stats = await self._feed.build(source, tensors, version, after)
             except BaseException:
                 self._feed.settle(False)
                 raise

@@ -24,6 +24,7 @@ from .base import plan_for
 from .builder import VersionBuilder
 from .builders import make_builder
 from .plan import Source, SyncPlan
+from .streams import Mark
 
 
 class TrainerSource:
@@ -35,6 +36,7 @@ class TrainerSource:
         self.plan: SyncPlan | None = None
         self.builder: VersionBuilder | None = None
         self._held: dict[str, torch.Tensor] | None = None  # the current version, before any receiver
+        self._held_after: Mark | None = None  # the work that copied it (on the caller's streams)
         self._untracked: tuple[tuple[int, str], ...] | None = None  # WELCOME's digests of what is never sent
         self.hold(state.tensors)
 
@@ -48,10 +50,11 @@ class TrainerSource:
         if missing:
             raise ConfigError(f"this model has no {missing[0]!r}, which the model given to start() has")
         if held is None:
-            self._held = {k: materialize(tensors[k]).detach().clone() for k in keys}
-            return
-        for key in keys:
-            held[key].copy_(materialize(tensors[key]).detach())
+            held = self._held = {k: materialize(tensors[k]).detach().clone() for k in keys}
+        else:
+            for key in keys:
+                held[key].copy_(materialize(tensors[key]).detach())
+        self._held_after = Mark.now(held.values())  # the builder takes it over on another thread
 
     def at_rest(self) -> Source:
         """Tensors of the current version at rest: the snapshot or retained copy for
@@ -79,7 +82,7 @@ class TrainerSource:
             held = self._held
             assert held is not None
             builder = make_builder(plan, self.config)
-            await builder.hold(held)
+            await builder.hold(held, self._held_after)
             self.plan, self.builder = plan, builder
             self._held = None  # the snapshot (or retained copy) holds the version from now on
         else:

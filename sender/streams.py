@@ -4,12 +4,15 @@ One code path serves both: on CPU every "async" copy is an ordinary one and ever
 is already complete (``None``), so the CPU tests exercise the same build loop the GPU runs.
 
 Ordering is by events, never by a whole stream: a copy waits for an event recorded right
-after the work that produced what it copies.
+after the work that produced what it copies, and a compare on its own thread waits for the
+``Mark`` its ``sync()`` recorded on the caller's streams (a trainer may step on a side stream).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +46,31 @@ def record(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def wait(device: torch.device, event: torch.cuda.Event | None) -> None:
+    """Make this thread's current stream of ``device`` wait for ``event`` (None: for nothing)."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where the current streams of the caller of ``sync()`` stood when it was called: the
+    trainer's step is queued there, on whatever stream it chose. The compare runs on a thread
+    of its own, whose current stream knows nothing of it: it ``wait``s for this first."""
+
+    events: tuple[tuple[torch.device, torch.cuda.Event | None], ...]
+
+    @classmethod
+    def now(cls, tensors: Iterable[torch.Tensor]) -> Mark:
+        """An event on this thread's current stream of each device ``tensors`` live on."""
+        return cls(tuple((device, record(device)) for device in dict.fromkeys(t.device for t in tensors)))
+
+    def wait(self) -> None:
+        """Make this thread's current streams wait for the work marked (a no-op on CPU)."""
+        for device, event in self.events:
+            wait(device, event)
 
 
 class CopyStream:

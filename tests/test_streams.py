@@ -1,34 +1,140 @@
 """Stream ordering on the sender (sender/streams.py), said on CPU with a fake CUDA where needed.
 
+- The compare reads the model after the work queued on the streams current when ``sync()``
+  was called (a trainer may step on a side stream): ``Sender.sync`` records a ``Mark`` on its
+  caller's thread, and the compare's thread waits for it before its first read.
 - Each device's ``CopyStream`` has two streams: ``fetch`` for the snapshot's copies to the
   device and its write-backs, ``out`` for what leaves for the host (staged changes, a part's
   one copy). A copy waits for the event of the work that produced its source, never for a
   whole stream.
 
-On CPU the events are None and nothing waits: the same code runs. The CUDA tests (the copies
-on their streams) skip without a GPU.
+On CPU the events are None and nothing waits: the same code runs. The CUDA tests (a step on a
+side stream is what the patch carries; the copies on their streams) skip without a GPU.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from examples.tiny_model import build
 from protocol.config import load_config
 from protocol.state import resolve_state
 from protocol.wire.metadata import ModelMetadata
-from sender import streams
+from receiver import Receiver
+from sender import Sender, collector, streams
 from sender.compare_host import HostCompare
+from sender.patch import PatchBuilder
 from sender.plan import SyncPlan
 from sender.snapshot import Snapshot
-from sender.streams import CopyStream
+from sender.streams import CopyStream, Mark
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU = torch.device("cuda", 0)
+
+
+# -- the compare waits for the stream current at sync() ------------------------------------------
+def test_a_mark_on_cpu_holds_no_event_and_waits_for_nothing() -> None:
+    mark = Mark.now([torch.zeros(2), torch.ones(3)])
+    assert mark.events == ((torch.device("cpu"), None),)
+    mark.wait()
+
+
+class Seen:
+    """What ``streams.record`` and ``streams.wait`` were asked, on which thread, and when the
+    compare first read the model: the order of events across the sync's threads."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, Any]] = []
+
+    def record(self, device: torch.device) -> object:
+        token = object()
+        self.log.append(("record", threading.current_thread().name, token))
+        return token
+
+    def wait(self, device: torch.device, event: Any) -> None:
+        self.log.append(("wait", threading.current_thread().name, event))
+
+    def read(self) -> None:
+        self.log.append(("read", threading.current_thread().name, None))
+
+
+def watch(monkeypatch: pytest.MonkeyPatch, compare: Any) -> Seen:
+    seen = Seen()
+    monkeypatch.setattr(streams, "record", seen.record)
+    monkeypatch.setattr(streams, "wait", seen.wait)
+    monkeypatch.setattr(collector, "INLINE_READ_BYTES", -1)  # the compare on its own thread, as on CUDA
+    real = compare.collect
+
+    def collect(*args: Any, **kwargs: Any) -> Any:
+        seen.read()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compare, "collect", collect)
+    return seen
+
+
+async def test_sync_marks_the_callers_streams_and_the_compare_thread_waits_before_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = {"weight_syncer": {"type": "patch", "patch": {"codec": "host"}}}
+    model = build(seed=0)
+    async with Sender("tcp://127.0.0.1:0", config) as sender:
+        await sender.start(model, version=0)
+        async with Receiver(build(seed=1).to(torch.bfloat16), sender.endpoint, config) as receiver:
+            await receiver.start()
+            source = sender._trainer
+            assert source is not None and source.builder is not None
+            builder = source.builder
+            assert isinstance(builder, PatchBuilder)
+            seen = watch(monkeypatch, builder.compare)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)
+            caller = threading.current_thread().name
+            await sender.sync(model, 1)
+            await sender.flush()
+            await receiver.wait_for_version(1, timeout=30)
+    log = seen.log
+    records = [entry for entry in log if entry[0] == "record"]
+    assert records[0][1] == caller  # recorded by sync() on its caller's thread: one device, one event
+    waits = [i for i, entry in enumerate(log) if entry[0] == "wait" and entry[2] is records[0][2]]
+    reads = [i for i, entry in enumerate(log) if entry[0] == "read"]
+    assert len(waits) == 1 and len(reads) == 1 and waits[0] < reads[0]
+    assert log[waits[0]][1] == log[reads[0]][1] != caller  # on the compare's thread, before its first read
+    assert sender.stats[1].changed_elements > 0
+
+
+async def test_a_builder_marks_when_called_and_its_compare_thread_waits_before_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PatchBuilder.message`` (no ``Sender``): its own mark, taken when it is called."""
+    state = {"w": torch.randn(1000), "b": torch.randn(10)}
+    config = load_config({"type": "patch", "patch": {"codec": "device"}})
+    metadata = ModelMetadata.of({k: t.to(torch.bfloat16) for k, t in state.items()})
+    builder = PatchBuilder(SyncPlan(resolve_state(state), metadata, config.init_sync), config.patch)
+    await builder.hold(state)
+    seen = watch(monkeypatch, builder.compare)
+    state["w"] += 1.0
+    _, stats = await builder.message(state, 1, 0)
+    kinds = [(kind, thread == threading.current_thread().name) for kind, thread, _ in seen.log]
+    assert kinds == [("record", True), ("wait", False), ("read", False)]
+    assert stats.changed_elements > 0
+    await builder.close()
+
+
+async def test_on_cpu_an_inline_compare_marks_and_waits_for_nothing() -> None:
+    """A small CPU state compared on the event loop's thread: the same marks, no events, one change."""
+    state = {"w": torch.randn(64)}
+    config = load_config({"type": "patch"})
+    builder = PatchBuilder(SyncPlan(resolve_state(state), ModelMetadata.of(state), config.init_sync), config.patch)
+    await builder.hold(state)
+    state["w"][3] += 1.0
+    _, stats = await asyncio.wait_for(builder.message(state, 1, 0), 30)
+    assert stats.changed_elements == 1
+    await builder.close()
 
 
 # -- two streams a device: fetches and write-backs, and what leaves for the host -----------------
@@ -176,7 +282,43 @@ def test_the_host_compare_stages_changes_on_the_out_stream(fake_cuda: FakeCuda) 
     assert torch.equal(staged.flat, torch.arange(3))
 
 
+def test_a_mark_waits_on_the_current_stream_for_what_was_current_when_it_was_taken(fake_cuda: FakeCuda) -> None:
+    side = fake_cuda.new_stream()
+    with torch.cuda.stream(side):
+        mark = Mark.now([on_gpu(torch.zeros(1))])
+    assert fake_cuda.log == [("record", side.name)]
+    mark.wait()  # on another thread's current stream, here the fake's
+    assert fake_cuda.log[-1] == ("wait", "current", f"event@{side.name}")
+
+
 # -- on a GPU ---------------------------------------------------------------------------------------
+@cuda
+@pytest.mark.parametrize("codec", ["host", "device"])
+async def test_cuda_a_step_on_a_side_stream_is_what_the_patch_carries(codec: str) -> None:
+    """The trainer's step, queued on a side stream behind a long sleep, is not done when
+    ``sync()`` is called: the patch must carry it whole, and the receiver hold it."""
+    config = {"weight_syncer": {"type": "patch", "patch": {"codec": codec}}}
+    model = build(seed=0).cuda()
+    async with Sender("tcp://127.0.0.1:0", config) as sender:
+        await sender.start(model, version=0)
+        async with Receiver(build(seed=1).to(torch.bfloat16), sender.endpoint, config) as receiver:
+            await receiver.start()
+            torch.cuda.synchronize()
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(500_000_000)  # ~0.25 s of GPU clock: the step lands long after sync() starts
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.25)
+                await sender.sync(model, 1)
+            await sender.flush()
+            await receiver.wait_for_version(1, timeout=60)
+            torch.cuda.synchronize()
+            held = receiver.model.state_dict()  # type: ignore[union-attr]
+            for key, t in model.state_dict().items():
+                assert torch.equal(held[key].cpu(), t.to(held[key].dtype).cpu()), key
+
+
 @cuda
 def test_cuda_a_part_copy_does_not_queue_behind_a_write_back() -> None:
     """A long write-back on ``fetch`` and a part's copy on ``out``: the copy's event completes
