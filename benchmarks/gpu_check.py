@@ -1,8 +1,8 @@
 """GPU checks: the kernel checks, and the end-to-end daemon scenario (``e2e``).
 
 Without a subcommand (CUDA only): for a real fp32 model trained with AdamW and synced to a
-bf16 receiver on the GPU, every version lands bit for bit with the snapshot on the GPU, with
-a pinned CPU snapshot, and with nvcomp_lz4 (when nvidia-nvcomp-cu12/-cu13 is installed). Then
+bf16 receiver on the GPU, every version lands bit for bit with the default snapshot place
+(``auto``), the snapshot on the GPU, a pinned CPU snapshot, and with nvcomp_lz4 (when nvidia-nvcomp-cu12/-cu13 is installed). Then
 it times the patch build for 1-8 GB of bf16 state against the device's copy bandwidth (a
 build must read the state and the snapshot). Prints a short table.
 
@@ -56,6 +56,7 @@ from sender.plan import SyncPlan
 
 if TYPE_CHECKING:
     from benchmarks.rollout import RemoteReceivers
+    from sender import Sender
 
 
 class _Pipe:
@@ -136,6 +137,7 @@ async def main(args: argparse.Namespace) -> int:
         return 0
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     configs = {
+        "snapshot auto (default)": {},
         "snapshot cuda": {"patch": {"snapshot_device": "cuda"}},
         "snapshot cpu (pinned)": {"patch": {"snapshot_device": "cpu"}},
         "nvcomp_lz4": {"patch": {"snapshot_device": "cuda", "transport_device": "cuda", "compression": "nvcomp_lz4",
@@ -184,6 +186,14 @@ def git_info() -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         return {}
     return {"commit": commit, "uncommitted": [line[3:] for line in status.stdout.splitlines()]}
+
+
+def snapshot_place(sender: Sender) -> str | None:
+    """Where the patch builder's snapshot went (``patch.snapshot_device``, ``auto`` by
+    default: the GPU or pinned host memory, settled at the first receiver); None for buckets."""
+    source = sender._trainer
+    snapshot = getattr(None if source is None else source.builder, "snapshot", None)
+    return None if snapshot is None else str(snapshot.device)
 
 
 def sync_config(strategy: str, codec: str | None) -> dict[str, Any]:
@@ -272,8 +282,10 @@ async def e2e_run(args: argparse.Namespace, shape: Any, lr: float, strategy: str
             "receivers": [b["stats"] if b else None for b in boot],
             "digests": check,
         }
+        place = run["snapshot_device"] = snapshot_place(sender)
         print(f"  {name}: bootstrap of {args.receivers} receivers {_s(run['bootstrap']['s'])} (start() to applied, the slower; "
-              f"{wall:.2f}s from spawning them)  digests {'equal' if check['equal'] else 'DIFFER'}", flush=True)
+              f"{wall:.2f}s from spawning them)  digests {'equal' if check['equal'] else 'DIFFER'}"
+              f"{'' if place is None else '  snapshot on ' + place}", flush=True)
         run["warmup"], run["versions"] = [], []
         for version in range(1, args.warmup + args.versions + 1):
             loss = qwen2.train_step(model, optimizer, generator, args.batch, args.seq)
