@@ -124,8 +124,8 @@ class CopyStream:
     def to_host_all(
         self, srcs: list[torch.Tensor], after: torch.cuda.Event | None = None
     ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-        """``to_host`` of several tensors behind one event (CPU: the tensors themselves)."""
-        if self.out is None:
+        """``to_host`` of several tensors behind one event (CPU, or none: the tensors themselves)."""
+        if self.out is None or not srcs:
             return srcs, None
         hosts = [host_empty_like(src) for src in srcs]
         return hosts, _copied(self.out, srcs, hosts, after)

@@ -253,6 +253,8 @@ def test_a_device_has_one_stream_for_fetches_and_write_backs_and_another_for_wha
     hosts, event = copies.to_host_all([on_gpu(torch.ones(3)), on_gpu(torch.zeros(2))])
     assert fake_cuda.log == [("record", "current"), ("wait", out, "event@current"), ("record", out)]
     assert [h.shape for h in hosts] == [torch.Size([3]), torch.Size([2])]
+    fake_cuda.log.clear()
+    assert copies.to_host_all([]) == ([], None) and not fake_cuda.log  # a run without changes: nothing to copy
 
     # the snapshot's write-back: on ``fetch``, after the work that moved it (recorded at ``store``)
     fake_cuda.log.clear()
