@@ -5,7 +5,8 @@
 #
 #   1. the CUDA-only tests, which skip on CPU machines (the device encoder's bytes and its one
 #      pinned copy a part, whole tensors to pinned memory, the device codec on CUDA, the
-#      receiver's one copy a part, the vLLM map's writes, phase times);
+#      receiver's one copy a part, the vLLM map's writes, phase times, a trainer stepping on a side
+#      stream and the copy streams);
 #   2. benchmarks/gpu_check.py's kernel checks (bit-exact on the GPU, build vs read floor);
 #   3. benchmarks/gpu_check.py e2e: the Qwen2-1.5B-shaped scenario, 2 bf16 rollouts over TCP:
 #      patch at lr 1e-6 and 1e-5, bucket at 1e-6, writing gpu-<date>-patch.json and
@@ -41,7 +42,7 @@ status=0
 echo "== 1. CUDA tests"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -k "cuda or pinned" \
     tests/test_device_build.py tests/test_tohost.py tests/test_device_codec.py tests/test_receiver_transfer.py \
-    tests/test_layout_device.py tests/test_phase_times.py tests/test_compare.py 2>&1 | tee "$OUT/device-tests.log" || status=1
+    tests/test_layout_device.py tests/test_phase_times.py tests/test_compare.py tests/test_streams.py 2>&1 | tee "$OUT/device-tests.log" || status=1
 
 if [ "$cuda" = 1 ]; then
     echo "== 2. kernel checks"
