@@ -24,7 +24,7 @@ SYNCING = ("aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", 
 _COPIES = ("aten::_to_copy", "aten::copy_")
 
 
-def _blocking_transfer(args: Any, kwargs: dict[str, Any]) -> bool:
+def blocking_transfer(args: Any, kwargs: dict[str, Any]) -> bool:
     """A copy from one device to another that the host waits for (a copy to the host, or a
     blocking one to a device)."""
     if len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(dst, src, non_blocking)
@@ -73,7 +73,7 @@ class OpCounter:
         return sum(self.syncs.values())
 
     def record(self, name: str, args: Any, kwargs: dict[str, Any]) -> None:
-        sync = name.startswith(SYNCING) or (name in _COPIES and _blocking_transfer(args, kwargs)) or _is_host_copy(name, args, kwargs)
+        sync = name.startswith(SYNCING) or (name in _COPIES and blocking_transfer(args, kwargs)) or _is_host_copy(name, args, kwargs)
         with self._lock:
             self.ops[name] += 1
             if sync:

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.opcount import SYNCING, blocking_transfer
 from protocol.codec import devicecodec as dc
 from protocol.errors import ProtocolError
 
@@ -319,13 +320,11 @@ def test_checksum_catches_one_and_two_word_errors() -> None:
 
 
 # -- structure ---------------------------------------------------------------------------------
-SYNCING = ("aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::_unique", "aten::lift_fresh")
-
-
 class SyncCounter(TorchDispatchMode):
     """Counts the operations that would wait for a CUDA device: nonzero, item/int()/tolist
     (``_local_scalar_dense``), masked_select, unique*, a tensor made from host data
-    (``lift_fresh``: moved to the device by a blocking copy) and blocking copies between devices."""
+    (``lift_fresh``: moved to the device by a blocking copy) and blocking copies between
+    devices (``benchmarks.opcount`` names them), on this thread only."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -335,20 +334,9 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
         self.ops += 1
-        if name.startswith(SYNCING) or (name in ("aten::_to_copy", "aten::copy_") and _blocking_transfer(args, kwargs or {})):
+        if name.startswith(SYNCING) or (name in ("aten::_to_copy", "aten::copy_") and blocking_transfer(args, kwargs or {})):
             self.syncs[name] += 1
         return func(*args, **(kwargs or {}))
-
-
-def _blocking_transfer(args: Any, kwargs: dict[str, Any]) -> bool:
-    """A copy from one device to another that the host waits for."""
-    if len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(dst, src, non_blocking)
-        source, target = args[1].device, args[0].device
-        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking"))
-    else:  # _to_copy(src, ..., device=, non_blocking=)
-        source, target = args[0].device, torch.device(kwargs.get("device") or args[0].device)
-        non_blocking = bool(kwargs.get("non_blocking"))
-    return source != target and (target.type == "cpu" or not non_blocking)
 
 
 @pytest.mark.parametrize("nnz", [10, 10_000, 1_000_000])
