@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import e2e
+from . import device_ops, e2e
 from .bandwidth import copy_bandwidth, zmq_raw_throughput
 from .e2e import finish, fixed_cost, run_workload
 from .memory import free_port
@@ -66,6 +66,10 @@ async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool 
             print(f"  {w.name}: {pending[-1]['wall_s']:.1f}s", file=sys.stderr, flush=True)
             del w
         fixed = await fixed_cost() if not only else None
+        # ops a version costs each side of the device path (a GPU launches each): counted, not timed
+        ops = None
+        if suite.device_codec_row and not only:
+            ops = [await device_ops.measure(layout, versions=2) for layout in device_ops.LAYOUTS]
         copy_samples.append(copy_bandwidth(suite.copy_bytes))
         zmq_samples.append(zmq_raw_throughput(suite.zmq_bytes, suite.zmq_frame))
         copy_bps, zmq_bps = max(copy_samples), max(zmq_samples)
@@ -101,6 +105,7 @@ async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool 
         "peer_worker_peak_rss": peer_rss,
         "results": results,
         "fixed_cost": fixed,
+        "device_ops": ops,
     }
     doc["harness_peak_rss"] = maxrss_bytes()  # this process: trainer, both Senders, 4 Receivers, references
     doc["targets"] = evaluate_targets(results, fixed)
@@ -204,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2, default=str))
     print(table(doc))
+    if doc.get("device_ops"):
+        print("\nops a version on the device path (python -m benchmarks.device_ops)\n" + device_ops.report(doc["device_ops"]))
     print(f"\nwall time {doc['wall_s']:.1f}s; JSON: {args.json}")
     if args.plot:
         plot(doc, args.plot)

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from protocol.errors import StateError
+
 from .streams import CopyStream, cuda_present, host_empty, host_empty_like, host_zeros, record
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class Snapshot:
     def device(self) -> torch.device:
         """Where the snapshot lives (``auto``: once ``place``d)."""
         if self._device is None:
-            raise RuntimeError("snapshot_device auto: place() the snapshot before its first capture")
+            raise StateError("snapshot_device auto: place() the snapshot before its first capture")
         return self._device
 
     def place(self, tensors: Mapping[str, torch.Tensor], dtype: Callable[[str], torch.dtype]) -> torch.device:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from protocol.config import load_config
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, StateError
 from protocol.state import resolve_state
 from protocol.wire.metadata import ModelMetadata
 from sender import snapshot as snapshot_module
@@ -55,7 +55,7 @@ def bf16(key: str) -> torch.dtype:
 
 def test_auto_on_cpu_tensors_is_cpu_and_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     snapshot = Snapshot("auto")
-    with pytest.raises(RuntimeError, match="place"):
+    with pytest.raises(StateError, match="place"):
         snapshot.device  # noqa: B018 - not placed yet: nothing may be captured
     with caplog.at_level(logging.INFO, logger="sender.snapshot"):
         assert snapshot.place(tensors(), bf16) == CPU
