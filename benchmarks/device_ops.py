@@ -92,7 +92,7 @@ def config(codec: str) -> dict[str, Any]:
 
 
 # -- the receiver's process ---------------------------------------------------------------------
-async def _receive(endpoint: str, spec: dict[str, Any], conf: dict[str, Any], versions: int) -> None:
+async def _receive(endpoint: str, spec: dict[str, Any], conf: dict[str, Any], versions: int, sites: bool = False) -> None:
     from receiver import Receiver
 
     def dtype(name: str) -> torch.dtype:
@@ -100,7 +100,7 @@ async def _receive(endpoint: str, spec: dict[str, Any], conf: dict[str, Any], ve
         return torch.bfloat16 if d.is_floating_point else d
 
     model = {k: torch.zeros(shape, dtype=dtype(name)) for k, (shape, name) in spec.items()}
-    counter = OpCounter()
+    counter = OpCounter(sites)
     with counter:
         async with Receiver(model, endpoint, conf, identity="device-ops") as receiver:
             await receiver.start(timeout=TIMEOUT)
@@ -109,8 +109,9 @@ async def _receive(endpoint: str, spec: dict[str, Any], conf: dict[str, Any], ve
             print(json.dumps({"event": "ready"}), flush=True)
             for v in range(1, versions + 1):
                 await receiver.wait_for_version(v, timeout=TIMEOUT)
+                where = counter.take_sites()
                 ops, syncs = counter.take()
-                print(json.dumps({"event": "applied", "version": v, "ops": dict(ops), "syncs": dict(syncs)}), flush=True)
+                print(json.dumps({"event": "applied", "version": v, "ops": dict(ops), "syncs": dict(syncs), "sites": dict(where)}), flush=True)
 
 
 # -- the sender's side --------------------------------------------------------------------------
@@ -126,8 +127,9 @@ async def _lines(proc: asyncio.subprocess.Process) -> dict[str, Any]:
             continue
 
 
-async def measure(layout: str, versions: int = 3, codec: str = "device", lr: float = 1e-5) -> dict[str, Any]:
-    """One layout's counts: the first version is a warm-up, the rest are reported (medians)."""
+async def measure(layout: str, versions: int = 3, codec: str = "device", lr: float = 1e-5, sites: bool = False) -> dict[str, Any]:
+    """One layout's counts: the first version is a warm-up, the rest are reported (medians);
+    with ``sites``, the last version's ops by the weightsync function that dispatched them."""
     from sender import Sender
 
     trainer = Trainer(layout, lr)
@@ -138,23 +140,26 @@ async def measure(layout: str, versions: int = 3, codec: str = "device", lr: flo
         await sender.start(state, version=0)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "benchmarks.device_ops", "--receive", sender.endpoint, "--spec", json.dumps(receiver_spec(state)),
-            "--config", json.dumps(conf), "--versions", str(versions + 1), stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env,
+            "--config", json.dumps(conf), "--versions", str(versions + 1), *(["--sites"] if sites else []),
+            stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env,
         )
         try:
             assert (await _lines(proc))["event"] == "ready"
             rows = []
-            counter = OpCounter()
+            counter = OpCounter(sites)
             for v in range(1, versions + 2):
                 trainer.step()
                 with counter:
                     stats = await sender.sync(state, v)
                     await sender.wait_acked(v, timeout=TIMEOUT)
+                sent_sites = counter.take_sites()
                 sent_ops, sent_syncs = counter.take()
                 applied = await _lines(proc)
                 assert applied["version"] == v, applied
                 rows.append({
                     "sender_ops": sent_ops, "sender_syncs": sent_syncs,
                     "receiver_ops": Counter(applied["ops"]), "receiver_syncs": Counter(applied["syncs"]),
+                    "sender_sites": sent_sites, "receiver_sites": Counter(applied.get("sites", {})),
                     "parts": stats.messages, "entries": stats.tensors_changed,
                     "changed_fraction": stats.changed_elements / max(stats.total_elements, 1),
                 })
@@ -175,6 +180,7 @@ async def measure(layout: str, versions: int = 3, codec: str = "device", lr: flo
         "sender_ops": median("sender_ops"), "sender_syncs": median("sender_syncs"),
         "receiver_ops": median("receiver_ops"), "receiver_syncs": median("receiver_syncs"),
         "sender_top": breakdown(last["sender_ops"]), "receiver_top": breakdown(last["receiver_ops"]),
+        **({"sender_sites": breakdown(last["sender_sites"], 20), "receiver_sites": breakdown(last["receiver_sites"], 20)} if sites else {}),
     }
 
 
@@ -194,6 +200,8 @@ def report(rows: list[dict[str, Any]]) -> str:
         for side in ("sender", "receiver"):
             top = ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in r[f"{side}_top"])
             lines.append(f"{r['layout']} {side}: {top}")
+            if f"{side}_sites" in r:
+                lines += [f"    {n:>7}  {site}" for site, n in r[f"{side}_sites"]]
     return "\n".join(lines)
 
 
@@ -203,15 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", type=int, default=3, help="timed versions a layout (after one warm-up)")
     p.add_argument("--codec", default="device", choices=("device", "host"))
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--sites", action="store_true", help="also name the functions that dispatched the ops (slower)")
     p.add_argument("--receive", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.receive:
-        asyncio.run(_receive(args.receive, json.loads(args.spec), json.loads(args.config), args.versions))
+        asyncio.run(_receive(args.receive, json.loads(args.spec), json.loads(args.config), args.versions, args.sites))
         return 0
     torch.set_num_threads(1)
-    rows = [asyncio.run(measure(layout, args.versions, args.codec)) for layout in args.layouts]
+    rows = [asyncio.run(measure(layout, args.versions, args.codec, sites=args.sites)) for layout in args.layouts]
     print(report(rows))
     if args.json:
         command = "python -m benchmarks.device_ops " + " ".join(argv or sys.argv[1:])

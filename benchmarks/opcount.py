@@ -12,6 +12,7 @@ for a device) are counted apart by name, as ``tests/test_device_codec.py`` names
 from __future__ import annotations
 
 import concurrent.futures.thread as pool_thread
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +23,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNCING = ("aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::_unique", "aten::lift_fresh")
 _COPIES = ("aten::_to_copy", "aten::copy_")
+_PACKAGES = ("protocol", "sender", "receiver")  # whose functions ``OpCounter(sites=True)`` names
+
+
+def _site() -> str:
+    """The innermost function of weightsync's packages on the stack (``module.function``), else "other"."""
+    frame = sys._getframe(3)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".", 1)[0] in _PACKAGES:
+            return f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "other"
 
 
 def blocking_transfer(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -41,6 +54,13 @@ def _is_host_copy(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
     return name == "aten::_to_copy" and str(kwargs.get("device")) == "cpu"
 
 
+def is_sync(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an op makes the host wait for a device: a ``SYNCING`` op, a blocking copy
+    between devices, or an explicit copy to the host (``.to("cpu")``, a sync on a GPU
+    whatever the source here)."""
+    return name.startswith(SYNCING) or (name in _COPIES and blocking_transfer(args, kwargs)) or _is_host_copy(name, args, kwargs)
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, tally: OpCounter) -> None:
         super().__init__()
@@ -54,11 +74,14 @@ class _Mode(TorchDispatchMode):
 
 
 class OpCounter:
-    """Counts non-view ops by name, and host syncs, on every thread while open. Not reentrant."""
+    """Counts non-view ops by name, and host syncs, on every thread while open; with
+    ``sites``, ops by the weightsync function that dispatched them too (slower: it walks
+    the stack). Not reentrant."""
 
-    def __init__(self) -> None:
+    def __init__(self, sites: bool = False) -> None:
         self.ops: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
+        self.sites: Counter[str] | None = Counter() if sites else None
         self._lock = threading.Lock()
         self._undo: list[Callable[[], None]] = []
         self._mode: _Mode | None = None
@@ -73,18 +96,31 @@ class OpCounter:
         return sum(self.syncs.values())
 
     def record(self, name: str, args: Any, kwargs: dict[str, Any]) -> None:
-        sync = name.startswith(SYNCING) or (name in _COPIES and blocking_transfer(args, kwargs)) or _is_host_copy(name, args, kwargs)
+        sync = is_sync(name, args, kwargs)
+        site = _site() if self.sites is not None else None
         with self._lock:
             self.ops[name] += 1
             if sync:
                 self.syncs[name] += 1
+            if site is not None and self.sites is not None:
+                self.sites[site] += 1
 
     def take(self) -> tuple[Counter[str], Counter[str]]:
-        """The counts so far (ops, syncs), and zero them."""
+        """The counts so far (ops, syncs), and zero them (the sites too)."""
         with self._lock:
             ops, syncs = self.ops, self.syncs
             self.ops, self.syncs = Counter(), Counter()
+            if self.sites is not None:
+                self.sites = Counter()
         return ops, syncs
+
+    def take_sites(self) -> Counter[str]:
+        """The ops by site so far, and zero them (empty without ``sites``)."""
+        with self._lock:
+            sites = self.sites or Counter()
+            if self.sites is not None:
+                self.sites = Counter()
+        return sites
 
     def _wrap(self, owner: Any, name: str) -> None:
         original = getattr(owner, name)

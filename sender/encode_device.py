@@ -1,10 +1,10 @@
 """The device encoder: a part's changes coded where they live, moved to the host in one copy.
 
-Coded one by one, each sparse tensor costs a host sync (its payload's size) and a copy to
-the host of its own (issue 35: 993 copies a version of a 1.78B model). Here a part's
-sparse changes are coded by the device codec together (``devicecodec.prepare`` each, then
-ONE host sync reads every payload's size), written with the part's whole tensors into one
-device buffer, and that buffer goes to host memory in ONE copy on the copy stream
+Coded one by one, each sparse tensor would cost a host sync (its payload's size), a copy to
+the host of its own and some 300 kernel launches. Here a part's sparse changes are coded by
+the device codec as one batch (``devicecodec.prepare``: a fixed number of ops for the part,
+then ONE host sync reads every payload's size), written with the part's whole tensors into
+one device buffer, and that buffer goes to host memory in ONE copy on the copy stream
 (``CopyStream.to_host``: pinned memory from torch's caching host allocator, so a version's
 buffers are the blocks the versions before it freed once their frames were sent). Each
 entry's frame is a view of that host buffer: nothing is copied again before the socket.
@@ -40,7 +40,7 @@ class _Placed:
     """Where one entry's bytes lie in its part's buffer, and how they are made."""
 
     at: slice
-    prepared: devicecodec.Prepared | None  # a device-coded payload, else the whole tensor
+    coded: bool  # a device-coded payload, else the whole tensor
     dense: torch.Tensor | None
 
 
@@ -90,12 +90,13 @@ class DeviceEncoder:
         return done
 
     def _encode_on(self, device: torch.device, changes: list[Changes], stats: SyncStats | None) -> list[EncodedTensor]:
-        prepared = {}
-        for c in changes:
-            if c.flat is not None:
-                assert c.new is not None and c.old is not None
-                prepared[id(c)] = devicecodec.prepare(c.flat.long(), c.new, c.old)
-        sizes = dict(zip(prepared, devicecodec.sizes(list(prepared.values()))))  # the part's one host sync
+        sparse = [c for c in changes if c.flat is not None]
+        sizes: dict[int, int] = {}
+        prepared = None
+        if sparse:
+            assert all(c.new is not None and c.old is not None for c in sparse)
+            prepared = devicecodec.prepare([c.flat for c in sparse], [c.new for c in sparse], [c.old for c in sparse])  # type: ignore[misc]
+            sizes = dict(zip(map(id, sparse), prepared.sizes()))  # the part's one host sync
         staged = device.type == "cuda"  # whole tensors join the part's one copy (on CPU they are host memory already)
         placed: list[_Placed] = []
         at = 0
@@ -103,23 +104,31 @@ class DeviceEncoder:
             nbytes = sizes.get(id(c))
             dense = c.dense
             if nbytes is not None and (dense is None or nbytes < dense.numel() * dense.element_size()):
-                placed.append(_Placed(slice(at, at + nbytes), prepared[id(c)], None))
+                placed.append(_Placed(slice(at, at + nbytes), True, None))
                 at += devicecodec.aligned(nbytes)
             else:
                 assert dense is not None
                 size = dense.numel() * dense.element_size() if staged else 0
-                placed.append(_Placed(slice(at, at + size), None, dense))
+                placed.append(_Placed(slice(at, at + size), False, dense))
                 at += devicecodec.aligned(size)
-        buffer = torch.empty(at, dtype=torch.uint8, device=device)
+        # A payload that lost to its whole tensor is still written (every payload is, in one
+        # go), past the part's end, where nothing copies it.
+        extra = {id(c): devicecodec.aligned(sizes[id(c)]) for c, p in zip(changes, placed) if id(c) in sizes and not p.coded}
+        buffer = torch.zeros(at + sum(extra.values()) + devicecodec.slack(), dtype=torch.uint8, device=device)
+        if prepared is not None:
+            starts, spare = [], at
+            for c, p in zip(changes, placed):
+                if id(c) in sizes:
+                    starts.append(p.at.start if p.coded else spare)
+                    spare += extra.get(id(c), 0)
+            prepared.write(buffer, starts)
         for p in placed:
-            if p.prepared is not None:
-                p.prepared.write(buffer[p.at])
-            elif staged and p.dense is not None and p.dense.numel():
+            if staged and p.dense is not None and p.dense.numel():
                 buffer[p.at].view(p.dense.dtype).copy_(p.dense.reshape(-1))
-        host = to_host(self._stream(device), buffer, stats) if at else buffer
+        host = to_host(self._stream(device), buffer[:at], stats) if at else buffer
         entries = []
         for c, p in zip(changes, placed):
-            if p.prepared is not None:
+            if p.coded:
                 entries.append(pack_entry(c.key, Encoding.BLOCKS, ValueEncoding.ULP, c.nnz, {Role.VALUES: host[p.at]}, Codec.NONE, c.group))
             elif staged and p.dense is not None:
                 entries.append(whole(c, host[p.at].view(p.dense.dtype)))
