@@ -10,7 +10,17 @@ import torch
 
 from protocol.codec.parallel import map_ordered
 from protocol.codec.staging import StagingPool
-from protocol.codec.tensorcodec import DecodedTensor, at_span, decode_entry, group_offsets, read_verdicts, split_group
+from protocol.codec.tensorcodec import (
+    BlocksEntry,
+    DecodedTensor,
+    at_span,
+    decode_blocks,
+    decode_entry,
+    group_offsets,
+    is_blocks,
+    read_verdicts,
+    split_group,
+)
 from protocol.errors import ProtocolError
 from protocol.wire.framing import Message, MessageType, TensorEntry, ValueEncoding
 from protocol.wire.metadata import ModelMetadata
@@ -63,12 +73,25 @@ def decode_part(
     # Device-coded payloads bound for a GPU (and their groups' offsets) and whole tensors'
     # bytes: one copy to it for the message, everything checked before it.
     moved = transfer_part(msg.tensors, msg.frames, placements, staging, exact_dtype=exact)
+    # Device-coded entries: decoded together, a fixed number of kernels a device for the message.
+    coded = [i for i, entry in enumerate(msg.tensors) if is_blocks(entry)]
+    blocks = dict(zip(coded, decode_blocks(
+        [BlocksEntry(msg.tensors[i], placements[i].shape, placements[i].dtype, placements[i].device, moved.payloads.get(i)) for i in coded],
+        msg.frames,
+    )))
 
     def one(i: int) -> list[StagedUpdate] | _Unread:
         """The entry's updates, or, for a device-coded one, its decode with the verdict unread
         (``payload``: what the transfer moved for it, a device-coded payload or dense bytes)."""
         entry, where = msg.tensors[i], placements[i]
         payload = moved.payloads.get(i)
+        if i in blocks:
+            decoded = blocks[i]
+            if entry.span is not None:  # its positions in the tensor's flat coordinates, before anything reads there
+                decoded = at_span(decoded, entry.span)
+            if not entry.group:
+                return _Unread(decoded)
+            return _Unread(decoded, entry.group, [metadata.shapes[k] for k in entry.group], moved.offsets.get(i, where.offsets))
         if not entry.group:
             target = targets[entry.key]
             base = target if isinstance(target, torch.Tensor) else None  # read where the entry's values are relative

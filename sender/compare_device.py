@@ -153,11 +153,11 @@ class DeviceCompare:
         if owner[0] is not run:  # another run's tensors may lie where this one's gaps are
             cur.index_fill_(0, run.gaps, 0)
             owner[0] = run
-        for key, start in zip(run.keys, run.starts):
-            t = tensors[key]
-            # A 0-d copy casts through a scalar path (fp32 NaN -> bf16 0x7FC0, not the 0xFFFF
-            # of torch's loops and of ``fastdiff``): as one element, it takes the loops' cast.
-            cur[start:start + t.numel()].view(t.shape).copy_(t) if t.dim() else cur[start:start + 1].copy_(t.reshape(1))
+        # One op for the run (on CUDA one multi-tensor kernel, casting as it copies), not one a
+        # tensor. Flat views: a 0-d copy would cast through a scalar path (fp32 NaN -> bf16
+        # 0x7FC0, not the 0xFFFF of torch's loops and of ``fastdiff``).
+        sources = [tensors[key].reshape(-1) for key in run.keys]
+        torch._foreach_copy_([cur[start:start + t.numel()] for t, start in zip(sources, run.starts)], sources)
         return cur, changed
 
     def _whole(self, run: Run, cur: torch.Tensor, snap: torch.Tensor, counts: list[int]) -> list[bool]:
