@@ -3,47 +3,19 @@ before anything of the message is staged: where it decodes, its values, its verd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from protocol.codec.parallel import map_ordered
 from protocol.codec.staging import StagingPool
-from protocol.codec.tensorcodec import (
-    BlocksEntry,
-    DecodedTensor,
-    at_span,
-    decode_blocks,
-    decode_entry,
-    group_offsets,
-    is_blocks,
-    read_verdicts,
-    split_group,
-)
+from protocol.codec.tensorcodec import BlocksEntry, at_span, decode_blocks, decode_entry, group_offsets, is_blocks, split_group
 from protocol.errors import ProtocolError
 from protocol.wire.framing import Message, MessageType, TensorEntry, ValueEncoding
 from protocol.wire.metadata import ModelMetadata
 
 from .checks import check_span
 from .commit import StagedUpdate, Target
+from .stage_device import Coded, stage_coded
 from .transfer import Placement, transfer_part
-
-
-@dataclass(frozen=True)
-class _Unread:
-    """A device-coded entry decoded, its verdict not yet read (``tensorcodec.read_verdicts``)."""
-
-    decoded: DecodedTensor
-    group: tuple[int, ...] = ()
-    shapes: list[tuple[int, ...]] | None = None  # a group's
-    offsets: np.ndarray | torch.Tensor | None = None  # a group's ``group_offsets``: on its device when its part's transfer moved them
-
-    def stage(self, targets: list[Target], cuts: list[int] | None) -> list[StagedUpdate]:
-        if self.shapes is None:
-            return [StagedUpdate.stage(self.decoded, targets[self.decoded.key])]
-        pieces = split_group(self.decoded, self.group, self.shapes, cuts)
-        return [StagedUpdate.stage(piece, targets[piece.key]) for piece in pieces]
 
 
 def decode_part(
@@ -80,18 +52,10 @@ def decode_part(
         msg.frames,
     )))
 
-    def one(i: int) -> list[StagedUpdate] | _Unread:
-        """The entry's updates, or, for a device-coded one, its decode with the verdict unread
-        (``payload``: what the transfer moved for it, a device-coded payload or dense bytes)."""
+    def one(i: int) -> list[StagedUpdate]:
+        """The updates of an entry not device-coded (``payload``: dense bytes the transfer moved for it)."""
         entry, where = msg.tensors[i], placements[i]
         payload = moved.payloads.get(i)
-        if i in blocks:
-            decoded = blocks[i]
-            if entry.span is not None:  # its positions in the tensor's flat coordinates, before anything reads there
-                decoded = at_span(decoded, entry.span)
-            if not entry.group:
-                return _Unread(decoded)
-            return _Unread(decoded, entry.group, [metadata.shapes[k] for k in entry.group], moved.offsets.get(i, where.offsets))
         if not entry.group:
             target = targets[entry.key]
             base = target if isinstance(target, torch.Tensor) else None  # read where the entry's values are relative
@@ -103,21 +67,15 @@ def decode_part(
             )
             if entry.span is not None:  # its positions in the tensor's flat coordinates, before anything reads there
                 decoded = at_span(decoded, entry.span)
-            if decoded.verdict is not None:
-                return _Unread(decoded)
             return [StagedUpdate.stage(decoded, target)]
         shapes = [metadata.shapes[k] for k in entry.group]
         decoded = decode_entry(entry, msg.frames, where.shape, where.dtype, decode_device, target_device=where.device, payload=payload)
-        if decoded.verdict is not None:
-            return _Unread(decoded, entry.group, shapes, moved.offsets.get(i, where.offsets))
         return [StagedUpdate.stage(piece, targets[piece.key]) for piece in split_group(decoded, entry.group, shapes)]
 
-    done = map_ordered(one, range(len(msg.tensors)))
-    unread = [d for d in done if isinstance(d, _Unread)]
-    if unread:
-        # Device-coded entries: every verdict (and every group's cut points) read at once,
-        # one host sync for the message, before anything of it is staged.
-        cuts = read_verdicts([(u.decoded, u.offsets) for u in unread])
-        staged = iter(map_ordered(lambda uc: uc[0].stage(targets, uc[1]), list(zip(unread, cuts))))
-        done = [next(staged) if isinstance(d, _Unread) else d for d in done]
-    return [update for updates in done if not isinstance(updates, _Unread) for update in updates]
+    done = map_ordered(one, [i for i in range(len(msg.tensors)) if i not in blocks]) if len(blocks) < len(msg.tensors) else []
+    # Device-coded entries: every verdict (and every group's cut points) read at once, one
+    # host sync a device for the message, before anything of it is staged; then staged a part at once.
+    staged = iter(stage_coded([Coded.of(d, msg.tensors[i].group, msg.tensors[i].span, metadata) for i, d in blocks.items()], targets, metadata))
+    rest = iter(done)
+    ordered = [next(staged) if i in blocks else next(rest) for i in range(len(msg.tensors))]
+    return [update for updates in ordered for update in updates]

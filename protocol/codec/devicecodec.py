@@ -47,7 +47,7 @@ previous entry's, its last block padded), so one set of ops codes them all: per-
 (bit offsets, positions from gaps, checksums) are prefix sums over the whole batch less each
 entry's base, and per-entry verdicts are failures counted into a bin an entry (``index_add_``
 in 1-D: deterministic on CUDA too). What the host knows (entry sizes, where payloads lie)
-goes to the device as one int64 array a step (``_ship``), never as a host read.
+goes to the device as one int64 array a step (``ship``), never as a host read.
 
 The packed bytes are contiguous and byte-aligned after the table, so an nvCOMP stage
 (Cascaded or ANS) can compress the whole payload or the bit stream alone.
@@ -126,7 +126,7 @@ def slack(block: int = BLOCK) -> int:
     return 8 * (block + 2)
 
 
-def _ship(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+def ship(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Host-known int64 arrays on ``device`` in one copy, from pinned memory and not waited
     for (a tensor made from host data, ``torch.tensor``, is a blocking copy: it waits for the device)."""
     flat = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
@@ -158,7 +158,7 @@ class _Grid:
         busy = self.count > 0
         sizes[(self.first + self.count - 1)[busy]] = (self.nnz - block * (self.count - 1))[busy]
         self.first_of_block = self.first[self.entry_of_block]
-        shipped = _ship([sizes, self.entry_of_block, self.nnz, self.first * block - self.start, self.start, *extra], device)
+        shipped = ship([sizes, self.entry_of_block, self.nnz, self.first * block - self.start, self.start, *extra], device)
         self.sizes, self.block_entry, nnz_d, shift, self.start_d = shipped[:5]
         self.extra = shipped[5:]
         self.lane = torch.arange(block, device=device)[None, :]
@@ -291,7 +291,7 @@ class PreparedBatch:
         fields = VERSION | (grid.block.bit_length() - 1) << 8 | np.asarray(self._widths, dtype=np.int64) << 16
         sealed = [at[by_start], nbytes[by_start]]
         caller = np.asarray(self._order)[by_start]  # the caller's index of each sealed payload
-        shipped = _ship(
+        shipped = ship(
             [np.concatenate([at // 8 + 1, at // 8 + 2]), np.concatenate([fields, grid.nnz]), grid.table_at(at),
              (8 * (at + grid.body()))[grid.entry_of_block], *sealed, np.argsort(caller)], buffer.device,
         )
@@ -352,7 +352,7 @@ def prepare(flats: Sequence[torch.Tensor], news: Sequence[torch.Tensor], olds: S
     chunks = torch.stack([sizes * b, escaped.sum(1) * h]).view(2, 2, n).transpose(0, 1).reshape(PLANES, n)
     e, local = grid.entry_of_block, np.arange(n) - grid.first_of_block
     ordered = PLANES * grid.first_of_block + np.arange(PLANES)[:, None] * grid.count[e] + local
-    ordered_at, base_at, bounds = _ship(
+    ordered_at, base_at, bounds = ship(
         [ordered, PLANES * grid.first_of_block, PLANES * np.concatenate([grid.first, grid.first + grid.count])], device
     )
     line = torch.zeros(PLANES * n + 1, dtype=torch.int64, device=device)
@@ -450,11 +450,25 @@ class Decoded:
     diffs: torch.Tensor
     ok: torch.Tensor
     intact: torch.Tensor
+    batch: DecodedBatch | None = None  # the batch it was decoded in (``decode_many``), its changes from ``at``
+    at: int = 0
 
     def raise_unless_ok(self, what: str = "device payload") -> None:
         """``ProtocolError`` unless the verdict is True (one host sync)."""
         if not bool(self.ok):
             raise ProtocolError(f"{what}: bad block table, widths, sizes, positions or checksum")
+
+
+@dataclass(frozen=True)
+class DecodedBatch:
+    """A ``decode_many``'s changes end to end (each payload's ``Decoded.flat`` and
+    ``diffs`` are slices of these) and its verdicts, one a payload: what lets a caller
+    stage a whole part's updates in a few ops rather than a few a payload."""
+
+    flat: torch.Tensor
+    diffs: torch.Tensor
+    ok: torch.Tensor
+    intact: torch.Tensor
 
 
 def _get_bits(words: torch.Tensor, at: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
@@ -633,8 +647,9 @@ def _decode_fitting(buffer: torch.Tensor, at: np.ndarray, nbytes: np.ndarray, ta
     ok = (fails == 0) & intact & heads_fit & fits & padding
     diffs = ((values >> 1) & torch.iinfo(torch.int64).max) ^ -(values & 1)  # unzigzag
     flat = torch.minimum(flat.clamp_(min=0), (numel_c - 1).clamp_(min=0))
+    batch = DecodedBatch(flat, diffs, ok, intact)
     return [
-        Decoded(flat[s : s + k], diffs[s : s + k], ok[i], intact[i])
+        Decoded(flat[s : s + k], diffs[s : s + k], ok[i], intact[i], batch, s)
         for i, (s, k) in enumerate(zip(grid.start.tolist(), grid.nnz.tolist()))
     ]
 

@@ -456,6 +456,8 @@ class Verdict:
 
     ok: torch.Tensor
     intact: torch.Tensor
+    batch: devicecodec.DecodedBatch | None = None  # decoded with others (``decode_blocks``): its changes from ``at`` there
+    at: int = 0
 
 
 @dataclass
@@ -682,7 +684,7 @@ def _decode_payloads(items: Sequence[tuple[TensorEntry, torch.Tensor, int, torch
         buffer, starts = devicecodec.join([items[i][1] for i in members])
         targets = [devicecodec.Target(items[i][0].nnz, items[i][2], items[i][3]) for i in members]
         for i, d in zip(members, devicecodec.decode_many(buffer, starts, [items[i][1].numel() for i in members], targets)):
-            out[i] = DecodedTensor(items[i][0].key, d.flat, d.diffs, ValueEncoding.ULP, Verdict(d.ok, d.intact))
+            out[i] = DecodedTensor(items[i][0].key, d.flat, d.diffs, ValueEncoding.ULP, Verdict(d.ok, d.intact, d.batch, d.at))
     return [d for d in out if d is not None]
 
 

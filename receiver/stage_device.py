@@ -1,0 +1,151 @@
+"""A message's device-coded entries staged together, in a few ops a part rather than a few a tensor.
+
+``tensorcodec.decode_blocks`` decodes a message's device-coded entries as one batch a device
+(``devicecodec.DecodedBatch``: every change end to end). Staged one by one, each tensor would
+still cost a verdict read of its own, a search for its group's cut points, a shift of its
+positions and four ops to add its differences: on a GPU, a kernel launch each. Here, a batch
+at a time: the verdicts and every group's cut points are read in ONE host sync (the cut
+points found by one ``searchsorted`` over the batch's positions made global: each entry's run
+placed after the one before it), positions shifted to their tensors' coordinates in one op,
+and the differences added a dtype at once. What is left a tensor is reading its old values
+at those positions (``read_flat``), and the commit's write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.codec import devicecodec
+from protocol.codec.tensorcodec import DecodedTensor, group_offsets
+from protocol.errors import IntegrityError, ProtocolError
+from protocol.state import Placed
+from protocol.wire.metadata import ModelMetadata
+
+from .commit import StagedUpdate, Target, read_flat
+
+
+@dataclass(frozen=True)
+class Coded:
+    """A decoded device-coded entry, its verdict unread: the tensors its run covers
+    (``keys``, one for a lone tensor) and the run's elements (``size``); ``lo`` where a
+    span's run starts in its tensor (0 otherwise)."""
+
+    decoded: DecodedTensor
+    keys: tuple[int, ...]
+    size: int
+    lo: int = 0
+
+    @classmethod
+    def of(cls, decoded: DecodedTensor, group: tuple[int, ...], span: tuple[int, int] | None, metadata: ModelMetadata) -> Coded:
+        if group:
+            return cls(decoded, group, int(group_offsets([metadata.shapes[k] for k in group])[-1]))
+        if span is not None:
+            return cls(decoded, (decoded.key,), span[1] - span[0], span[0])
+        shape = metadata.shapes[decoded.key]
+        return cls(decoded, (decoded.key,), int(np.prod(shape, dtype=np.int64)))
+
+
+def stage_coded(coded: Sequence[Coded], targets: list[Target], metadata: ModelMetadata) -> list[list[StagedUpdate]]:
+    """Each entry's updates (a group's: one a tensor with changes; a lone tensor's: one),
+    once every verdict reads True; ``IntegrityError`` for a payload whose checksum fails,
+    else ``ProtocolError`` for any other the decoder refused, naming the first, before
+    anything is staged. One host sync a batch (a device)."""
+    batches: dict[int, tuple[devicecodec.DecodedBatch, list[int]]] = {}
+    for i, c in enumerate(coded):
+        verdict = c.decoded.verdict
+        if verdict is None or verdict.batch is None:  # refused on the host before decoding: its verdict is False
+            _raise(c, intact=bool(verdict.intact) if verdict is not None else True)
+        assert verdict is not None and verdict.batch is not None
+        batches.setdefault(id(verdict.batch), (verdict.batch, []))[1].append(i)
+    out: list[list[StagedUpdate]] = [[] for _ in coded]
+    for batch, members in batches.values():
+        for i, updates in zip(members, _stage_batch(batch, [coded[i] for i in members], targets, metadata)):
+            out[i] = updates
+    return out
+
+
+def _raise(c: Coded, intact: bool) -> None:
+    if not intact:
+        raise IntegrityError(f"tensor {c.decoded.key}: device payload checksum mismatch")
+    raise ProtocolError(f"tensor {c.decoded.key}: device payload refused (block table, widths, sizes, positions or values)")
+
+
+def _stage_batch(batch: devicecodec.DecodedBatch, coded: list[Coded], targets: list[Target], metadata: ModelMetadata) -> list[list[StagedUpdate]]:
+    """``stage_coded`` of the entries of one batch (in the batch's order)."""
+    device = batch.flat.device
+    nnz = [c.decoded.flat.numel() if c.decoded.flat is not None else 0 for c in coded]
+    # Each run's member boundaries, the runs end to end: where each member's changes start
+    # in the batch is where its boundary falls among the changes' positions made global.
+    bases = np.cumsum([0] + [c.size for c in coded])
+    bounds = [bases[j] + group_offsets([metadata.shapes[k] for k in c.keys]) if len(c.keys) > 1 else np.array([bases[j], bases[j + 1]])
+              for j, c in enumerate(coded)]
+    base_d, nnz_d, bound_d = _host_to(device, [bases[:-1], nnz, np.concatenate(bounds)])
+    total = batch.flat.numel()
+    shift = torch.repeat_interleave(base_d, nnz_d, output_size=total)
+    cuts = torch.searchsorted(batch.flat + shift, bound_d)  # sorted when every verdict is True (else unread)
+    # the batch holds exactly these entries (one refused on the host raised before): its verdicts are theirs
+    read = torch.cat([batch.intact, batch.ok, cuts]).to("cpu", copy=True).tolist()  # the batch's one host sync
+    n = len(coded)
+    for j, c in enumerate(coded):
+        if not read[n + j]:
+            _raise(c, intact=bool(read[j]))
+    at = 2 * n
+    pieces: list[tuple[int, int, int, int]] = []  # (entry, key, first change, end) in the batch
+    offsets: list[int] = []  # what each piece's positions lose: its member's start in the run, less a span's lo
+    for j, c in enumerate(coded):
+        edges = read[at : at + len(c.keys) + 1]
+        at += len(c.keys) + 1
+        member_starts = bounds[j] - bases[j]
+        for m, key in enumerate(c.keys):
+            start, end = edges[m], edges[m + 1]
+            if end > start or len(c.keys) == 1:
+                pieces.append((j, key, start, end))
+                offsets.append(int(member_starts[m]) - c.lo)
+    if not pieces:
+        return [[] for _ in coded]
+    lengths = [end - start for _, _, start, end in pieces]
+    offset_d, length_d = _host_to(device, [offsets, lengths])
+    covered = sum(lengths)
+    first = pieces[0][2]
+    local = batch.flat[first : first + covered] - torch.repeat_interleave(offset_d, length_d, output_size=covered)
+    # pieces tile the batch's changes in order (a verdict True says every change lies in its run)
+    return _with_values(pieces, local, batch.diffs[first : first + covered], first, targets, len(coded))
+
+
+def _with_values(
+    pieces: list[tuple[int, int, int, int]], local: torch.Tensor, diffs: torch.Tensor, first: int, targets: list[Target], entries: int
+) -> list[list[StagedUpdate]]:
+    """Each piece's new values (old + differences), a dtype at once; its old values read a piece."""
+    olds = []
+    for _, key, start, end in pieces:
+        target, flat = targets[key], local[start - first : end - first]
+        olds.append(target.read(flat) if isinstance(target, Placed) else read_flat(target, flat))
+    new: list[torch.Tensor | None] = [None] * len(pieces)
+    kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for p, old in enumerate(olds):
+        kinds.setdefault((old.device, old.dtype), []).append(p)
+    for (dev, _), mine in kinds.items():
+        old = olds[mine[0]] if len(mine) == 1 else torch.cat([olds[p] for p in mine])
+        if len(mine) == len(pieces):
+            d = diffs
+        else:
+            d = torch.cat([diffs[pieces[p][2] - first : pieces[p][3] - first] for p in mine])
+        values = devicecodec.apply_differences(old, d.to(dev, non_blocking=True))
+        for p, v in zip(mine, values.split([olds[p].numel() for p in mine])):
+            new[p] = v
+    out: list[list[StagedUpdate]] = [[] for _ in range(entries)]
+    for (j, key, start, end), piece in zip(pieces, new):
+        assert piece is not None
+        target = targets[key]
+        flat = local[start - first : end - first].to(target.device, non_blocking=True)
+        out[j].append(StagedUpdate(key, flat, piece.to(target.device, non_blocking=True)))
+    return out
+
+
+def _host_to(device: torch.device, arrays: Sequence[Sequence[int] | np.ndarray]) -> list[torch.Tensor]:
+    """Host int64 arrays on ``device`` in one copy, not waited for (``devicecodec``'s ``_ship``)."""
+    return devicecodec.ship([np.asarray(a, dtype=np.int64) for a in arrays], device)

@@ -1,0 +1,170 @@
+"""A message's device-coded entries staged together (receiver/stage_device.py).
+
+Lone tensors, groups (one run over several tensors) and spans (a run inside a tensor), of
+mixed dtypes, staged in one batch give what staging each entry alone gives (old + its
+differences, at its tensor's positions), bit for bit; one bad payload anywhere raises the
+typed error naming it and stages nothing; the host reads the device once a batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_device_codec import bits, bitwise_changes
+
+from benchmarks.opcount import OpCounter
+from protocol.codec import devicecodec
+from protocol.codec.tensorcodec import BlocksEntry, DecodedTensor, PatchOptions, assemble, decode_blocks, encode_sparse, group_offsets
+from protocol.errors import IntegrityError, ProtocolError
+from protocol.wire.buffers import Buffer
+from protocol.wire.framing import TensorEntry
+from protocol.wire.metadata import ModelMetadata
+from receiver.commit import StagedUpdate, commit
+from receiver.stage_device import Coded, stage_coded
+
+DEVICE = PatchOptions(dense_above=1.0, device_codec=True)
+CPU = torch.device("cpu")
+DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int32, torch.bool)
+
+
+def moved(old: torch.Tensor, gen: torch.Generator, share: float) -> torch.Tensor:
+    """``old`` with about ``share`` of its elements changed (at least one)."""
+    flat = old.reshape(-1)
+    picks = torch.rand(flat.numel(), generator=gen) < share
+    picks[int(torch.randint(0, flat.numel(), (1,), generator=gen))] = True
+    if old.dtype == torch.bool:
+        return (flat ^ picks).view(old.shape)
+    if old.dtype.is_floating_point:
+        return torch.where(picks, flat.float() * 1.5 + 0.25, flat.float()).to(old.dtype).view(old.shape)
+    return torch.where(picks, flat + 7, flat).view(old.shape)
+
+
+def scenario(seed: int, entries: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[int, ...]], list[tuple[int, int] | None]]:
+    """A model (old), its next version (new), and the entries that carry the change: each a
+    lone tensor, a group of 2-3 tensors of one dtype, or a span of a tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    old: dict[str, torch.Tensor] = {}
+    groups: list[tuple[int, ...]] = []
+    spans: list[tuple[int, int] | None] = []
+    for _ in range(entries):
+        dtype = DTYPES[int(torch.randint(0, len(DTYPES), (1,), generator=gen))]
+        kind = int(torch.randint(0, 3, (1,), generator=gen))
+        members = int(torch.randint(2, 4, (1,), generator=gen)) if kind == 1 else 1
+        keys = []
+        for _ in range(members):
+            shape = (int(torch.randint(1, 40, (1,), generator=gen)), int(torch.randint(1, 70, (1,), generator=gen)))
+            base = torch.randn(shape, generator=gen) * 4
+            old[f"t{len(old)}"] = base.to(dtype) if dtype.is_floating_point else (base > 0) if dtype == torch.bool else base.to(dtype)
+            keys.append(len(old) - 1)
+        groups.append(tuple(keys) if members > 1 else ())
+        numel = old[f"t{keys[0]}"].numel()
+        if kind == 2 and numel > 4:
+            lo = int(torch.randint(0, numel // 2, (1,), generator=gen))
+            spans.append((lo, int(torch.randint(lo + 1, numel + 1, (1,), generator=gen))))
+        else:
+            spans.append(None)
+    new = {k: moved(v, gen, 0.05 + 0.3 * (i % 3 == 0)) for i, (k, v) in enumerate(old.items())}
+    # a span changes only inside its range
+    index = 0
+    for group, span in zip(groups, spans):
+        first = group[0] if group else index
+        if span is not None:
+            k = f"t{first}"
+            keep = new[k].reshape(-1).clone()
+            keep[: span[0]] = old[k].reshape(-1)[: span[0]]
+            keep[span[1] :] = old[k].reshape(-1)[span[1] :]
+            new[k] = keep.view(old[k].shape)
+        index = (group[-1] if group else first) + 1
+    return old, new, groups, spans
+
+
+def coded_message(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], groups: list[tuple[int, ...]], spans: list[tuple[int, int] | None]
+                  ) -> tuple[list[TensorEntry], list[Buffer], list[tuple[tuple[int, ...], torch.dtype, tuple[int, ...], tuple[int, int] | None]]]:
+    """The device-coded entries of the change, as a sender makes them."""
+    keys = list(old)
+    encoded, places = [], []
+    index = 0
+    for group, span in zip(groups, spans):
+        members = group or (index,)
+        index = members[-1] + 1
+        o = torch.cat([old[keys[k]].reshape(-1) for k in members])
+        n = torch.cat([new[keys[k]].reshape(-1) for k in members])
+        if span is not None:
+            o, n = o[span[0] : span[1]], n[span[0] : span[1]]
+        flat, new_at, old_at = bitwise_changes(o, n)
+        if not flat.numel():  # a span with nothing changed in it: no entry
+            continue
+        encoded.append(encode_sparse(members[0], flat, new_at, old_at, (o.numel(),), DEVICE))
+        places.append((group, o.dtype, (o.numel(),), span))
+    specs, frames = assemble(encoded)
+    return specs, frames, places
+
+
+def decoded_of(specs: list[TensorEntry], frames: list[Buffer], places: list) -> list[DecodedTensor]:
+    return decode_blocks([BlocksEntry(spec, shape, dtype, CPU) for spec, (_, dtype, shape, _) in zip(specs, places)], frames)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 12))
+def test_a_batch_stages_every_kind_of_entry_bit_exact(seed: int, entries: int) -> None:
+    old, new, groups, spans = scenario(seed, entries)
+    specs, frames, places = coded_message(old, new, groups, spans)
+    metadata = ModelMetadata.of(old)
+    model = {k: v.clone() for k, v in old.items()}
+    targets = list(model.values())
+    decoded = decoded_of(specs, frames, places)
+    coded = [Coded.of(d, group, span, metadata) for d, (group, _, _, span) in zip(decoded, places)]
+    with OpCounter() as reads:
+        staged = stage_coded(coded, targets, metadata)
+    assert reads.sync_count == 1, reads.syncs  # verdicts and cut points, at once
+    updates = [u for us in staged for u in us]
+    assert all(isinstance(u, StagedUpdate) and u.flat is not None for u in updates)
+    commit(targets, updates, {})
+    for k in old:
+        assert torch.equal(bits(model[k]), bits(new[k])), k
+
+
+@pytest.mark.parametrize("fault", ["checksum", "structure"])
+def test_one_bad_entry_stages_nothing_and_is_named(fault: str) -> None:
+    old, new, groups, spans = scenario(4, 8)
+    specs, frames, places = coded_message(old, new, groups, spans)
+    metadata = ModelMetadata.of(old)
+    victim = len(specs) // 2
+    at = specs[victim].buffers[0].frame - 1
+    payload = torch.frombuffer(bytearray(bytes(frames[at])), dtype=torch.uint8)
+    if fault == "checksum":
+        payload[-1] ^= 0x40
+    else:
+        payload[16] ^= 1  # nnz in the header, the checksum made right: the structure gives it away
+        devicecodec.seal(payload)
+    frames[at] = payload.numpy().tobytes()
+    decoded = decoded_of(specs, frames, places)
+    coded = [Coded.of(d, group, span, metadata) for d, (group, _, _, span) in zip(decoded, places)]
+    model = {k: v.clone() for k, v in old.items()}
+    error = IntegrityError if fault == "checksum" else ProtocolError
+    with pytest.raises(error, match=f"tensor {specs[victim].key}:"):
+        stage_coded(coded, list(model.values()), metadata)
+    assert all(torch.equal(bits(model[k]), bits(old[k])) for k in old)
+
+
+def test_group_cut_points_match_a_search_of_each_run() -> None:
+    """Each group member's changes are where ``searchsorted`` of its run's offsets puts them."""
+    old, new, groups, spans = scenario(9, 10)
+    specs, frames, places = coded_message(old, new, groups, [None] * len(spans))
+    metadata = ModelMetadata.of(old)
+    decoded = decoded_of(specs, frames, places)
+    staged = stage_coded([Coded.of(d, group, None, metadata) for d, (group, _, _, _) in zip(decoded, places)], list(old.values()), metadata)
+    assert any(group for group, _, _, _ in places)
+    for d, (group, _, _, _), updates in zip(decoded, places, staged):
+        if not group:
+            continue
+        offsets = group_offsets([metadata.shapes[k] for k in group])
+        assert d.flat is not None
+        cuts = torch.searchsorted(d.flat, torch.from_numpy(offsets)).tolist()
+        want = [(k, cuts[m + 1] - cuts[m]) for m, k in enumerate(group) if cuts[m + 1] > cuts[m]]
+        assert [(u.ordinal, u.flat.numel()) for u in updates if u.flat is not None] == want
+        assert all(int(u.flat.max()) < math.prod(metadata.shapes[u.ordinal]) for u in updates if u.flat is not None)
