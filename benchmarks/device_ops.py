@@ -92,7 +92,34 @@ def config(codec: str) -> dict[str, Any]:
 
 
 # -- the receiver's process ---------------------------------------------------------------------
-async def _receive(endpoint: str, spec: dict[str, Any], conf: dict[str, Any], versions: int, sites: bool = False) -> None:
+def gpu_path(fused_kernels: bool = True) -> str:
+    """Make this CPU receiver take the path a GPU receiver takes, so its ops are that path's
+    launches: the commit's torch writes (not the numba kernels a CPU target gets), and, with
+    ``fused_kernels``, the fused Triton kernels in Triton's interpreter where Triton imports
+    (each launch counted as one op, ``launches``). Returns the path taken."""
+    from receiver import fused, kernels
+
+    kernels.supported = lambda target: False  # type: ignore[assignment]
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    fused.interpret(fused_kernels)
+    return "fused" if fused_kernels else "torch"
+
+
+def launches() -> Counter[str]:
+    """Fused kernels launched since the last call, as ``triton::<kernel>`` ops."""
+    from receiver import fused
+
+    with fused._lock:
+        taken = Counter({f"triton::{name}": n for name, n in fused.LAUNCHES.items()})
+        fused.LAUNCHES.clear()
+    return taken
+
+
+
+async def _receive(endpoint: str, spec: dict[str, Any], conf: dict[str, Any], versions: int, sites: bool = False, fused: bool = True) -> None:
     from receiver import Receiver
 
     def dtype(name: str) -> torch.dtype:
@@ -100,17 +127,19 @@ async def _receive(endpoint: str, spec: dict[str, Any], conf: dict[str, Any], ve
         return torch.bfloat16 if d.is_floating_point else d
 
     model = {k: torch.zeros(shape, dtype=dtype(name)) for k, (shape, name) in spec.items()}
+    path = gpu_path(fused)
     counter = OpCounter(sites)
     with counter:
         async with Receiver(model, endpoint, conf, identity="device-ops") as receiver:
             await receiver.start(timeout=TIMEOUT)
             await receiver.wait_for_version(0, timeout=TIMEOUT)
             counter.take()
-            print(json.dumps({"event": "ready"}), flush=True)
+            print(json.dumps({"event": "ready", "path": path}), flush=True)
             for v in range(1, versions + 1):
                 await receiver.wait_for_version(v, timeout=TIMEOUT)
                 where = counter.take_sites()
                 ops, syncs = counter.take()
+                ops.update(launches())
                 print(json.dumps({"event": "applied", "version": v, "ops": dict(ops), "syncs": dict(syncs), "sites": dict(where)}), flush=True)
 
 
@@ -127,7 +156,9 @@ async def _lines(proc: asyncio.subprocess.Process) -> dict[str, Any]:
             continue
 
 
-async def measure(layout: str, versions: int = 3, codec: str = "device", lr: float = 1e-5, sites: bool = False) -> dict[str, Any]:
+async def measure(
+    layout: str, versions: int = 3, codec: str = "device", lr: float = 1e-5, sites: bool = False, fused: bool = True
+) -> dict[str, Any]:
     """One layout's counts: the first version is a warm-up, the rest are reported (medians);
     with ``sites``, the last version's ops by the weightsync function that dispatched them."""
     from sender import Sender
@@ -140,11 +171,12 @@ async def measure(layout: str, versions: int = 3, codec: str = "device", lr: flo
         await sender.start(state, version=0)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "benchmarks.device_ops", "--receive", sender.endpoint, "--spec", json.dumps(receiver_spec(state)),
-            "--config", json.dumps(conf), "--versions", str(versions + 1), *(["--sites"] if sites else []),
+            "--config", json.dumps(conf), "--versions", str(versions + 1), *(["--sites"] if sites else []), *([] if fused else ["--torch-only"]),
             stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env,
         )
         try:
-            assert (await _lines(proc))["event"] == "ready"
+            ready = await _lines(proc)
+            assert ready["event"] == "ready", ready
             rows = []
             counter = OpCounter(sites)
             for v in range(1, versions + 2):
@@ -175,6 +207,7 @@ async def measure(layout: str, versions: int = 3, codec: str = "device", lr: flo
     last = timed[-1]
     return {
         "layout": layout, "tensors": len(state), "elements": sum(t.numel() for t in state.values()), "codec": codec,
+        "receiver_path": ready["path"],
         "versions": len(timed), "parts": last["parts"], "tensors_changed": last["entries"],
         "changed_fraction": round(statistics.mean(r["changed_fraction"] for r in timed), 4),
         "sender_ops": median("sender_ops"), "sender_syncs": median("sender_syncs"),
@@ -186,11 +219,11 @@ async def measure(layout: str, versions: int = 3, codec: str = "device", lr: flo
 
 def report(rows: list[dict[str, Any]]) -> str:
     head = f"{'layout':<7} {'tensors':>7} {'changed':>7} {'parts':>5} {'elements':>8}"
-    lines = [f"{head} {'sender ops':>10} {'syncs':>5} {'receiver ops':>12} {'syncs':>5}"]
+    lines = [f"{head} {'sender ops':>10} {'syncs':>5} {'receiver ops':>12} {'syncs':>5}  receiver path"]
     for r in rows:
         lines.append(
             f"{r['layout']:<7} {r['tensors']:>7} {r['tensors_changed']:>7} {r['parts']:>5} {100 * r['changed_fraction']:>7.2f}% "
-            f"{r['sender_ops']:>10} {r['sender_syncs']:>5} {r['receiver_ops']:>12} {r['receiver_syncs']:>5}"
+            f"{r['sender_ops']:>10} {r['sender_syncs']:>5} {r['receiver_ops']:>12} {r['receiver_syncs']:>5}  {r.get('receiver_path', '?')}"
         )
     by = {r["layout"]: r for r in rows}
     if "t48" in by and "t480" in by:
@@ -212,15 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="device", choices=("device", "host"))
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--sites", action="store_true", help="also name the functions that dispatched the ops (slower)")
+    p.add_argument("--torch-only", action="store_true", help="the receiver without the fused Triton kernels (a GPU without Triton)")
     p.add_argument("--receive", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.receive:
-        asyncio.run(_receive(args.receive, json.loads(args.spec), json.loads(args.config), args.versions, args.sites))
+        asyncio.run(_receive(args.receive, json.loads(args.spec), json.loads(args.config), args.versions, args.sites, not args.torch_only))
         return 0
     torch.set_num_threads(1)
-    rows = [asyncio.run(measure(layout, args.versions, args.codec, sites=args.sites)) for layout in args.layouts]
+    rows = [asyncio.run(measure(layout, args.versions, args.codec, sites=args.sites, fused=not args.torch_only)) for layout in args.layouts]
     print(report(rows))
     if args.json:
         command = "python -m benchmarks.device_ops " + " ".join(argv or sys.argv[1:])

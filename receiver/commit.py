@@ -16,6 +16,7 @@ from protocol.wire.framing import ValueEncoding
 
 if TYPE_CHECKING:
     from . import kernels
+    from .fused import FusedWrite
 else:  # numba loads on first use (protocol/lazy.py)
     kernels = lazy_module("receiver.kernels")
 
@@ -30,6 +31,7 @@ class StagedUpdate:
     ordinal: int
     flat: torch.Tensor | None  # None: replace the whole tensor
     values: torch.Tensor  # final values at the target's dtype (sparse) or the whole tensor (dense)
+    batch: FusedWrite | None = None  # written with the rest of its batch in one kernel, when the commit has them all
 
     @classmethod
     def stage(cls, decoded: DecodedTensor, target: Target) -> StagedUpdate:
@@ -92,14 +94,35 @@ def write(target: Target, update: StagedUpdate) -> None:
 
 
 def commit(targets: Sequence[Target], updates: Sequence[StagedUpdate], aliases: dict[int, list[int]]) -> None:
-    """Write every update, and the same into untied aliases of its tensor."""
+    """Write every update, and the same into untied aliases of its tensor. Updates staged
+    as one batch (``receiver/stage_device.py``) are written in one kernel, where the first
+    of them comes, when all of them are here and their tensors have not moved since; the
+    rest one by one."""
+    whole = _whole_batches(updates)
+    done: set[int] = set()  # batches written
     for update in updates:
         target = targets[update.ordinal]
-        write(target, update)
+        batch = update.batch
+        if batch is None or id(batch) not in whole:
+            write(target, update)
+        elif id(batch) not in done:
+            done.add(id(batch))
+            if not batch.write(targets):  # a tensor moved since: one by one
+                for member in whole[id(batch)]:
+                    write(targets[member.ordinal], member)
         for alias in aliases.get(update.ordinal, ()):
             other = targets[alias]
             if not _same_storage(other, target):
                 write(other, update)
+
+
+def _whole_batches(updates: Sequence[StagedUpdate]) -> dict[int, list[StagedUpdate]]:
+    """The batches every update of which is in ``updates``, by id."""
+    batches: dict[int, list[StagedUpdate]] = {}
+    for update in updates:
+        if update.batch is not None:
+            batches.setdefault(id(update.batch), []).append(update)
+    return {k: members for k, members in batches.items() if sorted(u.ordinal for u in members) == sorted(members[0].batch.keys)}  # type: ignore[union-attr]
 
 
 def _same_storage(a: Target, b: Target) -> bool:

@@ -8,7 +8,9 @@ at a time: the verdicts and every group's cut points are read in ONE host sync (
 points found by one ``searchsorted`` over the batch's positions made global: each entry's run
 placed after the one before it), positions shifted to their tensors' coordinates in one op,
 and the differences added a dtype at once. What is left a tensor is reading its old values
-at those positions (``read_flat``), and the commit's write.
+at those positions (``read_flat``), and the commit's write; where the fused kernels can
+(``receiver/fused.py``: plain contiguous tensors on a GPU, Triton there), those two are one
+kernel each for the whole batch.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from protocol.errors import IntegrityError, ProtocolError
 from protocol.state import Placed
 from protocol.wire.metadata import ModelMetadata
 
+from . import fused
 from .commit import StagedUpdate, Target, read_flat
 
 
@@ -108,12 +111,36 @@ def _stage_batch(batch: devicecodec.DecodedBatch, coded: list[Coded], targets: l
     if not pieces:
         return [[] for _ in coded]
     lengths = [end - start for _, _, start, end in pieces]
-    offset_d, length_d = _host_to(device, [offsets, lengths])
+    owners = [targets[key] for _, key, _, _ in pieces]
+    kinds = {t.dtype == torch.bool for t in owners}
+    tensors = [t for t in owners if isinstance(t, torch.Tensor)]
+    together = len(kinds) == 1 and len(tensors) == len(owners) and fused.usable(tensors, device)
+    addresses = fused.table(tensors) if together else []
+    offset_d, length_d, address_d = _host_to(device, [offsets, lengths, addresses])
     covered = sum(lengths)
     first = pieces[0][2]
     local = batch.flat[first : first + covered] - torch.repeat_interleave(offset_d, length_d, output_size=covered)
+    diffs = batch.diffs[first : first + covered]
     # pieces tile the batch's changes in order (a verdict True says every change lies in its run)
-    return _with_values(pieces, local, batch.diffs[first : first + covered], first, targets, len(coded))
+    if together:
+        return _fused(pieces, local, diffs, first, tensors, addresses, address_d, length_d, len(coded))
+    return _with_values(pieces, local, diffs, first, targets, len(coded))
+
+
+def _fused(
+    pieces: list[tuple[int, int, int, int]], local: torch.Tensor, diffs: torch.Tensor, first: int, owners: list[torch.Tensor],
+    addresses: list[int], address_d: torch.Tensor, length_d: torch.Tensor, entries: int,
+) -> list[list[StagedUpdate]]:
+    """Every piece's new values in one kernel (``fused.gather_add``), and the write the commit
+    makes of them all in one more (``fused.FusedWrite``)."""
+    owner = torch.repeat_interleave(torch.arange(len(pieces), device=local.device), length_d, output_size=local.numel())
+    bits = fused.gather_add(address_d, owner, local, diffs, owners[0].dtype)
+    write = fused.FusedWrite(tuple(key for _, key, _, _ in pieces), tuple(addresses), address_d, owner, local, bits)
+    out: list[list[StagedUpdate]] = [[] for _ in range(entries)]
+    for (j, key, start, end), target in zip(pieces, owners):
+        at = slice(start - first, end - first)
+        out[j].append(StagedUpdate(key, local[at], bits[at].view(target.dtype), write))
+    return out
 
 
 def _with_values(

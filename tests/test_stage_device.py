@@ -9,10 +9,11 @@ typed error naming it and stages nothing; the host reads the device once a batch
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_device_codec import bits, bitwise_changes
 
@@ -23,6 +24,7 @@ from protocol.errors import IntegrityError, ProtocolError
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import TensorEntry
 from protocol.wire.metadata import ModelMetadata
+from receiver import fused
 from receiver.commit import StagedUpdate, commit
 from receiver.stage_device import Coded, stage_coded
 
@@ -108,9 +110,19 @@ def decoded_of(specs: list[TensorEntry], frames: list[Buffer], places: list) -> 
     return decode_blocks([BlocksEntry(spec, shape, dtype, CPU) for spec, (_, dtype, shape, _) in zip(specs, places)], frames)
 
 
-@settings(max_examples=30, deadline=None)
+@pytest.fixture(params=["torch", "fused"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The torch ops, or the fused kernels (``receiver/fused.py``) in Triton's interpreter."""
+    if request.param == "fused":
+        pytest.importorskip("triton")
+        fused.interpret(True)
+    yield request.param
+    fused.interpret(False)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(0, 2**31), st.integers(1, 12))
-def test_a_batch_stages_every_kind_of_entry_bit_exact(seed: int, entries: int) -> None:
+def test_a_batch_stages_every_kind_of_entry_bit_exact(path: str, seed: int, entries: int) -> None:
     old, new, groups, spans = scenario(seed, entries)
     specs, frames, places = coded_message(old, new, groups, spans)
     metadata = ModelMetadata.of(old)
@@ -120,10 +132,15 @@ def test_a_batch_stages_every_kind_of_entry_bit_exact(seed: int, entries: int) -
     coded = [Coded.of(d, group, span, metadata) for d, (group, _, _, span) in zip(decoded, places)]
     with OpCounter() as reads:
         staged = stage_coded(coded, targets, metadata)
-    assert reads.sync_count == 1, reads.syncs  # verdicts and cut points, at once
+    assert reads.sync_count == (1 if coded else 0), reads.syncs  # verdicts and cut points, at once
     updates = [u for us in staged for u in us]
     assert all(isinstance(u, StagedUpdate) and u.flat is not None for u in updates)
+    # the fused kernels take a batch of one element size and one kind (bool or not); others the torch ops
+    kinds = {(targets[u.ordinal].element_size(), targets[u.ordinal].dtype == torch.bool) for u in updates}
+    assert not updates or all(u.batch is not None for u in updates) == (path == "fused" and len(kinds) == 1)
+    launched = sum(fused.LAUNCHES.values())
     commit(targets, updates, {})
+    assert sum(fused.LAUNCHES.values()) - launched == (bool(updates) and updates[0].batch is not None)  # one scatter for the whole batch
     for k in old:
         assert torch.equal(bits(model[k]), bits(new[k])), k
 
