@@ -3,13 +3,16 @@ before anything of the message is staged: where it decodes, its values, its verd
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 
 from protocol.codec.parallel import map_ordered
 from protocol.codec.staging import StagingPool
-from protocol.codec.tensorcodec import BlocksEntry, at_span, decode_blocks, decode_entry, group_offsets, is_blocks, split_group
+from protocol.codec.tensorcodec import BlocksEntry, DecodedTensor, at_span, decode_blocks, decode_entry, group_offsets, is_blocks, split_group
 from protocol.errors import ProtocolError
-from protocol.wire.framing import Message, MessageType, TensorEntry, ValueEncoding
+from protocol.wire.framing import Encoding, Message, MessageType, TensorEntry, ValueEncoding
 from protocol.wire.metadata import ModelMetadata
 
 from .checks import check_span
@@ -42,9 +45,17 @@ def decode_part(
         return Placement((int(offsets[-1]),), dtype, device, offsets)
 
     placements = [place(entry) for entry in msg.tensors]
-    # Device-coded payloads bound for a GPU (and their groups' offsets) and whole tensors'
-    # bytes: one copy to it for the message, everything checked before it.
-    moved = transfer_part(msg.tensors, msg.frames, placements, staging, exact_dtype=exact)
+    # Host-coded sparse entries bound for a GPU: decoded on the host first (in parallel), so
+    # that their positions and values join the message's one copy to it.
+    hosted = [i for i, entry in enumerate(msg.tensors) if _decoded_on_host(entry, placements[i], targets, staging)]
+    pieces = dict(zip(hosted, map_ordered(lambda i: _host_pieces(msg, i, placements[i], metadata, decode_device), hosted)))
+    arrays = [(placements[i].device, a) for i in hosted for piece in pieces[i] for a in _host_arrays(piece)]
+    # Device-coded payloads bound for a GPU (and their groups' offsets), whole tensors' bytes
+    # and what the host decoded for it: one copy to it for the message, everything checked before it.
+    moved = transfer_part(msg.tensors, msg.frames, placements, staging, exact_dtype=exact, extra=arrays)
+    there = iter(moved.extra)
+    for i in hosted:
+        pieces[i] = [_on_device(piece, next(there), next(there)) for piece in pieces[i]]
     # Device-coded entries: decoded together, a fixed number of kernels a device for the message.
     coded = [i for i, entry in enumerate(msg.tensors) if is_blocks(entry)]
     blocks = dict(zip(coded, decode_blocks(
@@ -56,6 +67,8 @@ def decode_part(
         """The updates of an entry not device-coded (``payload``: dense bytes the transfer moved for it)."""
         entry, where = msg.tensors[i], placements[i]
         payload = moved.payloads.get(i)
+        if i in pieces:
+            return [StagedUpdate.stage(piece, targets[piece.key]) for piece in pieces[i]]
         if not entry.group:
             target = targets[entry.key]
             base = target if isinstance(target, torch.Tensor) else None  # read where the entry's values are relative
@@ -79,3 +92,35 @@ def decode_part(
     rest = iter(done)
     ordered = [next(staged) if i in blocks else next(rest) for i in range(len(msg.tensors))]
     return [update for updates in ordered for update in updates]
+
+
+def _decoded_on_host(entry: TensorEntry, where: Placement, targets: list[Target], staging: StagingPool) -> bool:
+    """A host-coded sparse entry whose tensors the pool stages for (plain tensors on a GPU)."""
+    if entry.encoding is Encoding.DENSE or is_blocks(entry) or not staging.stages(where.device):
+        return False
+    return all(isinstance(targets[k], torch.Tensor) for k in (entry.group or (entry.key,)))
+
+
+def _host_pieces(msg: Message, i: int, where: Placement, metadata: ModelMetadata, decode_device: torch.device) -> list[DecodedTensor]:
+    """A host-coded sparse entry decoded (on ``decode_device``, the host), one piece a tensor with changes."""
+    entry = msg.tensors[i]
+    decoded = decode_entry(entry, msg.frames, where.shape, where.dtype, decode_device, target_device=where.device)
+    if entry.span is not None:  # its positions in the tensor's flat coordinates
+        decoded = at_span(decoded, entry.span)
+    if not entry.group:
+        return [decoded]
+    return split_group(decoded, entry.group, [metadata.shapes[k] for k in entry.group])
+
+
+def _host_arrays(piece: DecodedTensor) -> tuple[np.ndarray, np.ndarray]:
+    """A host-decoded piece's positions and values as bytes for the staging pool."""
+    assert piece.flat is not None
+    return (piece.flat.cpu().contiguous().view(-1).view(torch.uint8).numpy(), piece.values.cpu().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _on_device(piece: DecodedTensor, flat: torch.Tensor, values: torch.Tensor) -> DecodedTensor:
+    """``piece`` with its positions and values the views the transfer made of them."""
+    assert piece.flat is not None
+    return dataclasses.replace(
+        piece, flat=flat.view(piece.flat.dtype).view(piece.flat.shape), values=values.view(piece.values.dtype).view(piece.values.shape)
+    )

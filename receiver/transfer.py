@@ -43,10 +43,12 @@ class Moved:
 
     payloads: dict[int, torch.Tensor] = field(default_factory=dict)
     offsets: dict[int, torch.Tensor] = field(default_factory=dict)
+    extra: list[torch.Tensor] = field(default_factory=list)  # the ``extra`` arrays, on their devices, in order
 
 
 def transfer_part(
-    entries: Sequence[TensorEntry], frames: list[Buffer], placements: Sequence[Placement], pool: StagingPool, *, exact_dtype: bool = True
+    entries: Sequence[TensorEntry], frames: list[Buffer], placements: Sequence[Placement], pool: StagingPool, *, exact_dtype: bool = True,
+    extra: Sequence[tuple[torch.device, np.ndarray]] = (),
 ) -> Moved:
     """Move what of ``entries`` is bound for a device ``pool`` stages (any but the CPU):
     device-coded payloads and their groups' offsets, and dense entries' values (their bytes:
@@ -57,7 +59,9 @@ def transfer_part(
     decompress to its size (``IntegrityError``), or bool bytes other than 0 and 1, fail before
     anything is copied too: a bad entry moves nothing of its message. Nothing is moved, and
     nothing of the pool touched, for a message without such an entry (nor for a dense buffer
-    nvCOMP compressed: it decompresses on the GPU, ``decode_entry``)."""
+    nvCOMP compressed: it decompresses on the GPU, ``decode_entry``). ``extra``: host arrays
+    (1-D, of a dtype the pool stages) for a device the pool stages, moved in the same copy:
+    what the host decoded of the message for that device (``Moved.extra``)."""
     pieces: dict[int, np.ndarray] = {}
     dense: dict[int, BufferSpec] = {}
     for i, (entry, where) in enumerate(zip(entries, placements)):
@@ -85,9 +89,16 @@ def transfer_part(
         mine.append((i, False, pieces[i]))
         if i not in dense and where.offsets is not None:  # a device-coded group's cut points are read there
             mine.append((i, True, where.offsets))
+    for j, (device, array) in enumerate(extra):
+        by_device.setdefault(device, []).append((-1 - j, False, array))
     moved = Moved()
+    extras: dict[int, torch.Tensor] = {}
     for device, mine in by_device.items():
         views = pool.stage(device, [array for _, _, array in mine])
         for (i, is_offsets, _), view in zip(mine, views):
-            (moved.offsets if is_offsets else moved.payloads)[i] = view
+            if i < 0:
+                extras[-1 - i] = view
+            else:
+                (moved.offsets if is_offsets else moved.payloads)[i] = view
+    moved.extra = [extras[j] for j in range(len(extra))]
     return moved

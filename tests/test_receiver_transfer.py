@@ -116,15 +116,23 @@ async def test_one_transfer_a_part_whatever_the_tensor_count(
         assert len(messages) > 1
 
 
-async def test_a_part_without_device_coded_entries_is_not_transferred(transfers: Transfers) -> None:
-    """The host codec's part, with the pool staging CPU targets: no transfer, no buffer."""
+async def test_host_coded_entries_join_the_parts_one_copy(transfers: Transfers) -> None:
+    """The host codec's part, with the pool staging CPU targets (as for a GPU's): every
+    entry decoded on the host first, its positions and values moved in the part's one copy,
+    staged from there."""
     r, model, state, messages = await device_messages(48, 4096, {"codec": "host", "group_numel": 0})
     r.staging = StagingPool(cpu_too=True)
     assert not any(e.encoding is Encoding.BLOCKS for m in messages for e in m.tensors)
+    assert any(e.encoding is not Encoding.DENSE for m in messages for e in m.tensors)
     targets = r.targets(model)
     for msg in messages:
-        commit(targets, r._decode(msg, targets), {})
-    assert transfers.sizes == [] and r.staging.buffer(CPU) is None and r.staging.allocations == 0
+        updates = r._decode(msg, targets)
+        buffer = r.staging.buffer(CPU)
+        assert buffer is not None and len(transfers.sizes) >= 1
+        sparse = [u.flat for u in updates if u.flat is not None]
+        assert sparse and len({flat.untyped_storage().data_ptr() for flat in sparse}) == 1  # all in the part's one copy
+        commit(targets, updates, {})
+    assert len(transfers.sizes) == len(messages) and r.staging.allocations == 1
     assert all(torch.equal(model[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
 
 
