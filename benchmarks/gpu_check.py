@@ -152,11 +152,44 @@ async def main(args: argparse.Namespace) -> int:
         print(f"  {name:<24} {result}")
     print(f"\npatch build, {args.density:.1%} of elements changed (best of 3)")
     print(f"  {'state':>8} {'snapshot':>9} {'build':>10} {'read floor':>11} {'ratio':>6}")
+    ratios = {}
     for gb in args.sizes_gb:
         for snapshot in ("cuda", "cpu"):
             build, floor = await build_time(gb, args.density, snapshot)
+            ratios[(gb, snapshot)] = build / floor
             print(f"  {gb:>6.0f}GB {snapshot:>9} {build * 1e3:>8.1f}ms {floor * 1e3:>9.1f}ms {build / floor:>5.1f}x")
+    top = max(args.sizes_gb)
+    print(verdict(f"{top:g} GB build at {args.density:.0%} <= 3x the read floor (snapshot on the GPU)", ratios[(top, "cuda")], 3.0, "x")["line"])
     return 0
+
+
+def verdict(target: str, measured: float | None, limit: float, unit: str) -> dict[str, Any]:
+    """One target's verdict: its line (``VERDICT PASS|FAIL|NONE target: measured (limit)``) and its figures."""
+    ok = measured is not None and measured <= limit
+    shown = "-" if measured is None else (f"{measured * 1e3:.1f} ms" if unit == "s" and measured < 1 else f"{measured:.3g} {unit}")
+    word = "NONE" if measured is None else "PASS" if ok else "FAIL"
+    return {"target": target, "measured": measured, "limit": limit, "unit": unit, "pass": ok,
+            "line": f"VERDICT {word} {target}: {shown} (limit {limit:g} {unit})"}
+
+
+def e2e_verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The device path's end-to-end targets, from the runs that measure them: the default patch
+    run at lr 1e-6 (snapshot auto, codec auto unless only another ran), the bucket run, the first bootstrap, every digest."""
+    default = [r for r in runs if r["strategy"] == "patch" and r["lr"] == 1e-6 and r["snapshot"] == "auto"]
+    patch = next((r for r in default if r["codec"] in (None, "auto")), default[0] if default else None)
+    bucket = next((r for r in runs if r["strategy"] == "bucket"), None)
+    m = patch["median"] if patch else {}
+    apply = m["decode_s"] + m["commit_s"] if m.get("decode_s") is not None and m.get("commit_s") is not None else None
+    dense = bucket["median"]["dense_bytes"] if bucket else None
+    out = [
+        verdict("patch lr 1e-6 end to end <= 50 ms", m.get("e2e_s"), 0.050, "s"),
+        verdict("patch lr 1e-6 sync() <= 10 ms", m.get("sync_s"), 0.010, "s"),
+        verdict("patch lr 1e-6 receiver decode + commit <= 10 ms", apply, 0.010, "s"),
+        verdict(f"bucket sync() of {fmt_bytes(dense) if dense else '?'} <= 0.5 s", bucket["median"]["sync_s"] if bucket else None, 0.5, "s"),
+        verdict("bootstrap of the receivers <= 5 s", runs[0]["bootstrap"]["s"] if runs else None, 5.0, "s"),
+        verdict("digests equal (every run, version and receiver)", 0.0 if all(r["digests_equal"] for r in runs) else 1.0, 0.0, "differing"),
+    ]
+    return out
 
 
 # -- e2e: the daemons, a Qwen2-1.5B-shaped model, receivers in their own processes -----------
@@ -196,9 +229,9 @@ def snapshot_place(sender: Sender) -> str | None:
     return None if snapshot is None else str(snapshot.device)
 
 
-def sync_config(strategy: str, codec: str | None) -> dict[str, Any]:
+def sync_config(strategy: str, codec: str | None, snapshot: str = "auto") -> dict[str, Any]:
     if strategy == "patch":
-        return {"type": "patch", "patch": {"codec": codec}}
+        return {"type": "patch", "patch": {"codec": codec, "snapshot_device": snapshot}}
     return {"type": "bucket", "bucket": {"bucket_dtype": "bfloat16"}}
 
 
@@ -245,8 +278,8 @@ async def digests(model: torch.nn.Module, receivers: RemoteReceivers, version: i
             "equal": all(d == trainer for d in theirs) and all(r["version"] == version for r in replies)}
 
 
-async def e2e_run(args: argparse.Namespace, shape: Any, lr: float, strategy: str, codec: str | None) -> dict[str, Any]:
-    """One lr, strategy and codec: a fresh trainer (same seed), sender and receivers."""
+async def e2e_run(args: argparse.Namespace, shape: Any, lr: float, strategy: str, codec: str | None, snapshot: str = "auto") -> dict[str, Any]:
+    """One lr, strategy, codec and snapshot place: a fresh trainer (same seed), sender and receivers."""
     from benchmarks import qwen2
     from benchmarks.rollout import RemoteReceivers
     from sender import Sender
@@ -256,10 +289,10 @@ async def e2e_run(args: argparse.Namespace, shape: Any, lr: float, strategy: str
     model = qwen2.build(shape, device, torch.float32, seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     generator = torch.Generator(device=device).manual_seed(args.seed + 1)
-    config = sync_config(strategy, codec)
-    name = f"lr{lr:g}-{strategy}" + (f"-{codec}" if codec else "")
-    run: dict[str, Any] = {"name": name, "lr": lr, "strategy": strategy, "codec": codec, "config": config}
-    spec = {"kind": "qwen2", "shape": {k: getattr(shape, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")},
+    config = sync_config(strategy, codec, snapshot)
+    name = f"lr{lr:g}-{strategy}" + (f"-{codec}" if codec else "") + (f"-snap-{snapshot}" if strategy == "patch" and snapshot != "auto" else "")
+    run: dict[str, Any] = {"name": name, "lr": lr, "strategy": strategy, "codec": codec, "snapshot": snapshot, "config": config}
+    spec = {"kind": "qwen2", "shape": {k: getattr(shape, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "tied")},
             "dtype": "bfloat16", "device": device}
     sender = Sender("tcp://127.0.0.1:0", config, peer_timeout=300.0)
     receivers: RemoteReceivers | None = None
@@ -347,7 +380,7 @@ async def e2e(args: argparse.Namespace) -> int:
         print(f"gpu_check e2e: --device {args.device}, but torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 2
     shape = qwen2.Shape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
-                        kv_heads=args.kv_heads, vocab=args.vocab)
+                        kv_heads=args.kv_heads, vocab=args.vocab, tied=not args.untied)
     info = device_info(args.device)
     started = time.perf_counter()
     print(f"gpu_check e2e on {info['name']}, torch {torch.__version__}: Qwen2-shaped {shape.parameters() / 1e9:.3g}B parameters "
@@ -357,7 +390,8 @@ async def e2e(args: argparse.Namespace) -> int:
     for lr in args.lrs:
         for strategy in args.strategies:
             for codec in (args.codec if strategy == "patch" else [None]):
-                runs.append(await e2e_run(args, shape, lr, strategy, codec))
+                for snapshot in (args.snapshot if strategy == "patch" else ["auto"]):
+                    runs.append(await e2e_run(args, shape, lr, strategy, codec, snapshot))
     doc = {
         "benchmark": "gpu_check e2e",
         "device": info,
@@ -367,7 +401,8 @@ async def e2e(args: argparse.Namespace) -> int:
         "config": {
             "model": shape.as_dict(), "trainer_dtype": "float32", "receiver_dtype": "bfloat16", "optimizer": "AdamW",
             "loss": "next-token cross entropy on random tokens", "batch": args.batch, "seq": args.seq, "seed": args.seed,
-            "lrs": args.lrs, "strategies": args.strategies, "codecs": args.codec, "versions": args.versions, "warmup": args.warmup,
+            "lrs": args.lrs, "strategies": args.strategies, "codecs": args.codec, "snapshots": args.snapshot,
+            "versions": args.versions, "warmup": args.warmup,
             "receivers": args.receivers, "transport": "tcp loopback", "receiver_processes": "python -m benchmarks.rollout, one each",
         },
         "library": git_info(),
@@ -388,14 +423,17 @@ async def e2e(args: argparse.Namespace) -> int:
         ],
         "wall_s": time.perf_counter() - started,
     }
-    print(f"\n{'run':<22} {'sync':>9} {'e2e':>9} {'decode':>9} {'commit':>9} {'wire':>9} {'dense':>9} {'changed':>8} {'boot':>7}  digests")
+    print(f"\n{'run':<30} {'sync':>9} {'e2e':>9} {'decode':>9} {'commit':>9} {'wire':>9} {'dense':>9} {'changed':>8} {'boot':>7}  digests")
     for r in runs:
         m = r["median"]
         changed = f"{100 * m['changed_fraction']:.3g}%" if m["changed_fraction"] is not None else "-"
-        print(f"{r['name']:<22} {_ms(m['sync_s']):>9} {_ms(m['e2e_s']):>9} {_ms(m['decode_s']):>9} {_ms(m['commit_s']):>9} "
+        print(f"{r['name']:<30} {_ms(m['sync_s']):>9} {_ms(m['e2e_s']):>9} {_ms(m['decode_s']):>9} {_ms(m['commit_s']):>9} "
               f"{fmt_bytes(m['wire_bytes']):>9} {fmt_bytes(m['dense_bytes']):>9} {changed:>8} {_s(r['bootstrap']['s']):>7}  "
               f"{'equal' if r['digests_equal'] else 'DIFFER'}")
     print(f"(medians of {args.versions} measured versions; wall {doc['wall_s']:.1f}s)")
+    doc["verdicts"] = e2e_verdicts(runs)
+    for v in doc["verdicts"]:
+        print(v["line"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2, default=str))
@@ -424,6 +462,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--heads", type=int, default=default.heads)
     e.add_argument("--kv-heads", type=int, default=default.kv_heads)
     e.add_argument("--vocab", type=int, default=default.vocab)
+    e.add_argument("--untied", action="store_true", help="an output head of its own (1.78B at Qwen2-1.5B's widths: the earlier H200 baseline)")
+    e.add_argument("--snapshot", nargs="+", choices=["auto", "cuda", "cpu"], default=["auto"],
+                   help="patch.snapshot_device for the patch runs; several: a patch run each")
     e.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
     e.add_argument("--strategies", nargs="+", choices=["patch", "bucket"], default=["patch", "bucket"])
     e.add_argument("--codec", nargs="+", choices=["auto", "host", "device"], default=["auto"],

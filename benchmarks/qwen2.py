@@ -27,6 +27,7 @@ class Shape:
     heads: int = 12
     kv_heads: int = 2
     vocab: int = 151936
+    tied: bool = True  # the output head is the embedding (Qwen2-1.5B); untied: a head of its own (1.78B at these widths)
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.heads % self.kv_heads:
@@ -37,14 +38,14 @@ class Shape:
         return self.hidden // self.heads
 
     def parameters(self) -> int:
-        """Distinct parameters (the tied head counted once)."""
+        """Distinct parameters (a tied head counted once)."""
         h, kv = self.hidden, self.kv_heads * self.head_dim
         attn = h * h + h + 2 * (h * kv + kv) + h * h
         mlp = 3 * h * self.intermediate
-        return self.layers * (attn + mlp + 2 * h) + self.vocab * h + h
+        return self.layers * (attn + mlp + 2 * h) + self.vocab * h * (1 if self.tied else 2) + h
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "head_dim": self.head_dim, "parameters": self.parameters(), "tied_embeddings": True}
+        return {**asdict(self), "head_dim": self.head_dim, "parameters": self.parameters(), "tied_embeddings": self.tied}
 
 
 class Attention(nn.Module):
@@ -113,7 +114,8 @@ class Qwen2Shaped(nn.Module):
         self.shape = s
         self.model = Body(s, **dd)
         self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False, **dd)
-        self.lm_head.weight = self.model.embed_tokens.weight  # tied, as Qwen2-1.5B
+        if s.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight  # tied, as Qwen2-1.5B
         with torch.no_grad():
             for m in self.modules():
                 if isinstance(m, (nn.Linear, nn.Embedding)):

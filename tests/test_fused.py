@@ -130,3 +130,22 @@ def test_what_the_kernels_cannot_address_takes_the_torch_ops() -> None:
     assert not fused.usable([plain, Placed.__new__(Placed)], CPU)  # an engine's scattered tensor
     fused.interpret(False)
     assert not fused.usable([plain], CPU)  # CPU tensors take the torch ops unless interpreting
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_on_cuda_the_compiled_kernels_give_the_torch_ops_bits(dtype: torch.dtype) -> None:
+    cuda = torch.device("cuda")
+    targets = [t.to(cuda) for t in tensors_of(dtype, 6, 8)]
+    assert fused.usable(targets, cuda)
+    gen = torch.Generator().manual_seed(9)
+    flats = [torch.randperm(t.numel(), generator=gen)[: max(1, t.numel() // 4)].sort().values.to(cuda) for t in targets]
+    diffs = [torch.randint(-(2**40), 2**40, f.shape, generator=gen, dtype=torch.int64).to(cuda) for f in flats]
+    owner = torch.cat([torch.full((f.numel(),), i, device=cuda) for i, f in enumerate(flats)])
+    table = torch.tensor(fused.table(targets), dtype=torch.int64, device=cuda)
+    new = fused.gather_add(table, owner, torch.cat(flats), torch.cat(diffs), dtype)
+    want = torch.cat([devicecodec.apply_differences(t.reshape(-1)[f], d) for t, f, d in zip(targets, flats, diffs)])
+    assert torch.equal(bits(new.cpu()), bits(want.cpu()))
+    fused.scatter(table, owner, torch.cat(flats), new)
+    for t, f, piece in zip(targets, flats, want.split([f.numel() for f in flats])):
+        assert torch.equal(bits(t.reshape(-1)[f].cpu()), bits(piece.cpu()))

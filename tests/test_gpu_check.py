@@ -99,16 +99,33 @@ async def test_a_differing_digest_fails_the_run(monkeypatch: pytest.MonkeyPatch,
     """The exit status follows the digests: 1 when any receiver differed."""
     args = gpu_check.parser().parse_args(["e2e", "--device", "cpu", *TINY, "--lrs", "1e-5", "--strategies", "bucket"])
 
-    async def fake_run(args: argparse.Namespace, shape: Any, lr: float, strategy: str, codec: str | None) -> dict[str, Any]:
+    async def fake_run(args: argparse.Namespace, shape: Any, lr: float, strategy: str, codec: str | None, snapshot: str) -> dict[str, Any]:
         median = dict.fromkeys(("sync_s", "e2e_s", "decode_s", "commit_s", "wire_bytes", "dense_bytes", "changed_fraction"))
-        return {"name": "fake", "strategy": strategy, "codec": codec, "bootstrap": {"s": None}, "median": median, "digests_equal": equal}
+        return {"name": "fake", "lr": lr, "strategy": strategy, "codec": codec, "snapshot": snapshot, "bootstrap": {"s": None},
+                "median": median, "digests_equal": equal}
 
     monkeypatch.setattr(gpu_check, "e2e_run", fake_run)
     equal = True
     assert await gpu_check.e2e(args) == 0
     equal = False
     assert await gpu_check.e2e(args) == 1
-    assert "DIFFER" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "DIFFER" in out
+    # one verdict line a target: the patch targets unmeasured (no patch run), the digests failed
+    assert "VERDICT NONE patch lr 1e-6 end to end <= 50 ms" in out and "VERDICT FAIL digests equal" in out
+
+
+def test_verdicts_pick_the_default_patch_run_at_lr_1e_6() -> None:
+    def run(lr: float, snapshot: str, codec: str, e2e: float) -> dict[str, Any]:
+        median = {"e2e_s": e2e, "sync_s": 0.004, "decode_s": 0.003, "commit_s": 0.002}
+        return {"strategy": "patch", "lr": lr, "snapshot": snapshot, "codec": codec, "median": median, "digests_equal": True,
+                "bootstrap": {"s": 2.0}}
+
+    runs = [run(1e-5, "auto", "auto", 0.2), run(1e-6, "cuda", "auto", 0.3), run(1e-6, "auto", "auto", 0.04)]
+    lines = [v["line"] for v in gpu_check.e2e_verdicts(runs)]
+    assert lines[0] == "VERDICT PASS patch lr 1e-6 end to end <= 50 ms: 40.0 ms (limit 0.05 s)"
+    assert lines[2].startswith("VERDICT PASS patch lr 1e-6 receiver decode + commit <= 10 ms: 5.0 ms")
+    assert lines[3].startswith("VERDICT NONE bucket") and lines[4].startswith("VERDICT PASS bootstrap")
 
 
 # -- the quick suite's device-codec row --------------------------------------------------------
