@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,12 +55,14 @@ from .shard_build import ReceiverPlan, ShardBuild, leader_messages, share_plan
 from .shard_parts import FIGURES, PartMover, PartStats
 from .shards import local_range
 from .stats import SyncStats
+from .streams import Mark
 
 if TYPE_CHECKING:
     from .service import Sender
 
 __all__ = ["GatherStats", "ShardedSync", "gather_order"]
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 # The leader's flags for a sharded version, in ``_agree``: what every rank does.
 SHARDED = 1  # the sharded build (the leader's Sender is a patch one, and not gather=True)
@@ -150,16 +152,19 @@ class ShardedSync:
         self.version = version
 
     async def sync(self, sender: Sender | None, version: int) -> SyncStats | None:
-        """``sender.sync`` on the leader (its stats), the matching gathers elsewhere (None)."""
+        """``sender.sync`` on the leader (its stats), the matching gathers elsewhere (None).
+        Whatever reads the model on a worker thread first waits for the work queued on the
+        caller's current streams (a trainer stepping on a side stream: ``streams.Mark``)."""
+        mark = Mark.now(self._tensors().values())
         if not self.is_leader:
             self._expect_sender(sender)
-            await asyncio.to_thread(self.follow, version)
+            await asyncio.to_thread(_after, mark, self.follow, version)
             return None
         sender = self._expect_sender(sender)
         if self._static is None:
             raise WeightSyncError("ShardedSync.start() must come first")
         if self.sharded:
-            stats = await self._sharded(sender, version)
+            stats = await self._sharded(sender, version, mark)
             self.version = version
             return stats
         await asyncio.to_thread(self._agree, version)
@@ -193,7 +198,7 @@ class ShardedSync:
         self.version = version
 
     # -- the sharded build -------------------------------------------------------------------
-    async def _sharded(self, sender: Sender, version: int) -> SyncStats:
+    async def _sharded(self, sender: Sender, version: int, mark: Mark) -> SyncStats:
         """The leader's sharded version: the flags every rank follows, its own part, the
         others' as they arrive, into ``sender.publish`` (with a bootstrap gathered when
         receivers wait for one)."""
@@ -225,14 +230,14 @@ class ShardedSync:
             boot = bool(flags & BOOT)
             if flags & PLAN:
                 assert sender.plan is not None
-                await asyncio.to_thread(self._share_plan, ReceiverPlan.of(sender.plan, sender.config.patch))
+                await asyncio.to_thread(_after, mark, self._share_plan, ReceiverPlan.of(sender.plan, sender.config.patch))
                 boot = True
             elif self._build is not None and failed:
-                await asyncio.to_thread(self._build.recapture, self._tensors())
+                await asyncio.to_thread(_after, mark, self._build.recapture, self._tensors())
                 boot = True
             elif self._build is not None:
                 phase = "done"  # _own_part makes the agreement itself if it fails
-                own = await asyncio.to_thread(self._own_part, version)
+                own = await asyncio.to_thread(_after, mark, self._own_part, version)
                 assert self._build.last is not None
                 digest, stats = self._build.digest, self._build.last
                 phase = "parts"
@@ -419,3 +424,9 @@ def _parts_group(group: dist.ProcessGroup | None, parts_group: dist.ProcessGroup
         return group
     ranks = None if group is None else dist.get_process_group_ranks(group)
     return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def _after(mark: Mark, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on this (worker) thread once its streams wait for ``mark``."""
+    mark.wait()
+    return fn(*args)
