@@ -1,11 +1,12 @@
 """The device compare: tracked tensors compared in runs, with batched torch ops where they live.
 
 Compared one by one on a GPU, each tensor costs a host sync (its ``nonzero``), ~10 launches
-and several device-to-host copies (issue 35: 396 syncs and 3,342 launches a version of a
-1.78B model). Here the tracked tensors of one device and receiver dtype share runs
-(``runs``: one snapshot buffer a run, each key's snapshot a view of it, each key's count of
-changes a sum of block counts). A run's version costs one cast copy a tensor
-into a work buffer, then for the whole run: a bitwise compare on integer views (NaN
+and several device-to-host copies (396 syncs and 3,342 launches a version of a 1.78B model on
+an H200: ``benchmarks/gpu_check.py e2e``, docs/performance.md). Here the tracked tensors of
+one device and receiver dtype share runs (``runs``: one snapshot buffer a run, each key's
+snapshot a view of it, each key's count of changes a sum of block counts). A run's version
+costs one multi-tensor cast copy into a work buffer (``torch._foreach_copy_``), then for the
+whole run: a bitwise compare on integer views (NaN
 payloads and -0.0 are changes), block counts summed per key, ONE host sync to read those
 counts (a second only when a count leaves a tensor's dense rule to its values: the samples
 of those tensors, read at once), one compaction of the changed positions (``nonzero_static``:

@@ -3,7 +3,7 @@
 Two builds, one lockstep (``start`` and ``sync`` on every rank, checked by one small
 all-reduce a version that also carries the leader's flags: ``_agree``):
 
-**Sharded** (the default for the patch strategy; issue 36): every rank compares its own
+**Sharded** (the default for the patch strategy): every rank compares its own
 shards with its own snapshot of them (``shard_build.ShardBuild``) and only the encoded
 changes move to the leader (``shard_parts.PartMover``), which publishes them as the parts of
 one version (``Sender.publish``) as they arrive. No rank gathers a tracked tensor for a

@@ -1,4 +1,4 @@
-"""One rank's side of the sharded build (issue 36): what ``ShardedSync`` does at each version when
+"""One rank's side of the sharded build: what ``ShardedSync`` does at each version when
 every rank compares its own shards (``shards.ShardCompare``) and only the encoded changes move
 to the leader (``shard_parts.PartMover``).
 

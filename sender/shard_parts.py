@@ -1,4 +1,4 @@
-"""A sharded trainer's encoded parts, moved from every rank to the leader (issue 36, step 2):
+"""A sharded trainer's encoded parts, moved from every rank to the leader:
 each rank of a process group holds its part of a version (bytes, possibly empty); the leader
 rank takes them all, rank by rank, as they arrive (``ShardedSync``'s sharded build).
 

@@ -1,6 +1,6 @@
 """A sharded trainer's leader as a ``VersionSource``: the receivers' plan, but no version at rest.
 
-Under the sharded build (``ShardedSync``, issue 36) no rank holds the whole model: each holds
+Under the sharded build (``ShardedSync``) no rank holds the whole model: each holds
 its shards and its shards' snapshot. A bootstrap (a receiver joining, or resynced) needs the
 whole model, which only a gather made by every rank in lockstep can give, so it is built at
 the next version: the server asks for it (``bootstrap`` says None and notes it is wanted),

@@ -1,6 +1,6 @@
 """A sharded trainer's compare, rank by rank: each rank compares its own shard of each tracked
 tensor with its own shard of the snapshot and encodes the changes as span entries in the
-full tensor's flat coordinates (issue 36; the wire: ``protocol/codec/spans.py``). Nothing
+full tensor's flat coordinates (the wire: ``protocol/codec/spans.py``). Nothing
 here gathers a tracked tensor or makes a collective.
 
 * ``local_range``: the flat elements [lo, hi) of the full tensor a rank's shard holds, for a

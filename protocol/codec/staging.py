@@ -2,7 +2,8 @@
 
 A receiver whose model lives on a GPU gets each part of a patch as frames in host memory.
 Copying each device-coded payload to the GPU on its own costs a ``cudaMemcpyAsync`` from
-pageable memory per tensor (issue 35 measured 678 copies and 148 ms of CPU a version).
+pageable memory per tensor (678 copies and 148 ms of CPU a version on an H200, measured by
+``benchmarks/gpu_check.py e2e``: docs/performance.md).
 ``StagingPool.stage`` gathers a part's pieces instead into one host buffer, with one host
 copy a piece, and moves the buffer with one ``host_to_device`` call; the pieces come back
 as views of the device copy, each at their own dtype.

@@ -58,7 +58,8 @@ ANS_MIN_CHANGES = 512  # below this, counts tables and per-call overhead cost mo
 # A packed entry (ANS_GAPS + ULP, protocol/codec/packed.py) costs ~40 bytes more than its coded
 # changes (header, counts tables, the streams' final states), where raw gaps and XOR values cost
 # 2-3 bytes a change more than coding them: from about 32 changes on it is the smaller, and it
-# codes in ~15 us (within issue 14's 20 us a tensor).
+# codes in ~15 us (within the 20 us a tensor budgeted for the encoder: docs/performance.md,
+# ``python -m benchmarks.micro``).
 PACKED_MIN_CHANGES = 32
 # Deciding between plain and coded changes takes a sample of the values (~30 us); below this
 # the coder's per-tensor cost is small beside that, so a small tensor is coded.

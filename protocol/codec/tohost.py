@@ -1,7 +1,8 @@
 """Whole tensors to host memory, a device's at once: how buckets and bootstraps leave a GPU.
 
 Copied one by one (``t.to(dtype).cpu()``), each CUDA tensor is a cast kernel, a blocking
-copy into pageable memory and a host sync: issue 35 measured a bucket build at 0.7 GB/s.
+copy into pageable memory and a host sync: a bucket build ran at 0.7 GB/s that way on an H200
+(``benchmarks/gpu_check.py e2e``; docs/performance.md, *Whole tensors leaving a GPU*).
 Here the tensors of one device are cast into one device buffer (the cast is the copy into
 it), and the buffer goes to pinned host memory in ONE asynchronous copy, waited for once.
 The pinned block comes from torch's caching host allocator, so the next bucket or version
