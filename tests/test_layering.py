@@ -239,3 +239,19 @@ def test_the_sender_service_asks_the_builder_interface_never_the_type() -> None:
     assert "sender.builders" in _imported("sender/source.py")
     for user in ("sender/service.py", "sender/feed.py"):
         assert "isinstance(" not in (ROOT / user).read_text(), user
+
+
+def test_the_package_cites_no_issue_numbers() -> None:
+    """Code says why in its own terms: a reader of the package cannot look up an issue
+    number (a figure cites the benchmark and doc that measured it)."""
+    import re
+
+    cited = re.compile(r"\bissues?\s+#?\d+|\(#\d+\)", re.IGNORECASE)
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if cited.search(line)
+    ]
+    assert not found, "\n".join(found)
