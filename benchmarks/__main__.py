@@ -122,7 +122,7 @@ def library_info() -> dict[str, Any]:
     from protocol.config import load_config
 
     root = Path(__file__).resolve().parent.parent
-    from sender.part_encoder import encode_threads
+    from sender.version.part_encoder import encode_threads
 
     info: dict[str, Any] = {
         "patch_defaults": dataclasses.asdict(load_config({"type": "patch"}).patch),

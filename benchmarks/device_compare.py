@@ -27,10 +27,10 @@ import torch
 from protocol.config import load_config
 from protocol.state import resolve_state
 from protocol.wire.metadata import ModelMetadata
-from sender.changes import plan_groups
-from sender.compare import make_compare
+from sender.diff.changes import plan_groups
+from sender.diff.compare import make_compare
+from sender.diff.snapshot import Snapshot
 from sender.plan import SyncPlan
-from sender.snapshot import Snapshot
 from sender.stats import SyncStats
 
 

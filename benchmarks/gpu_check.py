@@ -51,8 +51,8 @@ from protocol.wire.checksum import state_digest
 from protocol.wire.metadata import ModelMetadata
 from receiver import PatchReceiver
 from sender import PatchSender
-from sender.patch import PatchBuilder
 from sender.plan import SyncPlan
+from sender.version.patch import PatchBuilder
 
 if TYPE_CHECKING:
     from benchmarks.rollout import RemoteReceivers

@@ -74,7 +74,7 @@ def mark_cases(n: int, repeat: int) -> dict[str, Any]:
 
 
 def _mark_case(label: str, cur: torch.Tensor, repeat: int) -> dict[str, Any]:
-    from sender import fastdiff
+    from sender.diff import fastdiff
 
     n = cur.numel()
     snapshot = ulp_step(cur.to(torch.bfloat16), 0.02)
@@ -338,8 +338,8 @@ def build_cases(repeat: int) -> dict[str, Any]:
     from protocol.config import load_config
     from protocol.state import resolve_state
     from protocol.wire.metadata import ModelMetadata
-    from sender.patch import PatchBuilder
     from sender.plan import SyncPlan
+    from sender.version.patch import PatchBuilder
 
     copy_bps = copy_bandwidth(256 << 20)
     out: dict[str, Any] = {}

@@ -132,8 +132,8 @@ def sender_timers() -> Iterator[None]:
     are put back on exit (the harness runs in-process under pytest too)."""
     from protocol.net import sockets
     from protocol.wire import framing
-    from sender import fastdiff
-    from sender.compare_device import DeviceCompare
+    from sender.diff import fastdiff
+    from sender.diff.compare_device import DeviceCompare
 
     kernels = dict(fastdiff._KERNELS)
     device_compare = DeviceCompare._compare

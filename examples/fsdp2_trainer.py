@@ -39,8 +39,7 @@ from examples.tiny_model import TinyLM, build, train_step
 from protocol.host.cli import report, setup_logging
 from protocol.wire.checksum import state_digest
 from receiver import Receiver
-from sender import Sender
-from sender.fsdp import ShardedSync
+from sender import Sender, ShardedSync
 
 
 def build_sharded(world: int, *, freeze_pos: bool = True, **shape: int) -> TinyLM:

@@ -6,7 +6,7 @@
     python -m examples.sidecars trainer --shm trainer-w --handoff ipc:///tmp/ws.handoff --steps 5
 
 The trainer does real AdamW steps and publishes each version through
-``sender.client.SidecarClient`` (or, with ``--snapshots DIR``, writes ipc_snapshot files);
+``sender.SidecarClient`` (or, with ``--snapshots DIR``, writes ipc_snapshot files);
 with ``--steps 0`` it reads one command per stdin line (``step``, ``quit``), as the
 tests drive it. The engine maps its bf16 model onto the receiver sidecar's region and
 generates in a loop, checking that no read ever mixes two versions. Both print one JSON
@@ -29,7 +29,7 @@ from examples.tiny_model import build, generate, train_step
 from protocol.host.cli import report
 from protocol.wire.checksum import state_digest
 from receiver.attach import attach
-from sender.client import SidecarClient, write_snapshot
+from sender import SidecarClient, write_snapshot
 
 
 def bf16_digest(model: torch.nn.Module) -> str:

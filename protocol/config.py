@@ -55,7 +55,7 @@ class InitSyncConfig:
 @dataclass
 class PatchConfig:
     # Where the sender's snapshot lives: cpu (pinned when CUDA is present), cuda, or auto: the
-    # trainer's GPU when it takes at most half the memory free there (sender/snapshot.py), else cpu.
+    # trainer's GPU when it takes at most half the memory free there (sender/diff/snapshot.py), else cpu.
     snapshot_device: str = "auto"
     transport_device: str = "cpu"  # where patch buffers are packed: cuda for nvcomp_lz4
     delta_encoding: bool = True  # RLinf's COO only: delta-encode rows/cols

@@ -1,6 +1,6 @@
 """The ``ipc_snapshot`` load strategy on the rollout side: reload from snapshot files.
 
-The trainer (``sender.client.write_snapshot``) writes ``step_<version>.safetensors``
+The trainer (``sender.write_snapshot``) writes ``step_<version>.safetensors``
 files into a directory on the same host; the receiver sidecar
 (``python -m receiver --load-strategy ipc_snapshot --watch DIR``) loads the newest one,
 checks every name, shape and dtype, casts it to the rollout's dtypes, and only then

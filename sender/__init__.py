@@ -1,7 +1,9 @@
 """weightsync, actor side: build patches or buckets of the trainer's weights and send them.
 
 ``Sender`` is the daemon; ``PatchSender`` / ``BucketSender`` are the transport-free
-strategies, usable over any transport.
+strategies, usable over any transport; ``ShardedSync`` drives them from every rank of an
+FSDP2 trainer (loaded on first use: ``torch.distributed``); ``SidecarClient`` hands a trainer's weights to a
+``python -m sender`` sidecar (``write_snapshot``: to one watching a folder).
 """
 
 from typing import Any
@@ -9,10 +11,11 @@ from typing import Any
 from protocol.config import load_config
 
 from .base import SenderBase
-from .bucket import BucketSender
-from .patch import PatchSender
-from .service import Sender
+from .serve.client import SidecarClient, write_snapshot
+from .serve.service import Sender
 from .stats import SyncStats
+from .version.bucket import BucketSender
+from .version.patch import PatchSender
 
 
 def make_sender(config: Any = None) -> PatchSender | BucketSender:
@@ -21,4 +24,12 @@ def make_sender(config: Any = None) -> PatchSender | BucketSender:
     return PatchSender(cfg) if cfg.type == "patch" else BucketSender(cfg)
 
 
-__all__ = ["BucketSender", "PatchSender", "Sender", "SenderBase", "SyncStats", "make_sender"]
+def __getattr__(name: str) -> Any:
+    if name == "ShardedSync":  # torch.distributed's import, only for a sharded trainer
+        from .sharded.fsdp import ShardedSync
+
+        return ShardedSync
+    raise AttributeError(f"module 'sender' has no attribute {name!r}")
+
+
+__all__ = ["BucketSender", "PatchSender", "Sender", "SenderBase", "ShardedSync", "SidecarClient", "SyncStats", "make_sender", "write_snapshot"]

@@ -4,10 +4,10 @@ Two ways to get the trainer's weights (``--load-strategy``):
 
 * ``ipc_snapshot`` (``--watch DIR``): the daemon serves the newest checkpoint of a trainer:
   the trainer saves each version as ``<watch>/step_<version>.pt`` (a state dict) or
-  ``step_<version>.safetensors`` (``sender.client.write_snapshot``), written to a
+  ``step_<version>.safetensors`` (``sender.write_snapshot``), written to a
   temporary name and renamed, and the daemon syncs every new one to its receivers.
 * ``ipc`` (``--shm NAME --handoff ENDPOINT``): the trainer calls
-  ``sender.client.SidecarClient(ENDPOINT, NAME).publish(model, version)``, which copies
+  ``sender.SidecarClient(ENDPOINT, NAME).publish(model, version)``, which copies
   its weights into shared memory the trainer owns; the daemon syncs them from there.
 
 Between hosts, use CURVE: ``python -m sender keygen --out DIR --name NAME`` writes a key
@@ -38,9 +38,9 @@ from protocol.host.snapfile import read_snapshot
 from protocol.net.context import IO_THREADS, shared_context
 from protocol.net.security import CurveServer, write_keypair
 
-from .metrics import TOKEN_ENV as METRICS_TOKEN_ENV
-from .service import Sender
-from .sidecar import serve_shm
+from .serve.metrics import TOKEN_ENV as METRICS_TOKEN_ENV
+from .serve.service import Sender
+from .serve.sidecar import serve_shm
 
 log = logging.getLogger("sender")
 STEP = re.compile(r"^step_(\d+)\.(pt|safetensors)$")
@@ -233,7 +233,7 @@ def compile_kernels_main(argv: list[str]) -> int:
     for tens of seconds before the first sync can start."""
     from protocol.codec.aot import compile_args
 
-    from .warmup import compile_kernels
+    from .diff.warmup import compile_kernels
 
     pairs, given = compile_args("python -m sender compile", compile_kernels_main.__doc__, argv)
     started = time.perf_counter()
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["compile"]:
         sys.exit(compile_kernels_main(argv[1:]))
     if argv[:1] == ["status"]:
-        from .status import main as status_main
+        from .serve.status import main as status_main
 
         sys.exit(status_main(argv[1:]))
     args = parse_args(argv)

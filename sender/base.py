@@ -34,7 +34,7 @@ def check_next_version(current: int | None, version: int) -> None:
 
 def plan_for(state: ModelState, hello: Hello, config: SyncConfig) -> SyncPlan:
     """Check a HELLO against the trainer's model; ``MetadataMismatchError`` names the key.
-    The first receiver's handshake, here and in the daemon (``sender/source.py``)."""
+    The first receiver's handshake, here and in the daemon (``sender/serve/source.py``)."""
     return SyncPlan(state, hello.metadata, config.init_sync)
 
 

@@ -26,10 +26,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     ~50 s apiece on 2 cores, inside their set-up timeouts. Processes started later load
     what this wrote."""
     import receiver.warmup
-    import sender.warmup
+    import sender.diff.warmup
 
     started = time.perf_counter()
-    sender.warmup.compile_kernels()
+    sender.diff.warmup.compile_kernels()
     receiver.warmup.compile_kernels()
     if (seconds := time.perf_counter() - started) > 5:
         print(f"\nnumba kernels compiled in {seconds:.0f} s (cached for later runs)")

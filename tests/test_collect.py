@@ -13,11 +13,11 @@ from protocol.config import load_config
 from protocol.state import resolve_state
 from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
-from sender import fastdiff
-from sender.backlog import Backlog
-from sender.patch import PatchBuilder
+from sender.diff import fastdiff
 from sender.plan import SyncPlan
 from sender.stats import SyncStats
+from sender.version.backlog import Backlog
+from sender.version.patch import PatchBuilder
 
 
 def builder_for(state: dict[str, torch.Tensor], receiver: torch.dtype, group_numel: int = 0, **patch: object) -> PatchBuilder:
@@ -122,7 +122,7 @@ def test_small_tensors_are_captured_as_one_run_of_their_elements(whole: bool) ->
 def test_groups_are_by_receiver_dtype_and_bounded() -> None:
     """Members share their receiver dtype; a group holds at most GROUP_SPAN x group_numel
     elements; a small key with no partner travels alone."""
-    from sender.changes import GROUP_SPAN, plan_groups
+    from sender.diff.changes import GROUP_SPAN, plan_groups
 
     state = {f"b{i}": torch.zeros(100) for i in range(10)} | {"h": torch.zeros(50, dtype=torch.float16)}
     builder = builder_for(state, torch.bfloat16, group_numel=100)
@@ -246,7 +246,7 @@ async def test_whole_copies_the_sender_keeps_anyway_do_not_hold_the_compare_back
 def test_what_a_capture_adds_to_memory_while_it_waits_for_the_encoder() -> None:
     """The backlog counts a capture's changes and any fresh whole copy (a group's run, a CUDA
     clone), but not a whole copy the sender keeps from version to version."""
-    from sender.changes import Changes
+    from sender.diff.changes import Changes
 
     flat, values, whole = torch.arange(10, dtype=torch.int32), torch.zeros(10, dtype=torch.bfloat16), torch.zeros(100)
     changes = 10 * 4 + 2 * 10 * 2
@@ -308,7 +308,7 @@ async def test_several_encoder_threads_keep_each_tensor_in_its_place() -> None:
 
 def test_encode_threads_is_checked_and_defaults_to_half_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     from protocol.errors import ConfigError
-    from sender import part_encoder as patch
+    from sender.version import part_encoder as patch
 
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(ConfigError, match="encode_threads"):

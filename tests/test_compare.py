@@ -1,4 +1,4 @@
-"""The device compare (sender/compare_device.py) against the host compare, on CPU tensors.
+"""The device compare (sender/diff/compare_device.py) against the host compare, on CPU tensors.
 
 Both must hand the encoder the same changes (positions, new and old bits, counts, dense
 decisions, whole copies) and leave the same snapshot, whatever the dtypes, shapes and
@@ -27,13 +27,13 @@ from test_device_codec import SyncCounter
 from protocol.config import load_config
 from protocol.state import resolve_state
 from protocol.wire.metadata import ModelMetadata
-from sender import runs
-from sender.changes import Changes, plan_groups
-from sender.compare import choose, make_compare
-from sender.compare_device import DeviceCompare
-from sender.compare_host import HostCompare
+from sender.diff import runs
+from sender.diff.changes import Changes, plan_groups
+from sender.diff.compare import choose, make_compare
+from sender.diff.compare_device import DeviceCompare
+from sender.diff.compare_host import HostCompare
+from sender.diff.snapshot import Snapshot
 from sender.plan import SyncPlan
-from sender.snapshot import Snapshot
 from sender.stats import SyncStats
 
 RECEIVERS = (torch.bfloat16, torch.float16, torch.float32)
@@ -255,7 +255,7 @@ def test_host_syncs_per_version_are_per_run_not_per_tensor(monkeypatch: pytest.M
     host syncs, at most 4 a run (here 2: the counts, and the samples of the two tensors
     the dense rule reads); kernels grow by at most 2 a tensor (measured: 1, the cast copy
     into the run), and no numba kernel is called."""
-    from sender import fastdiff
+    from sender.diff import fastdiff
 
     def numba(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a numba kernel on the device path")
@@ -313,7 +313,7 @@ def test_auto_compares_on_the_device_where_the_tensors_are_on_cuda() -> None:
 def test_tensors_that_moved_device_or_became_dtensors_are_compared_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run whose tensors are no longer plain tensors of its device falls back to the
     per-tensor path, with the same result, and runs again once they are back."""
-    from sender import compare_device
+    from sender.diff import compare_device
 
     state = structure_model(6, 6000)
     host, device = compares(state, dict.fromkeys(state, torch.bfloat16))

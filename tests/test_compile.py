@@ -163,7 +163,7 @@ def _spans_and_large(pairs: list[tuple[torch.dtype, torch.dtype]]) -> None:
     ``fastdiff.PARALLEL_MIN`` elements, or whose changes overflow the room expected for them."""
     from protocol.codec.spans import encode_dense_span, encode_span
     from protocol.codec.tensorcodec import PatchOptions
-    from sender import fastdiff
+    from sender.diff import fastdiff
 
     for model_dtype, receiver_dtype in pairs:
         g = torch.Generator().manual_seed(3)
@@ -211,12 +211,12 @@ def compile_then_sync(pairs_text: str) -> None:
     """In a fresh process: each side's compile step for ``pairs_text``, then every encoding
     at every pair. Exits 1 naming each signature numba compiled after the compile steps."""
     import receiver.warmup
-    import sender.warmup
+    import sender.diff.warmup
     from protocol.codec.aot import parse_pairs, receiver_dtypes
 
     torch.set_num_threads(1)
     pairs = parse_pairs(pairs_text)
-    sender.warmup.compile_kernels(pairs)
+    sender.diff.warmup.compile_kernels(pairs)
     receiver.warmup.compile_kernels(receiver_dtypes(pairs))
     before = signatures()
     seen = asyncio.run(_sync_all(pairs))
@@ -250,7 +250,7 @@ def test_after_the_compile_steps_no_encoding_compiles_anything() -> None:
 def test_the_compare_compiles_its_builds_for_huge_tensors_only_where_one_is_compared() -> None:
     """Positions past 2**31 elements are int64, which only the threaded kernels meet: the
     compile step builds those too, a sender whose tensors are all smaller does not."""
-    from sender import fastdiff
+    from sender.diff import fastdiff
 
     pairs = [(torch.float32, torch.bfloat16), (torch.int64, torch.int64)]
     every, small = fastdiff.signatures(pairs), fastdiff.signatures(pairs, 1 << 30)

@@ -1,4 +1,4 @@
-"""Host snapshots lent as whole new values (sender/copies.py): written in place once no one
+"""Host snapshots lent as whole new values (sender/diff/copies.py): written in place once no one
 holds the loan, copied first while anything still does (a frame, a view, a message)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from channel import Channel
 from test_strategies import handshake, make_pair, patch_cfg
 
 from protocol.wire.framing import Encoding
-from sender import copies as copies_module
-from sender.copies import LentSnapshots
+from sender.diff import copies as copies_module
+from sender.diff.copies import LentSnapshots
 
 # Lending needs torch's storage use count (a private call); without it each loan is a clone.
 counts = pytest.mark.skipif(copies_module._use_count is None, reason="this torch has no storage use count: loans are clones")

@@ -282,8 +282,8 @@ async def test_a_sync_broken_off_midway_resyncs_every_receiver(how: str, daemons
     """A compare that fails, or whose sync is cancelled while it runs on its thread, after
     it moved part of the snapshot: the next version resyncs every receiver by bootstrap
     (a patch from that snapshot would leave them behind on those tensors), then patches resume."""
-    from sender import fastdiff
-    from sender.collector import Collector
+    from sender.diff import fastdiff
+    from sender.version.collector import Collector
 
     monkeypatch.setattr(Collector, "_inline", lambda self, tensors: False)  # the compare on its thread
     trainer = Trainer()
@@ -605,7 +605,7 @@ async def test_a_sender_slow_to_answer_hello_is_waited_for_not_left(mode: str, d
     large model, a cold start compiling its kernels): the sender heartbeats the receiver
     meanwhile, so it waits rather than reconnecting (and sending a HELLO that starts the
     answer over, every time)."""
-    from sender.source import TrainerSource
+    from sender.serve.source import TrainerSource
 
     admit = TrainerSource.admit
 

@@ -24,8 +24,8 @@ from protocol.wire.metadata import ModelMetadata
 from receiver import fused
 from receiver.commit import commit
 from receiver.stage_device import Coded, stage_coded
-from sender.patch import Captured
 from sender.stats import SyncStats
+from sender.version.patch import Captured
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 

@@ -1,4 +1,4 @@
-"""The sender's device path as a whole (sender/encode_device.py behind sender/patch.py), on CPU tensors.
+"""The sender's device path as a whole (sender/version/encode_device.py behind sender/version/patch.py), on CPU tensors.
 
 What a GPU needs, said on CPU: a version's compare and its parts' encoding make at most 4
 host syncs a part, the same for a 48-tensor model as for a 480-tensor one of the same
@@ -21,12 +21,12 @@ from protocol.config import load_config
 from protocol.state import resolve_state
 from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
-from sender import encode_device
-from sender.encode import HostEncoder
-from sender.encode_device import DeviceEncoder
-from sender.patch import Captured, PatchBuilder
 from sender.plan import SyncPlan
 from sender.stats import SyncStats
+from sender.version import encode_device
+from sender.version.encode import HostEncoder
+from sender.version.encode_device import DeviceEncoder
+from sender.version.patch import Captured, PatchBuilder
 
 
 def builder_of(state: dict[str, torch.Tensor], **patch: Any) -> PatchBuilder:
@@ -41,7 +41,7 @@ def builder_of(state: dict[str, torch.Tensor], **patch: Any) -> PatchBuilder:
 
 def no_numba(monkeypatch: pytest.MonkeyPatch) -> None:
     from protocol.codec import entropy, packed
-    from sender import fastdiff
+    from sender.diff import fastdiff
 
     def numba(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a numba kernel on the device path")

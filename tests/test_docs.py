@@ -307,3 +307,44 @@ def test_every_link_between_pages_resolves(page: Path) -> None:
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading #{anchor}")
     assert not broken, broken
+
+
+# -- what the pages name exists ----------------------------------------------------------------
+OURS = r"((?:protocol|sender|receiver)(?:\.\w+)*)"
+PACKAGE_IMPORT = re.compile(rf"^[ \t]*(?:from[ \t]+{OURS}[ \t]+import[ \t]+(\([^)]*\)|[\w \t,]+)|import[ \t]+{OURS})", re.M)
+PACKAGE_PATH = re.compile(r"(?<![\w/.])((?:protocol|sender|receiver)/(?:\w+/)*\w+\.py)\b")
+
+
+def code_blocks(text: str) -> list[str]:
+    return re.findall(r"```[\w-]*\n(.*?)```", text, re.S)
+
+
+@pytest.mark.parametrize("page", [*PAGES, *sorted((ROOT / "examples").glob("*.md"))], ids=lambda p: p.name)
+def test_every_import_a_page_shows_works(page: Path) -> None:
+    """A user copying a page's code imports what it names: the public API has not moved."""
+    import importlib
+
+    missing = []
+    for block in code_blocks(page.read_text()):
+        for found in PACKAGE_IMPORT.finditer(block):
+            module = found.group(1) or found.group(3)
+            try:
+                imported = importlib.import_module(module)
+            except ImportError as e:
+                missing.append(f"{module}: {e}")
+                continue
+            for name in re.split(r"[\s,()]+", found.group(2) or ""):
+                name = name.split(" as ")[0].strip()
+                if name and name != "as" and not hasattr(imported, name):
+                    try:
+                        importlib.import_module(f"{module}.{name}")
+                    except ImportError:
+                        missing.append(f"{module}.{name}")
+    assert missing == []
+
+
+@pytest.mark.parametrize("page", [*PAGES, *sorted((ROOT / "examples").glob("*.md"))], ids=lambda p: p.name)
+def test_every_source_file_a_page_names_exists(page: Path) -> None:
+    """A moved or renamed module leaves no page pointing at nothing."""
+    names = set(PACKAGE_PATH.findall(page.read_text()))
+    assert sorted(n for n in names if not (ROOT / n).exists()) == []

@@ -44,7 +44,7 @@ from protocol.wire.messages import ErrorReport
 from receiver import Receiver
 from receiver.describe import ask_metadata
 from sender import Sender
-from sender.client import SidecarClient, error_reply
+from sender.serve.client import SidecarClient, error_reply
 
 # Every code that travels today, and the class each names.
 CODES: dict[str, type[WeightSyncError]] = {

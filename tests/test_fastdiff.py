@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sender import fastdiff
+from sender.diff import fastdiff
 
 ROOT = Path(__file__).resolve().parent.parent
 

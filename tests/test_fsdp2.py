@@ -30,9 +30,10 @@ from protocol.errors import GatherOrderError
 from protocol.state import gathering, materialize, resolve_state
 from protocol.wire.checksum import state_digest
 from receiver import Receiver
-from sender import Sender, gathers
-from sender.fsdp import ShardedSync
-from sender.gathers import _Leader, gather_order
+from sender import Sender
+from sender.sharded import gathers
+from sender.sharded.fsdp import ShardedSync
+from sender.sharded.gathers import _Leader, gather_order
 
 WORLD = 2
 VERSIONS = 4

@@ -39,7 +39,7 @@ from protocol.wire.checksum import state_digest
 from protocol.wire.framing import decode_message
 from receiver import Receiver
 from sender import Sender
-from sender.fsdp import ShardedSync
+from sender.sharded.fsdp import ShardedSync
 
 VERSIONS = 4
 VOCAB = 251  # rows of the (tied) embedding: 126 + 125 on 2 ranks, 63 x 3 + 62 on 4

@@ -42,6 +42,15 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("protocol/wire", ("zmq", "asyncio", "fcntl", "protocol.net", "protocol.host")),
     ("protocol/codec", ("zmq", "asyncio", "fcntl", "protocol.net", "protocol.host")),
 ]
+# Each side's rooms (sub-packages, docs/layout.md), lowest first: a room imports the rooms
+# below it and its side's floor (the side's top-level modules), never one above it.
+ROOMS: dict[str, tuple[str, ...]] = {
+    "sender": ("diff", "version", "serve", "sharded"),
+}
+for side, rooms in ROOMS.items():
+    for i, room in enumerate(rooms):
+        if rooms[i + 1 :]:
+            RULES.append((f"{side}/{room}", tuple(f"{side}.{above}" for above in rooms[i + 1 :])))
 
 
 def _from_base(node: ast.ImportFrom, module: str) -> str:
@@ -87,6 +96,46 @@ def violations(folder: str, banned: tuple[str, ...]) -> list[str]:
 def test_layers_import_only_what_they_may(folder: str, banned: tuple[str, ...]) -> None:
     assert (ROOT / folder).is_dir()
     assert violations(folder, banned) == []
+
+
+@pytest.mark.parametrize("side", sorted(ROOMS))
+def test_a_sides_floor_imports_none_of_its_rooms(side: str) -> None:
+    """The top-level modules every room may use (the package's ``__init__`` and CLI aside,
+    which assemble the public API from the rooms) import no room."""
+    found = []
+    for path in sorted((ROOT / side).glob("*.py")):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        for line, name in imports(path.read_text(), f"{side}.{path.stem}"):
+            if any(name == f"{side}.{room}" or name.startswith(f"{side}.{room}.") for room in ROOMS[side]):
+                found.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert found == []
+
+
+@pytest.mark.parametrize("side", sorted(ROOMS))
+def test_every_module_lives_in_a_room_of_at_most_about_15(side: str) -> None:
+    """A newcomer finds where a change goes from the folder names: no folder of a side holds
+    more than 16 modules, and its rooms are the ones named here."""
+    folders = {p.parent for p in (ROOT / side).rglob("*.py") if "__pycache__" not in p.parts}
+    assert {f.relative_to(ROOT / side).parts[0] for f in folders if f != ROOT / side} >= set(ROOMS[side])
+    sizes = {str(f.relative_to(ROOT)): sum(1 for p in f.glob("*.py") if p.name != "__init__.py") for f in folders}
+    assert max(sizes.values()) <= 16, sizes
+
+
+def test_no_module_imports_a_private_module_of_another_room() -> None:
+    """A module (or package) whose name starts with ``_`` is its room's own."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            room = module.rsplit(".", 1)[0]
+            for line, name in imports(path.read_text(), module, from_bases=False):
+                parts = name.split(".")
+                private = next((i for i, part in enumerate(parts) if part.startswith("_") and not part.startswith("__")
+                                and (ROOT.joinpath(*parts[: i + 1]).with_suffix(".py").exists() or ROOT.joinpath(*parts[: i + 1]).is_dir())), None)
+                if private is not None and parts[0] in PACKAGES and ".".join(parts[:private]) != room:
+                    found.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert found == []
 
 
 # -- no import cycles --------------------------------------------------------------------------
@@ -208,8 +257,8 @@ def test_the_checker_sees_every_kind_of_import() -> None:
 
 
 # -- the sender daemon knows builders only by their interface ------------------------------------
-BUILDER_INTERFACE = "sender.builder"  # VersionBuilder
-BUILDER_USERS = ("sender/service.py", "sender/feed.py", "sender/source.py")  # source.py gets them from sender/builders.py
+BUILDER_INTERFACE = "sender.version.builder"  # VersionBuilder
+BUILDER_USERS = ("sender/serve/service.py", "sender/serve/feed.py", "sender/serve/source.py")  # source.py gets them from sender/version/builders.py
 
 
 def builder_modules() -> set[str]:
@@ -229,15 +278,15 @@ def _imported(user: str) -> set[str]:
 @pytest.mark.parametrize("user", BUILDER_USERS)
 def test_the_daemon_imports_no_concrete_builder(user: str) -> None:
     concrete = builder_modules()
-    assert {"sender.patch", "sender.bucket"} <= concrete  # it reads the real tree
+    assert {"sender.version.patch", "sender.version.bucket"} <= concrete  # it reads the real tree
     assert not {n for n in _imported(user) if any(n == c or n.startswith(c + ".") for c in concrete)}
 
 
 def test_the_sender_service_asks_the_builder_interface_never_the_type() -> None:
-    for user in ("sender/feed.py", "sender/source.py"):  # where the daemon handles its builder
+    for user in ("sender/serve/feed.py", "sender/serve/source.py"):  # where the daemon handles its builder
         assert BUILDER_INTERFACE in _imported(user), user
-    assert "sender.builders" in _imported("sender/source.py")
-    for user in ("sender/service.py", "sender/feed.py"):
+    assert "sender.version.builders" in _imported("sender/serve/source.py")
+    for user in ("sender/serve/service.py", "sender/serve/feed.py"):
         assert "isinstance(" not in (ROOT / user).read_text(), user
 
 
@@ -255,3 +304,13 @@ def test_the_package_cites_no_issue_numbers() -> None:
         if cited.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("package", ["sender", "receiver", "protocol"])
+def test_every_public_name_resolves_from_the_package(package: str) -> None:
+    """The rooms are the package's own business: what it exports (``__all__``) is reached
+    from the package itself, wherever it lives inside."""
+    import importlib
+
+    module = importlib.import_module(package)
+    assert [name for name in getattr(module, "__all__", []) if getattr(module, name, None) is None] == []

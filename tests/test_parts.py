@@ -18,8 +18,8 @@ from protocol.wire.checksum import checksum, state_digest
 from protocol.wire.framing import Encoding, Message, MessageType, Role, decode_message, encode_message
 from receiver import Receiver
 from sender import Sender
-from sender.collector import Collector
-from sender.part_encoder import PartEncoder
+from sender.version.collector import Collector
+from sender.version.part_encoder import PartEncoder
 
 # every tensor on its own (group_numel 0): this small model's tensors would otherwise make one group
 PARTS = {"type": "patch", "patch": {"part_bytes": 4096, "group_numel": 0, "init_sync": {"bucket_size": 96 << 10}}}
@@ -172,7 +172,7 @@ async def test_a_damaged_part_publishes_nothing_and_is_resynced(fleet: Fleet, mo
 
 def compare_hooked(monkeypatch: pytest.MonkeyPatch, hook: Any) -> None:
     """Every compare on its thread (as a large model's is), ``hook(n)`` before its n-th kernel call."""
-    from sender import fastdiff
+    from sender.diff import fastdiff
 
     real, calls = fastdiff.diff_and_update, [0]
 

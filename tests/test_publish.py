@@ -24,8 +24,8 @@ from protocol.wire.framing import Message
 from receiver import Receiver, follower
 from sender import Sender
 from sender.plan import SyncPlan
-from sender.shard_build import ReceiverPlan, ShardBuild
-from sender.shard_parts import unpack_part
+from sender.sharded.shard_build import ReceiverPlan, ShardBuild
+from sender.sharded.shard_parts import unpack_part
 
 CONFIG = {"weight_syncer": {"type": "patch", "patch": {"part_bytes": 2048}}}
 

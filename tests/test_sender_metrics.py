@@ -19,7 +19,7 @@ from protocol.net.peers import Peer
 from receiver import Receiver
 from sender import Sender
 from sender.__main__ import parse_args
-from sender.metrics import RECEIVER_SERIES, VERSION_SERIES
+from sender.serve.metrics import RECEIVER_SERIES, VERSION_SERIES
 
 CONFIG = {"weight_syncer": {"type": "patch"}}
 TOKEN = "a-metrics-token-of-enough-length"
@@ -269,7 +269,7 @@ async def test_the_status_command_takes_the_logged_url_and_knows_a_sender_from_a
         assert shown.returncode == 0 and "sender at v4, 1 receivers connected" in shown.stdout, shown.stderr
     assert other.returncode == 1 and "is not a weightsync sender's metrics" in other.stderr, (other.stdout, other.stderr)
     assert "sender at" not in other.stdout
-    from sender.status import not_a_sender
+    from sender.serve.status import not_a_sender
 
     assert not_a_sender("<html>hello</html>") is not None and not_a_sender("weightsync_sender_version 3\n") is None
 

@@ -1,4 +1,4 @@
-"""sender/shard_parts.py: every rank's encoded part moved to the leader, over 2 and 4 real gloo
+"""sender/sharded/shard_parts.py: every rank's encoded part moved to the leader, over 2 and 4 real gloo
 ranks on CPU, each its own process (one spawn a world size; starting ranks is the slow part).
 
 Each rank, in order: three versions of parts of random sizes (0, hundreds of bytes, a few MB;
@@ -27,7 +27,7 @@ from ranks import spawn_ranks
 
 from examples.fsdp2_trainer import free_port
 from protocol.errors import GatherOrderError, WeightSyncError, WeightSyncTimeout
-from sender.shard_parts import PartMover, control_bytes, layout_digest
+from sender.sharded.shard_parts import PartMover, control_bytes, layout_digest
 
 VERSIONS = (1, 2, 3)
 TIMEOUT = 3.0  # the mover's timeout, seconds

@@ -1,4 +1,4 @@
-"""Issue 36, step 2: a sharded trainer's compare rank by rank (``sender/shards.py``).
+"""Issue 36, step 2: a sharded trainer's compare rank by rank (``sender/sharded/shards.py``).
 
 (a) One process, no torch.distributed: ranks simulated by the row ranges torch's dim-0
 chunking gives N = 1..4 ranks (uneven last shards, a rank with no rows of ``pos``), each
@@ -41,10 +41,10 @@ from protocol.errors import ConfigError, MetadataMismatchError
 from protocol.state import resolve_state, sync_keys
 from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
-from sender.compare import make_compare
+from sender.diff.compare import make_compare
+from sender.diff.snapshot import Snapshot
 from sender.plan import SyncPlan
-from sender.shards import ShardCompare, ShardKey, local_range, row_range, shard_keys
-from sender.snapshot import Snapshot
+from sender.sharded.shards import ShardCompare, ShardKey, local_range, row_range, shard_keys
 from sender.stats import SyncStats
 
 CPU = torch.device("cpu")

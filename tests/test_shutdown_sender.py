@@ -29,8 +29,8 @@ from protocol.errors import WeightSyncError
 from protocol.net.security import CurveClient, CurveServer, KeyPair
 from receiver import Receiver
 from sender import Sender
-from sender.collector import Collector
-from sender.compare_host import HostCompare
+from sender.diff.compare_host import HostCompare
+from sender.version.collector import Collector
 
 T = TypeVar("T")
 PATCH_HOST = {"type": "patch", "patch": {"codec": "host", "part_bytes": 4096}}

@@ -37,8 +37,8 @@ from protocol.host.shm import Layout, Region, leftover_regions, region_path, shm
 from protocol.host.snapfile import read_snapshot, snapshot_path, write_snapshot
 from protocol.wire.checksum import state_digest
 from receiver.attach import attach, engine_region
-from sender.client import SidecarClient
-from sender.sidecar import serve_shm
+from sender.serve.client import SidecarClient
+from sender.serve.sidecar import serve_shm
 
 TIMING = ["--heartbeat", str(HEARTBEAT), "--peer-timeout", str(PEER_TIMEOUT)]
 T = 30.0

@@ -1,4 +1,4 @@
-"""Where the sender's snapshot lives (``patch.snapshot_device``, sender/snapshot.py), on CPU.
+"""Where the sender's snapshot lives (``patch.snapshot_device``, sender/diff/snapshot.py), on CPU.
 
 ``auto`` (the default) keeps a CUDA trainer's snapshot on its GPU when it fits
 ``SNAPSHOT_BUDGET`` of the free memory there, else on the host; a CPU trainer keeps it on the
@@ -18,10 +18,10 @@ from protocol.config import load_config
 from protocol.errors import ConfigError, StateError
 from protocol.state import resolve_state
 from protocol.wire.metadata import ModelMetadata
-from sender import snapshot as snapshot_module
-from sender.patch import PatchBuilder
+from sender.diff import snapshot as snapshot_module
+from sender.diff.snapshot import SNAPSHOT_BUDGET, Snapshot, choose_place, trainer_device
 from sender.plan import SyncPlan
-from sender.snapshot import SNAPSHOT_BUDGET, Snapshot, choose_place, trainer_device
+from sender.version.patch import PatchBuilder
 
 CPU = torch.device("cpu")
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
@@ -57,11 +57,11 @@ def test_auto_on_cpu_tensors_is_cpu_and_is_logged_once(caplog: pytest.LogCapture
     snapshot = Snapshot("auto")
     with pytest.raises(StateError, match="place"):
         snapshot.device  # noqa: B018 - not placed yet: nothing may be captured
-    with caplog.at_level(logging.INFO, logger="sender.snapshot"):
+    with caplog.at_level(logging.INFO, logger="sender.diff.snapshot"):
         assert snapshot.place(tensors(), bf16) == CPU
         assert snapshot.place(tensors(), bf16) == CPU
     assert snapshot.device == CPU
-    records = [r for r in caplog.records if r.name == "sender.snapshot"]
+    records = [r for r in caplog.records if r.name == "sender.diff.snapshot"]
     assert len(records) == 1
     assert "auto: cpu" in records[0].getMessage()
     assert (records[0].snapshot_device, records[0].snapshot_bytes, records[0].free_bytes) == ("cpu", 1100 * 2, None)
@@ -82,11 +82,11 @@ def test_auto_on_a_gpu_trainer_by_its_free_memory(
     monkeypatch.setattr(snapshot_module, "trainer_device", lambda devices: GPU0)
     monkeypatch.setattr(snapshot_module, "free_memory", free_memory)
     snapshot = Snapshot("auto")
-    with caplog.at_level(logging.INFO, logger="sender.snapshot"):
+    with caplog.at_level(logging.INFO, logger="sender.diff.snapshot"):
         assert snapshot.place(tensors(), bf16) == expected
         snapshot.place(tensors(), bf16)
     assert snapshot.device == expected and asked == [GPU0]  # decided once
-    (record,) = [r for r in caplog.records if r.name == "sender.snapshot"]
+    (record,) = [r for r in caplog.records if r.name == "sender.diff.snapshot"]
     assert (record.snapshot_device, record.snapshot_bytes, record.free_bytes) == (str(expected), 2200, free)
     message = record.getMessage()
     assert ("fits within" if expected == GPU0 else "exceeds") in message and "50%" in message
@@ -96,9 +96,9 @@ def test_a_set_device_is_kept_and_not_logged(caplog: pytest.LogCaptureFixture, m
     monkeypatch.setattr(snapshot_module, "trainer_device", lambda devices: GPU0)
     monkeypatch.setattr(snapshot_module, "free_memory", lambda device: 1 << 40)
     snapshot = Snapshot("cpu")
-    with caplog.at_level(logging.INFO, logger="sender.snapshot"):
+    with caplog.at_level(logging.INFO, logger="sender.diff.snapshot"):
         assert snapshot.place(tensors(), bf16) == CPU
-    assert not [r for r in caplog.records if r.name == "sender.snapshot"]
+    assert not [r for r in caplog.records if r.name == "sender.diff.snapshot"]
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="snapshot_device: cuda"):
             Snapshot("cuda")

@@ -98,9 +98,9 @@ EXPECTED_ENCODING = {
 async def test_patch_training_bit_exact(name: str, lr: float, compare: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every encoding config, through the host compare and the device compare (forced here
     on CPU tensors: ``auto`` takes it on CUDA), with the codec the config chooses."""
-    import sender.patch
+    import sender.version.patch
 
-    monkeypatch.setattr(sender.patch, "_requested", lambda config: compare)
+    monkeypatch.setattr(sender.version.patch, "_requested", lambda config: compare)
     config = PATCH_CONFIGS[name]
     model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
     assert mismatches(cast_like(model.state_dict(), rmodel.state_dict()), rmodel.state_dict())  # really different
@@ -633,7 +633,7 @@ async def test_sync_of_a_mismatched_model_moves_nothing(kind: str, mutate: Any) 
 async def test_patch_sync_failing_midway_resyncs_by_bootstrap(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compare that fails after moving part of the snapshot: the next version goes as a
     bootstrap of a new snapshot, then patches resume, exact throughout."""
-    from sender import fastdiff
+    from sender.diff import fastdiff
 
     model, rmodel = make_model(0), make_model(1, dtype=torch.bfloat16)
     s, r = make_pair(patch_cfg())

@@ -28,12 +28,13 @@ from protocol.config import load_config
 from protocol.state import resolve_state
 from protocol.wire.metadata import ModelMetadata
 from receiver import Receiver
-from sender import Sender, collector, streams
-from sender.compare_host import HostCompare
-from sender.patch import PatchBuilder
+from sender import Sender, streams
+from sender.diff.compare_host import HostCompare
+from sender.diff.snapshot import Snapshot
 from sender.plan import SyncPlan
-from sender.snapshot import Snapshot
 from sender.streams import CopyStream, Mark
+from sender.version import collector
+from sender.version.patch import PatchBuilder
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU = torch.device("cuda", 0)
@@ -272,7 +273,7 @@ def test_the_host_compare_stages_changes_on_the_out_stream(fake_cuda: FakeCuda) 
     plan = SyncPlan(resolve_state(state), ModelMetadata.of(state), config.init_sync)
     snapshot = Snapshot("cpu")
     compare = HostCompare(plan, config.patch.options(), snapshot, {}, stage=True)
-    from sender.changes import Changes
+    from sender.diff.changes import Changes
 
     flat, new = on_gpu(torch.arange(3)), on_gpu(torch.ones(3))
     staged = compare._staged(Changes(0, (100,), 3, flat, new, on_gpu(torch.zeros(3)), None, []))

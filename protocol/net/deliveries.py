@@ -1,4 +1,4 @@
-"""What a version server counts for its operators (``sender/metrics.py`` exports it): when each
+"""What a version server counts for its operators (``sender/serve/metrics.py`` exports it): when each
 recent version was published and when every receiver connected then had it, each receiver's
 lag, resyncs and NACKs. Bounded whatever the receivers do: the versions kept, the NACK
 reasons (untrusted text from receivers) and the deliveries in flight have fixed caps.

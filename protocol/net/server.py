@@ -1,7 +1,7 @@
 """Serving versions to receivers over a ROUTER: what the sender daemon and a relay share.
 
 A ``VersionServer`` knows nothing of where versions come from. It is composed with a
-``VersionSource`` (the trainer's, ``sender/source.py``; a relay's receiver,
+``VersionSource`` (the trainer's, ``sender/serve/source.py``; a relay's receiver,
 ``receiver/relay.py``) that answers what only the source knows: is this receiver's HELLO
 acceptable and what WELCOME does it get (``admit``), what is a bootstrap of the current
 version (``bootstrap``), what is its state digest (``digest``). Whoever owns the server

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from protocol.net.http import bearer_auth, check_token, parse_address, serve
 from protocol.net.server import VersionServer
 
-from .stats import SyncStats
+from ..stats import SyncStats
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from protocol.wire.framing import Message
 from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from .base import plan_for
-from .plan import SyncPlan
+from ..base import plan_for
+from ..plan import SyncPlan
 
 
 class ShardedSource:

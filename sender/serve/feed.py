@@ -20,10 +20,10 @@ import torch
 from protocol.net.server import VersionServer
 from protocol.wire.framing import Message
 
-from .builder import BuildFailed, VersionBuilder
+from ..stats import SyncStats
+from ..streams import Mark
+from ..version.builder import BuildFailed, VersionBuilder
 from .source import TrainerSource
-from .stats import SyncStats
-from .streams import Mark
 
 log = logging.getLogger(__name__)
 

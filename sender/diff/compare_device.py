@@ -31,13 +31,13 @@ from protocol.errors import MetadataMismatchError
 from protocol.state import is_dtensor
 from protocol.wire.dtypes import bits_dtype
 
+from ..plan import SyncPlan
+from ..stats import SyncStats
+from ..streams import record
 from .changes import Changes, Group, KeyInfo, dense_rule, sample_step, wrapped_differences
 from .compare_host import HostCompare
-from .plan import SyncPlan
 from .runs import Run, lay_out
 from .snapshot import Snapshot
-from .stats import SyncStats
-from .streams import record
 
 T = TypeVar("T")
 

@@ -18,10 +18,10 @@ from protocol.codec.tensorcodec import EncodedTensor, assemble
 from protocol.errors import WeightSyncError
 from protocol.wire.framing import Encoding, Message, MessageType
 
+from ..diff.changes import Changes
+from ..stats import SyncStats
 from .captured import Captured
-from .changes import Changes
 from .encode import Encoder
-from .stats import SyncStats
 
 ENCODE_THREADS_MAX = 4  # patch.encode_threads by default: half the cores, at most this many
 

@@ -1,6 +1,6 @@
 """A patch's compare, run: the snapshot's lifecycle and where each version's compare runs.
 
-The compare itself (host or device) is behind ``sender/compare.py``; this runs it. A small
+The compare itself (host or device) is behind ``sender/diff/compare.py``; this runs it. A small
 state of plain CPU tensors is compared on the event loop's thread (``inline``), any other
 on the collector's own compare thread, each tensor's changes handed to the encoder threads
 as soon as they are collected (``PartEncoder.submit``), paced by a ``Backlog``, and put on
@@ -23,14 +23,14 @@ import torch
 from protocol.errors import WeightSyncError
 from protocol.state import is_dtensor
 
+from ..diff.changes import Changes
+from ..diff.compare import Compare
+from ..plan import SyncPlan
+from ..stats import SyncStats
+from ..streams import Mark
 from .backlog import Backlog
 from .captured import Captured, CapturedStream
-from .changes import Changes
-from .compare import Compare
 from .part_encoder import PartEncoder
-from .plan import SyncPlan
-from .stats import SyncStats
-from .streams import Mark
 
 T = TypeVar("T")
 BACKLOG_SHARE = 32  # patch.encode_backlog_bytes by default: this fraction of the snapshot...

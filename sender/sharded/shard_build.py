@@ -26,10 +26,10 @@ from protocol.codec.tensorcodec import EncodedTensor, assemble
 from protocol.config import PatchConfig
 from protocol.wire.framing import Message, MessageType
 
-from .plan import SyncPlan
+from ..plan import SyncPlan
+from ..stats import SyncStats
 from .shard_parts import PartMover, PartStats, layout_digest, pack_part, unpack_part
 from .shards import ShardCompare, shard_keys
-from .stats import SyncStats
 
 
 @dataclass(frozen=True)

@@ -20,19 +20,19 @@ from protocol.config import PatchConfig
 from protocol.state import ModelState, StateLike, state_tensors
 from protocol.wire.framing import Encoding, Message
 
-from .base import Send, SenderBase, send_all
+from ..base import Send, SenderBase, send_all
+from ..diff.changes import plan_groups
+from ..diff.compare import KINDS, make_compare
+from ..diff.snapshot import Snapshot
+from ..plan import SyncPlan
+from ..stats import SyncStats
+from ..streams import Mark
 from .builder import Build, VersionBuilder
 from .captured import Captured, CapturedStream
-from .changes import plan_groups
 from .collector import Collector
-from .compare import KINDS, make_compare
 from .encode import Encoder, make_encoder
 from .part_encoder import PartEncoder, encode_threads
 from .parts import cut, cut_stream
-from .plan import SyncPlan
-from .snapshot import Snapshot
-from .stats import SyncStats
-from .streams import Mark
 
 __all__ = ["Captured", "CapturedStream", "PatchBuilder", "PatchSender", "encode_threads"]
 

@@ -2,7 +2,7 @@
 
 ``sync()`` builds a version once (a patch, or the buckets) and returns; serving it is
 the job of the ``protocol.net.server.VersionServer`` it composes, with the trainer's model
-as its source (``sender/source.py``): each receiver's pump task sends it what it is
+as its source (``sender/serve/source.py``): each receiver's pump task sends it what it is
 missing, bounded by credits (versions in flight), so a slow or dead receiver never
 blocks the trainer. Receivers behind the ring of recent patches, or that reject a
 message, are resynced with a bootstrap of the current version.
@@ -28,14 +28,14 @@ from protocol.state import StateLike, resolve_state, state_tensors
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.limits import Limits
 
-from .base import check_next_version
+from ..base import check_next_version
+from ..plan import SyncPlan
+from ..stats import SyncStats
+from ..streams import Mark
 from .feed import VersionFeed
 from .metrics import MetricsServer, SenderMetrics
-from .plan import SyncPlan
 from .shard_source import ShardedSource
 from .source import TrainerSource
-from .stats import SyncStats
-from .streams import Mark
 
 log = logging.getLogger(__name__)
 

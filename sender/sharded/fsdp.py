@@ -13,7 +13,7 @@ gathering build does, and the leader serves that version's bootstrap. A version 
 any rank (a disagreement, a rank's compare, a rank gone) is published by none and raises on
 every rank; the next one recaptures every rank's snapshot and resyncs the receivers.
 
-**Gathering** (``gather=True``, and the bucket strategy; the gathers: ``sender/gathers.py``):
+**Gathering** (``gather=True``, and the bucket strategy; the gathers: ``sender/sharded/gathers.py``):
 gathering a DTensor is a collective, so every rank of the mesh must gather the same tensors
 in the same order, and the rank hosting the Sender must never hold the whole model gathered:
 
@@ -48,17 +48,17 @@ from protocol.errors import ConfigError, GatherOrderError, WeightSyncError
 from protocol.state import ModelState, is_dtensor, resolve_state, sync_keys
 from protocol.wire.framing import Message
 
-from .base import check_next_version
+from ..base import check_next_version
+from ..plan import SyncPlan
+from ..stats import SyncStats
+from ..streams import Mark
 from .gathers import Gatherer, GatherStats, gather_order
-from .plan import SyncPlan
 from .shard_build import ReceiverPlan, ShardBuild, leader_messages, share_plan
 from .shard_parts import FIGURES, PartMover, PartStats
 from .shards import local_range
-from .stats import SyncStats
-from .streams import Mark
 
 if TYPE_CHECKING:
-    from .service import Sender
+    from ..serve.service import Sender
 
 __all__ = ["GatherStats", "ShardedSync", "gather_order"]
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from protocol.state import is_dtensor, materialize
 
+from ..plan import SyncPlan
 from .changes import Group
-from .plan import SyncPlan
 from .snapshot import Snapshot
 
 ALIGN = 128  # each key starts a block of this many elements: its count is a sum of block counts

@@ -13,7 +13,7 @@ from protocol.codec.compress import Codec
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, pack_entry
 from protocol.wire.framing import Encoding, Role, ValueEncoding
 
-from .plan import SyncPlan
+from ..plan import SyncPlan
 
 DenseRule = Callable[[int, Callable[[], torch.Tensor]], bool]  # (changed, sample) -> whether it goes whole
 SAMPLE = 2048  # elements of a tensor sampled for its dense rule (every ``sample_step``-th)

@@ -21,7 +21,7 @@ import torch
 
 from protocol.errors import StateError
 
-from .streams import CopyStream, cuda_present, host_empty, host_empty_like, host_zeros, record
+from ..streams import CopyStream, cuda_present, host_empty, host_empty_like, host_zeros, record
 
 log = logging.getLogger(__name__)
 

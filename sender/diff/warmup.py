@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from . import fastdiff
 else:  # numba loads on first use (protocol/lazy.py)
-    entropy, packed, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("sender.fastdiff")
+    entropy, packed, fastdiff = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("sender.diff.fastdiff")
 
 __all__ = ["COMMON_PAIRS", "compile_encoders", "compile_kernels", "encode_signatures", "signatures"]
 

@@ -1,10 +1,10 @@
 """What the sender daemon asks of a strategy's builder (``VersionBuilder``), and nothing else.
 
 A builder turns the trainer's model into a version's messages: the patch builder
-(``sender/patch.py``: the changes since its snapshot, compared on the host or the device,
-behind ``sender/compare.py`` and ``sender/encode.py``) and the bucket builder
-(``sender/bucket.py``: every tracked tensor whole). ``Sender`` (``sender/service.py``) knows
-them only through this interface, and gets one from ``sender/builders.py``
+(``sender/version/patch.py``: the changes since its snapshot, compared on the host or the device,
+behind ``sender/diff/compare.py`` and ``sender/version/encode.py``) and the bucket builder
+(``sender/version/bucket.py``: every tracked tensor whole). ``Sender`` (``sender/serve/service.py``) knows
+them only through this interface, and gets one from ``sender/version/builders.py``
 (``tests/test_layering.py`` checks it imports no concrete builder).
 """
 
@@ -19,8 +19,8 @@ import torch
 
 from protocol.wire.framing import Message
 
-from .stats import SyncStats
-from .streams import Mark
+from ..stats import SyncStats
+from ..streams import Mark
 
 
 class BuildFailed(Exception):

@@ -16,12 +16,12 @@ import torch
 from protocol.codec.tensorcodec import PatchOptions
 from protocol.errors import ConfigError
 
+from ..plan import SyncPlan
+from ..stats import SyncStats
 from .changes import Changes, Group
 from .compare_device import DeviceCompare
 from .compare_host import HostCompare
-from .plan import SyncPlan
 from .snapshot import Snapshot
-from .stats import SyncStats
 
 T = TypeVar("T")
 KINDS = ("auto", "host", "device")

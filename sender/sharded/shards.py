@@ -35,11 +35,11 @@ from protocol.state import ModelState, is_dtensor
 from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
 
-from .compare import make_compare
-from .encode import Encoder, make_encoder
-from .plan import SyncPlan
-from .snapshot import Snapshot
-from .stats import SyncStats
+from ..diff.compare import make_compare
+from ..diff.snapshot import Snapshot
+from ..plan import SyncPlan
+from ..stats import SyncStats
+from ..version.encode import Encoder, make_encoder
 
 COMPARING_RANK = 0  # the mesh rank that compares a replicated tensor (and a plain one)
 

@@ -1,5 +1,5 @@
 """``python -m sender status``: where a deployment stands, read from a sender's metrics endpoint
-(no second protocol: the Prometheus text ``sender/metrics.py`` serves).
+(no second protocol: the Prometheus text ``sender/serve/metrics.py`` serves).
 
     python -m sender status --metrics http://127.0.0.1:9400 [--token T] [--json]
 

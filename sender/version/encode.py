@@ -20,11 +20,11 @@ from protocol.codec.parallel import map_ordered
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, pack_entry, raw_nbytes, sampled_differences, sparse_buffers
 from protocol.wire.framing import Encoding, ValueEncoding
 
-from . import warmup
-from .changes import Changes, whole
+from ..diff import warmup
+from ..diff.changes import Changes, whole
+from ..stats import SyncStats
+from ..streams import CopyStream
 from .encode_device import DeviceEncoder
-from .stats import SyncStats
-from .streams import CopyStream
 
 
 def make_encoder(options: PatchOptions, stream: Callable[[torch.device], CopyStream]) -> Encoder:

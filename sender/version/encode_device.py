@@ -30,9 +30,9 @@ from protocol.errors import ConfigError
 from protocol.timing import DeviceSpan
 from protocol.wire.framing import Encoding, Role, ValueEncoding
 
-from .changes import Changes, whole
-from .stats import SyncStats
-from .streams import CopyStream
+from ..diff.changes import Changes, whole
+from ..stats import SyncStats
+from ..streams import CopyStream
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The sender sidecar's ``ipc`` mode: serve the weights a trainer publishes into shared memory.
 
 ``python -m sender --load-strategy ipc --shm NAME --handoff ENDPOINT`` binds a ROUTER on
-``--handoff`` for ``sender.client.SidecarClient`` and, on the first ``publish``, maps the
+``--handoff`` for ``sender.SidecarClient`` and, on the first ``publish``, maps the
 trainer's region and starts a ``Sender`` whose model is a state dict of views onto it.
 Each later ``publish`` is ``await sender.sync(views, version)``; the reply ``collected``
 goes out once ``sync`` has returned (the changes are collected, the region may be

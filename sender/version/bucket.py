@@ -16,11 +16,11 @@ from protocol.errors import ConfigError
 from protocol.state import StateLike, state_tensors
 from protocol.wire.framing import Message, MessageType
 
-from .base import Send, SenderBase
+from ..base import Send, SenderBase
+from ..plan import SyncPlan
+from ..stats import SyncStats
+from ..streams import Mark
 from .builder import Build, VersionBuilder
-from .plan import SyncPlan
-from .stats import SyncStats
-from .streams import Mark
 
 
 class BucketBuilder(VersionBuilder):

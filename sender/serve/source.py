@@ -20,11 +20,11 @@ from protocol.wire.framing import Message
 from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from .base import plan_for
-from .builder import VersionBuilder
-from .builders import make_builder
-from .plan import Source, SyncPlan
-from .streams import Mark
+from ..base import plan_for
+from ..plan import Source, SyncPlan
+from ..streams import Mark
+from ..version.builder import VersionBuilder
+from ..version.builders import make_builder
 
 
 class TrainerSource:

@@ -23,17 +23,17 @@ from protocol.lazy import lazy_module
 from protocol.state import is_dtensor, materialize
 from protocol.wire.dtypes import bits_dtype
 
+from ..plan import SyncPlan
+from ..stats import SyncStats
+from ..streams import record
 from .changes import Changes, DenseRule, Group, KeyInfo, dense_rule, sample_step, wrapped_differences
 from .copies import LentSnapshots
-from .plan import SyncPlan
 from .snapshot import Snapshot
-from .stats import SyncStats
-from .streams import record
 
 if TYPE_CHECKING:
     from . import fastdiff
 else:  # numba loads on first use (protocol/lazy.py)
-    fastdiff = lazy_module("sender.fastdiff")
+    fastdiff = lazy_module("sender.diff.fastdiff")
 
 T = TypeVar("T")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from protocol.codec.tensorcodec import EncodedTensor
 
+from ..diff.changes import Changes
 from .builder import BuildFailed
-from .changes import Changes
 
 
 @dataclass(frozen=True)
