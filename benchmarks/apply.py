@@ -107,7 +107,7 @@ async def case(lr: float, repeat: int, config: dict[str, Any], shape: dict[str, 
     import sender
     from protocol.codec import parallel
     from protocol.wire.framing import MessageType, decode_message
-    from receiver.commit import commit
+    from receiver.apply.commit import commit
 
     torch.manual_seed(0)
     model = TinyLM(**shape)

@@ -97,7 +97,7 @@ def gpu_path(fused_kernels: bool = True) -> str:
     launches: the commit's torch writes (not the numba kernels a CPU target gets), and, with
     ``fused_kernels``, the fused Triton kernels in Triton's interpreter where Triton imports
     (each launch counted as one op, ``launches``). Returns the path taken."""
-    from receiver import fused, kernels
+    from receiver.apply import fused, kernels
 
     kernels.supported = lambda target: False  # type: ignore[assignment]
     try:
@@ -110,7 +110,7 @@ def gpu_path(fused_kernels: bool = True) -> str:
 
 def launches() -> Counter[str]:
     """Fused kernels launched since the last call, as ``triton::<kernel>`` ops."""
-    from receiver import fused
+    from receiver.apply import fused
 
     with fused._lock:
         taken = Counter({f"triton::{name}": n for name, n in fused.LAUNCHES.items()})

@@ -96,13 +96,13 @@ def release_freed() -> None:
 def warm_runtime() -> None:
     """Load what every daemon loads whatever the model's size (compiled kernels, the codec
     threads, ZeroMQ's I/O threads), so ``base`` holds the runtime and growth is the model's."""
-    import receiver.warmup
+    import receiver.apply.warmup
     import sender.diff.warmup
     from protocol.codec.parallel import map_ordered
     from protocol.net.context import shared_context
 
     sender.diff.warmup.compile_kernels()
-    receiver.warmup.compile_kernels()
+    receiver.apply.warmup.compile_kernels()
     map_ordered(abs, [1, 2, 3, 4])
     shared_context()
 

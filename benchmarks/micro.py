@@ -101,7 +101,7 @@ def codec_cases(n: int, density: float, repeat: int) -> dict[str, Any]:
     from protocol.codec.positions import gaps_of
     from protocol.codec.tensorcodec import PatchOptions, assemble, decode_entry, encode_sparse, pack_entry, sparse_buffers
     from protocol.wire.framing import Message, MessageType, decode_message, encode_message
-    from receiver import kernels
+    from receiver.apply import kernels
 
     g = torch.Generator().manual_seed(2)
     old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)

@@ -165,7 +165,8 @@ def install_receiver() -> None:
     _installed.add("receiver")
     from protocol.net import sockets
     from protocol.wire.framing import MessageType, peek_type
-    from receiver import base, commit, decode
+    from receiver.apply import commit, decode
+    from receiver.strategy import base
 
     def is_ack(self: Any, frames: Any) -> bool:
         try:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.tiny_model import build, generate, train_step
 from protocol.host.cli import report
 from protocol.wire.checksum import state_digest
-from receiver.attach import attach
+from receiver import attach
 from sender import SidecarClient, write_snapshot
 
 

@@ -1,7 +1,8 @@
 """weightsync, rollout side: validate and apply patches or buckets, all or nothing.
 
 ``Receiver`` is the daemon; ``PatchReceiver`` / ``BucketReceiver`` are the
-transport-free strategies it runs, usable over any transport. Names load on first use,
+transport-free strategies it runs, usable over any transport; ``attach`` runs a receiver
+beside a model a process already holds. Names load on first use,
 so ``python -m receiver ctl`` (the control client) starts without torch.
 """
 
@@ -12,26 +13,28 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "ApplyStats": ".stats",
-    "BucketReceiver": ".bucket",
-    "PatchReceiver": ".patch",
-    "PendingVersion": ".pending",
+    "BucketReceiver": ".strategy.bucket",
+    "PatchReceiver": ".strategy.patch",
+    "PendingVersion": ".strategy.pending",
     "ReadWriteLock": ".rwlock",
-    "Receiver": ".service",
-    "ReceiverBase": ".base",
-    "StrategyHooks": ".hooks",
-    "make_receiver": ".factory",
+    "Receiver": ".control.service",
+    "ReceiverBase": ".strategy.base",
+    "StrategyHooks": ".strategy.hooks",
+    "attach": ".control.attach",
+    "make_receiver": ".strategy.factory",
 }
 
 if TYPE_CHECKING:
-    from .base import ReceiverBase
-    from .bucket import BucketReceiver
-    from .factory import make_receiver
-    from .hooks import StrategyHooks
-    from .patch import PatchReceiver
-    from .pending import PendingVersion
+    from .control.attach import attach
+    from .control.service import Receiver
     from .rwlock import ReadWriteLock
-    from .service import Receiver
     from .stats import ApplyStats
+    from .strategy.base import ReceiverBase
+    from .strategy.bucket import BucketReceiver
+    from .strategy.factory import make_receiver
+    from .strategy.hooks import StrategyHooks
+    from .strategy.patch import PatchReceiver
+    from .strategy.pending import PendingVersion
 
 __all__ = [
     "ApplyStats",
@@ -42,6 +45,7 @@ __all__ = [
     "Receiver",
     "ReceiverBase",
     "StrategyHooks",
+    "attach",
     "make_receiver",
 ]
 

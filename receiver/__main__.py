@@ -1,5 +1,5 @@
-"""``python -m receiver``: the receiver daemon (``receiver/daemon.py``; ``--help``), or
-``python -m receiver ctl ...``, the control API's client (``receiver/http_client.py``), which
+"""``python -m receiver``: the receiver daemon (``receiver/control/daemon.py``; ``--help``), or
+``python -m receiver ctl ...``, the control API's client (``receiver/control/http_client.py``), which
 starts without loading torch, or ``python -m receiver compile``, which compiles the kernels
 into numba's cache ahead of the first start."""
 
@@ -17,7 +17,7 @@ def compile_main(argv: list[str]) -> int:
     from protocol.codec.aot import compile_args, receiver_dtypes
     from protocol.host.cli import report
 
-    from .warmup import compile_kernels
+    from .apply.warmup import compile_kernels
 
     pairs, given = compile_args("python -m receiver compile", compile_main.__doc__, argv)
     started = time.perf_counter()
@@ -29,12 +29,12 @@ def compile_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ctl"]:
-        from .http_client import main as ctl_main
+        from .control.http_client import main as ctl_main
 
         sys.exit(ctl_main(argv[1:]))
     if argv[:1] == ["compile"]:
         sys.exit(compile_main(argv[1:]))
-    from .daemon import main as daemon_main
+    from .control.daemon import main as daemon_main
 
     daemon_main(argv)
 

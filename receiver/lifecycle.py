@@ -1,7 +1,7 @@
 """A receiver's pause / sleep / update state, and the rules that follow from it.
 
-One plain object, written by the control calls (``receiver/controller.py``) and asked by
-the session loop (``receiver/follower.py``): may a session start, may this version be
+One plain object, written by the control calls (``receiver/control/controller.py``) and asked by
+the session loop (``receiver/session/follower.py``): may a session start, may this version be
 committed now. Pure (no sockets, no event loop), so the rules are tested on their own.
 The control lock serialises its writers; the session loop only reads it, waking on the
 receiver's notification after each change.

@@ -25,12 +25,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     trainer and three rollouts in ``test_async_rl.py``) each JIT the same kernels at once,
     ~50 s apiece on 2 cores, inside their set-up timeouts. Processes started later load
     what this wrote."""
-    import receiver.warmup
+    import receiver.apply.warmup
     import sender.diff.warmup
 
     started = time.perf_counter()
     sender.diff.warmup.compile_kernels()
-    receiver.warmup.compile_kernels()
+    receiver.apply.warmup.compile_kernels()
     if (seconds := time.perf_counter() - started) > 5:
         print(f"\nnumba kernels compiled in {seconds:.0f} s (cached for later runs)")
 

@@ -26,7 +26,7 @@ from channel import Channel, Pipe
 from models import Trainer, cast_like, make_model, mismatches, snapshot
 
 import receiver
-import receiver.write_side
+import receiver.strategy.write_side
 import sender
 from protocol.codec.compress import Codec
 from protocol.errors import IntegrityError, ProtocolError, StaleVersionError, WeightSyncError
@@ -755,14 +755,14 @@ async def test_failure_between_two_parts(writer: str, scene: str, failure: str) 
 
 
 class SlowWrite:
-    """``receiver.write_side.commit`` whose ``n``-th call writes half its updates, then waits
+    """``receiver.strategy.write_side.commit`` whose ``n``-th call writes half its updates, then waits
     for ``release`` (or raises), then writes the rest: a write the test can break into."""
 
     def __init__(self, n: int, fail: bool = False) -> None:
         self.n, self.fail, self.calls = n, fail, 0
         self.entered, self.release = threading.Event(), threading.Event()
         self.finished = False
-        self.real = receiver.write_side.commit
+        self.real = receiver.strategy.write_side.commit
 
     def __call__(self, targets: Any, updates: Any, aliases: Any) -> None:
         self.calls += 1
@@ -788,7 +788,7 @@ async def test_cancelled_while_writing(writer: str, scene: str, monkeypatch: pyt
     config = WRITERS[writer]
     s = await make_scene(config, scene)
     write = SlowWrite(2 if _writes_on_arrival(config) else 1)
-    monkeypatch.setattr(receiver.write_side, "commit", write)
+    monkeypatch.setattr(receiver.strategy.write_side, "commit", write)
     taking = asyncio.ensure_future(s.take(recv_over(s.messages)))
     assert await asyncio.to_thread(write.entered.wait, 10)
     taking.cancel()
@@ -809,7 +809,7 @@ async def test_error_while_writing(writer: str, scene: str, monkeypatch: pytest.
     model torn."""
     config = WRITERS[writer]
     s = await make_scene(config, scene)
-    monkeypatch.setattr(receiver.write_side, "commit", SlowWrite(2 if _writes_on_arrival(config) else 1, fail=True))
+    monkeypatch.setattr(receiver.strategy.write_side, "commit", SlowWrite(2 if _writes_on_arrival(config) else 1, fail=True))
     with pytest.raises(RuntimeError, match="mid-write"):
         await asyncio.wait_for(s.take(recv_over(s.messages)), 10)
     s.assert_torn()

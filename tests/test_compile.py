@@ -188,7 +188,7 @@ def _spans_and_large(pairs: list[tuple[torch.dtype, torch.dtype]]) -> None:
 
 def _apply_span(entry: Any, target: torch.Tensor, dtype: torch.dtype) -> None:
     from protocol.codec.tensorcodec import assemble, at_span, decode_entry
-    from receiver.commit import StagedUpdate, write
+    from receiver.apply.commit import StagedUpdate, write
 
     (spec,), frames = assemble([entry])
     frames = [bytes(f) for f in frames]
@@ -210,14 +210,14 @@ def signatures() -> dict[str, set[str]]:
 def compile_then_sync(pairs_text: str) -> None:
     """In a fresh process: each side's compile step for ``pairs_text``, then every encoding
     at every pair. Exits 1 naming each signature numba compiled after the compile steps."""
-    import receiver.warmup
+    import receiver.apply.warmup
     import sender.diff.warmup
     from protocol.codec.aot import parse_pairs, receiver_dtypes
 
     torch.set_num_threads(1)
     pairs = parse_pairs(pairs_text)
     sender.diff.warmup.compile_kernels(pairs)
-    receiver.warmup.compile_kernels(receiver_dtypes(pairs))
+    receiver.apply.warmup.compile_kernels(receiver_dtypes(pairs))
     before = signatures()
     seen = asyncio.run(_sync_all(pairs))
     asyncio.run(_over_sockets(*pairs[0]))

@@ -29,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.errors import ConfigError, MetadataMismatchError, StateError, TransportError, WeightSyncError
 from protocol.state import resolve_state
-from receiver import Receiver, http_client
+from receiver import Receiver
+from receiver.control import http_client
 from receiver.naming import AGENT_PREFIX
 from sender import Sender
 
@@ -384,11 +385,11 @@ async def ctl(*args: str) -> tuple[int, dict[str, Any]]:
 
 
 async def test_the_http_api_imports_no_receiver() -> None:
-    """receiver/http_api.py serves a Controllable: it loads without the Receiver (no import cycle)."""
+    """receiver/control/http_api.py serves a Controllable: it loads without the Receiver (no import cycle)."""
     code = "import sys, receiver.http_api; print(sorted(m for m in sys.modules if m.startswith('receiver')))"
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
-    assert proc.returncode == 0 and out.decode().strip() == "['receiver', 'receiver.http_api']"
+    assert proc.returncode == 0 and out.decode().strip() == "['receiver', 'receiver.control.http_api']"
 
 
 async def test_ctl_cli(capsys: pytest.CaptureFixture[str]) -> None:

@@ -582,10 +582,10 @@ async def test_on_update_fires_once_per_committed_version(daemons: Daemons) -> N
 async def test_an_applied_version_leaves_no_staged_changes(daemons: Daemons) -> None:
     """Between versions a receiver holds its model, not the last version's staged changes
     (an index and a value each: as much again as the update) until the next one arrives.
-    Whole tensors staged as views of the received frames may stay (receiver/follower.py says why)."""
+    Whole tensors staged as views of the received frames may stay (receiver/session/follower.py says why)."""
     import gc
 
-    from receiver.commit import StagedUpdate
+    from receiver.apply.commit import StagedUpdate
 
     trainer = Trainer(lr=1e-4)
     s = await daemons.sender(trainer, "patch")
@@ -628,11 +628,11 @@ async def test_a_bootstrap_longer_than_the_handshake_bound_completes_while_it_pr
     """The handshake's bound (``peer_timeout + HANDSHAKE_GRACE``) is on each of its
     messages, not on the whole bootstrap: a large model's bootstrap takes as long as its
     bytes take, and must not be cut off (and asked for again) at a fixed total."""
-    import receiver.follower
+    import receiver.session.follower
     from protocol.wire.framing import MessageType, peek_type
-    from receiver.session import Session
+    from receiver.session.session import Session
 
-    monkeypatch.setattr(receiver.follower, "HANDSHAKE_GRACE", 0.0)  # each message within PEER_TIMEOUT
+    monkeypatch.setattr(receiver.session.follower, "HANDSHAKE_GRACE", 0.0)  # each message within PEER_TIMEOUT
     recv = Session.recv
     buckets = 0
 
@@ -660,7 +660,7 @@ async def test_start_does_not_count_compiling_the_kernels_in_its_timeout(daemons
     host, three rollouts compiling at once): local work, done before the handshake's clock
     starts, so ``start(timeout=...)`` bounds only what it says. A second start while the
     first compiles, or after it, is refused and changes nothing."""
-    from receiver.patch import PatchReceiver
+    from receiver.strategy.patch import PatchReceiver
 
     prepare, compiled = PatchReceiver.prepare, False
 

@@ -215,7 +215,7 @@ def test_positions_of_gaps_matches_the_reference_and_refuses_bad_gaps() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
 def test_gather_add_takes_wide_differences_and_wraps_like_the_encoder(dtype: torch.dtype) -> None:
     from protocol.codec import entropy
-    from receiver import kernels
+    from receiver.apply import kernels
 
     width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty((), dtype=dtype).element_size()]
     info = torch.iinfo(width)

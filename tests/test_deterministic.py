@@ -21,9 +21,9 @@ from test_stage_device import coded_message, decoded_of, scenario
 
 from protocol.codec import devicecodec as dc
 from protocol.wire.metadata import ModelMetadata
-from receiver import fused
-from receiver.commit import commit
-from receiver.stage_device import Coded, stage_coded
+from receiver.apply import fused
+from receiver.apply.commit import commit
+from receiver.apply.stage_device import Coded, stage_coded
 from sender.stats import SyncStats
 from sender.version.patch import Captured
 

@@ -41,8 +41,8 @@ from protocol.config import load_config
 from protocol.errors import ConfigError, ProtocolError
 from protocol.wire.framing import Encoding, Role, ValueEncoding, decode_message
 from protocol.wire.framing import Message as WireMessage
-from receiver.commit import commit
-from receiver.transfer import Placement, transfer_part
+from receiver.apply.commit import commit
+from receiver.apply.transfer import Placement, transfer_part
 
 CPU = torch.device("cpu")
 HOST = PatchOptions(dense_above=1.0, device_codec=False)  # coded, never whole: the host codec's changes
@@ -58,7 +58,7 @@ def decoded_changes(
     """What a receiver takes from ``entry`` (a 1-D target of ``numel``, whose values are
     ``old``): (positions, new bits) of the whole target, or of each of the group's
     ``members`` (their element counts), each against its own slice of ``old``. ``staged``:
-    through a part's transfer (receiver/transfer.py), as a GPU target's payload and group
+    through a part's transfer (receiver/apply/transfer.py), as a GPU target's payload and group
     offsets go (a CPU target's decode from the frame otherwise)."""
     specs, frames = assemble([entry])
     offsets = None if members is None else group_offsets([(n,) for n in members])
@@ -102,7 +102,7 @@ def test_device_entries_decode_to_exactly_the_host_codecs_changes(
     the values) and integer buffers, from no change to every element changed, alone or as a
     group of up to three tensors: the same positions and new bits as the host codec's,
     decoded from the frame (a CPU target) or ``staged`` (a GPU target's path: the payload
-    and group offsets moved in the part's one transfer, ``receiver/transfer.py``)."""
+    and group offsets moved in the part's one transfer, ``receiver/apply/transfer.py``)."""
     old, new = float_pair(dtype, numel, density, lr, seed) if dtype.is_floating_point else integer_pair(dtype, numel, density, seed)
     flat, new_at, old_at = bitwise_changes(old, new)
     sizes = None if members == 1 else [numel // members] * (members - 1) + [numel - numel // members * (members - 1)]

@@ -193,12 +193,12 @@ def cli_parsers() -> dict[str, tuple[Callable[[], Any], list[str]]]:
         m.keygen([])
 
     def receiver_main() -> None:
-        from receiver import daemon
+        from receiver.control import daemon
 
         daemon.parse_args([])
 
     def receiver_ctl() -> None:
-        from receiver import http_client
+        from receiver.control import http_client
 
         http_client.parse_args([])
 

@@ -191,7 +191,7 @@ async def test_fastdeploys_own_fields_are_ignored_and_listed(caplog: pytest.LogC
     """Fields FastDeploy's clients send that weightsync does not act on, and any parameter of
     a read-only GET, are accepted, listed in ``ignored`` and logged once."""
     async with rig() as r:
-        with caplog.at_level(logging.WARNING, logger="receiver.http_api"):
+        with caplog.at_level(logging.WARNING, logger="receiver.control.http_api"):
             body = await success(r, "POST", "/v1/pause?wait_for_inflight_requests=false")
             assert body["ignored"] == ["wait_for_inflight_requests"] and r.receiver.is_paused
             await success(r, "POST", "/v1/pause?wait_for_inflight_requests=false")

@@ -61,7 +61,7 @@ from protocol.errors import ResyncLimitError, StaleVersionError, WeightSyncError
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import MessageType
 from receiver import Receiver
-from receiver import follower as receiver_follower
+from receiver.session import follower as receiver_follower
 from sender import Sender
 from sender.stats import SyncStats
 

@@ -1,4 +1,4 @@
-"""The fused kernels (receiver/fused.py) in Triton's interpreter, on CPU tensors.
+"""The fused kernels (receiver/apply/fused.py) in Triton's interpreter, on CPU tensors.
 
 ``gather_add`` gives ``devicecodec.apply_differences``'s bits for every dtype a receiver
 holds (wrapping at the width, a bool kept 0 or 1), across many tensors at once; ``scatter``
@@ -20,9 +20,9 @@ from test_stage_device import CPU, coded_message, decoded_of
 from protocol.codec import devicecodec
 from protocol.state import Placed
 from protocol.wire.metadata import ModelMetadata
-from receiver import fused
-from receiver.commit import commit
-from receiver.stage_device import Coded, stage_coded
+from receiver.apply import fused
+from receiver.apply.commit import commit
+from receiver.apply.stage_device import Coded, stage_coded
 
 pytest.importorskip("triton")
 

@@ -386,7 +386,7 @@ async def build_pair(name: str, config: dict[str, Any]) -> list[Exchange]:
 
 
 def control_exchanges() -> list[Exchange]:
-    """The receiver daemon's replies, built as ``receiver/follower.py`` builds them."""
+    """The receiver daemon's replies, built as ``receiver/session/follower.py`` builds them."""
     control = ControlTarget()
     messages = [
         Message(MessageType.ACK, version=7),

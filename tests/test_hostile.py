@@ -658,7 +658,7 @@ def test_gpu_codec_on_a_cpu_receiver_is_a_typed_error():
 def test_bool_tensor_never_gets_bytes_other_than_0_and_1(values: ValueEncoding) -> None:
     """Raw, XOR and ulp values can all make a bool byte 2..255, which torch would hold as an
     invalid bool: refused while staging, before anything is written."""
-    from receiver.commit import StagedUpdate
+    from receiver.apply.commit import StagedUpdate
 
     target = torch.zeros(4096, dtype=torch.bool)
     flat = torch.arange(0, 4096, 4)

@@ -46,6 +46,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
 # below it and its side's floor (the side's top-level modules), never one above it.
 ROOMS: dict[str, tuple[str, ...]] = {
     "sender": ("diff", "version", "serve", "sharded"),
+    "receiver": ("apply", "strategy", "session", "control", "vllm"),
 }
 for side, rooms in ROOMS.items():
     for i, room in enumerate(rooms):

@@ -234,7 +234,7 @@ def packed_engine(weights: dict[str, torch.Tensor]) -> tuple[PackedModel, Any]:
 
 
 def sparse_version(weights: dict[str, torch.Tensor], seed: int) -> list[Any]:
-    from receiver.commit import StagedUpdate
+    from receiver.apply.commit import StagedUpdate
 
     g = torch.Generator().manual_seed(seed)
     updates = []
@@ -252,7 +252,7 @@ def test_layers_prepacked_ahead_equal_an_inline_repack_and_touch_nothing_until_i
     install swaps them in. Two versions in a row (the second commits into the copies the
     first installed), against the same versions committed and re-packed inline. The
     updates the copies hold are not committed again: the installed copies must carry them."""
-    from receiver.commit import commit
+    from receiver.apply.commit import commit
 
     weights = checkpoint(7)
     base = {k: weights[k] for k, _ in PACKED_META}

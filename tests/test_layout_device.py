@@ -1,4 +1,4 @@
-"""The vLLM layout map on a GPU's terms (receiver/vllm/layout.py, receiver/readback.py),
+"""The vLLM layout map on a GPU's terms (receiver/vllm/layout.py, receiver/apply/readback.py),
 said on CPU tensors: a mapped write and read wait for nothing (no compaction by a boolean
 index, no copy to the host), and a commit's read-back reads each device twice whatever the
 number of tensors. Correctness of the same writes is test_layout_tp's property."""
@@ -13,8 +13,8 @@ from test_device_codec import SyncCounter
 from test_layout_tp import assert_ranks_equal_a_fresh_load, engine_ranks, trainer_keys, version_updates
 from vllm_like import Shape, random_checkpoint
 
-from receiver.commit import StagedUpdate, commit
-from receiver.readback import check_all
+from receiver.apply.commit import StagedUpdate, commit
+from receiver.apply.readback import check_all
 
 BOOLEAN_INDEXED = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
                    torch.ops.aten._index_put_impl_.default)

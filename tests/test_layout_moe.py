@@ -24,8 +24,8 @@ from versions import apply, version_updates
 from vllm_like import differing
 
 from protocol.errors import WriteCheckError
-from receiver.commit import StagedUpdate
-from receiver.readback import check_written
+from receiver.apply.commit import StagedUpdate
+from receiver.apply.readback import check_written
 from receiver.vllm.kinds import How
 from receiver.vllm.layout import Layout, MappedTensor, derive_layout
 from receiver.vllm.permute import Permutation, discover

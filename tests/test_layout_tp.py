@@ -28,8 +28,8 @@ import sender
 from protocol.errors import WriteCheckError
 from protocol.state import Placed
 from protocol.wire.framing import Encoding, MessageType, decode_message
-from receiver.commit import StagedUpdate, commit
-from receiver.readback import check_written
+from receiver.apply.commit import StagedUpdate, commit
+from receiver.apply.readback import check_written
 from receiver.vllm.layout import Layout, derive_layout
 
 # (tp, kv heads, query heads per kv head): every GQA ratio 1:1 to 4:1 at TP 1, 2 and 4, with
@@ -210,7 +210,7 @@ async def test_strategies_keep_every_rank_on_the_checkpoint(name: str, tp: int, 
     assert differing(engines[-1], loaded(s, tp - 1, checkpoint)) == []
 
 
-# -- reading the writes back (receiver/readback.py) ------------------------------------------
+# -- reading the writes back (receiver/apply/readback.py) ------------------------------------------
 def _rng() -> random.Random:
     return random.Random(0)
 

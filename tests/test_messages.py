@@ -26,7 +26,7 @@ from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message
 from protocol.wire.messages import Ack, Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack, Welcome
 from protocol.wire.metadata import ModelMetadata
-from receiver.relay import Relay
+from receiver.session.relay import Relay
 
 META = ModelMetadata(("emb.weight", "head.weight"), ((4, 2), (4, 2)), (torch.float32, torch.bfloat16))
 META_BODY = {"keys": ["emb.weight", "head.weight"], "shapes": [[4, 2], [4, 2]], "dtypes": [1, 3]}

@@ -116,7 +116,7 @@ def link() -> Iterator[Link]:
 
 def _receiver_plaintext_flag() -> list[str]:
     """``--insecure-plaintext`` where the receiver CLI has it (a non-loopback endpoint without CURVE)."""
-    import receiver.daemon as rmain
+    import receiver.control.daemon as rmain
 
     try:
         rmain.parse_args(["--model", MODEL, "--insecure-plaintext"])

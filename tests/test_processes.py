@@ -219,7 +219,7 @@ async def test_sender_killed_and_restarted_on_same_endpoint(procs: Processes, tm
 
 def test_cli_flags_used_here_exist() -> None:
     """The CLIs accept every flag these tests pass (argparse would exit 2 on an unknown one)."""
-    import receiver.daemon as rmain
+    import receiver.control.daemon as rmain
     import sender.__main__ as smain
 
     s = smain.parse_args(["--watch", "/tmp/x", "--model", MODEL, "--endpoint", "tcp://127.0.0.1:1", "--config", "c.yaml", *TIMING])

@@ -179,7 +179,7 @@ async def test_json_logs_carry_the_version_the_receiver_and_the_bytes() -> None:
 
 
 def test_both_clis_take_a_log_format(tmp_path: Path) -> None:
-    from receiver.daemon import parse_args as receiver_args
+    from receiver.control.daemon import parse_args as receiver_args
     from sender.__main__ import parse_args as sender_args
 
     assert sender_args(["--watch", str(tmp_path), "--log-format", "json"]).log_format == "json"
@@ -239,9 +239,9 @@ def test_a_terminal_gets_a_bar_a_pipe_gets_plain_lines() -> None:
 
 
 async def test_a_failing_progress_watcher_is_logged_by_its_owner(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The receiver's byte-count watcher (``receiver/incoming.py``) failing only costs the
+    """The receiver's byte-count watcher (``receiver/session/incoming.py``) failing only costs the
     figures: ``Incoming.close`` logs its error at WARNING and still finishes the progress."""
-    from receiver import incoming
+    from receiver.session import incoming
 
     class Link:
         reads = 0

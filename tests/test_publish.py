@@ -21,7 +21,8 @@ from protocol.config import PatchConfig
 from protocol.errors import ConfigError, StaleVersionError, WeightSyncError
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message
-from receiver import Receiver, follower
+from receiver import Receiver
+from receiver.session import follower
 from sender import Sender
 from sender.plan import SyncPlan
 from sender.sharded.shard_build import ReceiverPlan, ShardBuild

@@ -1,4 +1,4 @@
-"""A part's one host-to-device transfer (receiver/transfer.py, protocol/codec/staging.py),
+"""A part's one host-to-device transfer (receiver/apply/transfer.py, protocol/codec/staging.py),
 run on CPU tensors.
 
 A receiver whose targets are on a GPU moves every device-coded payload of a part, and its
@@ -53,8 +53,8 @@ from protocol.wire.framing import (
     encode_message,
 )
 from protocol.wire.metadata import ModelMetadata
-from receiver.commit import commit
-from receiver.transfer import Placement, transfer_part
+from receiver.apply.commit import commit
+from receiver.apply.transfer import Placement, transfer_part
 
 CPU = torch.device("cpu")
 

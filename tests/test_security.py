@@ -316,7 +316,7 @@ async def test_control_api_off_loopback_needs_a_token() -> None:
                     assert resp.status == 401, path
             async with http.get(f"{url}/health") as resp:  # liveness probes carry no token (FastDeploy's too)
                 assert resp.status == 200
-        from receiver.http_client import main as ctl
+        from receiver.control.http_client import main as ctl
 
         assert await asyncio.to_thread(ctl, ["resume", "--url", url, "--token", token]) == 0
         assert await asyncio.to_thread(ctl, ["status", "--url", url]) == 1  # no token: refused

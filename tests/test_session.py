@@ -1,4 +1,4 @@
-"""A receiver's connection as one object (receiver/session.py), against a real ROUTER on
+"""A receiver's connection as one object (receiver/session/session.py), against a real ROUTER on
 loopback: what it routes, what ends it, and that closing it leaves nothing behind."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from protocol.net.sockets import DealerSocket
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message
 from protocol.wire.limits import DEFAULT_LIMITS
 from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport, Welcome
-from receiver.session import Leave, Reconnect, Session
+from receiver.session.session import Leave, Reconnect, Session
 
 T = 10.0
 
@@ -206,7 +206,7 @@ async def test_a_receiver_pointed_at_something_else_says_so_once_and_backs_off(
     model = torch.nn.Linear(4, 4)
     receiver = Receiver(model, endpoint, None, identity="lost", reconnect_backoff=(0.05, 0.2), heartbeat_interval=0.05)
     try:
-        with caplog.at_level(logging.DEBUG, logger="receiver.follower"):
+        with caplog.at_level(logging.DEBUG, logger="receiver.session.follower"):
             with pytest.raises((WeightSyncTimeout, TimeoutError, WeightSyncError)):  # no bootstrap ever comes
                 await receiver.start(timeout=4.0)
             await receiver.close()  # no try under way while counting

@@ -27,7 +27,7 @@ from zmq.utils.garbage import GarbageCollectorThread
 
 from protocol.errors import WeightSyncError
 from receiver import Receiver
-from receiver.base import ReceiverBase
+from receiver.strategy.base import ReceiverBase
 from sender import Sender
 
 SHARED_THREADS = ("asyncio_", "weightsync-codec", "weightsync-zap", "weightsync-encode")

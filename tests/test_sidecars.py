@@ -36,7 +36,7 @@ from protocol.errors import MetadataMismatchError, ProtocolError, SharedMemoryEr
 from protocol.host.shm import Layout, Region, leftover_regions, region_path, shm_dir
 from protocol.host.snapfile import read_snapshot, snapshot_path, write_snapshot
 from protocol.wire.checksum import state_digest
-from receiver.attach import attach, engine_region
+from receiver.control.attach import attach, engine_region
 from sender.serve.client import SidecarClient
 from sender.serve.sidecar import serve_shm
 

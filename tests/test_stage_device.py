@@ -1,4 +1,4 @@
-"""A message's device-coded entries staged together (receiver/stage_device.py).
+"""A message's device-coded entries staged together (receiver/apply/stage_device.py).
 
 Lone tensors, groups (one run over several tensors) and spans (a run inside a tensor), of
 mixed dtypes, staged in one batch give what staging each entry alone gives (old + its
@@ -24,9 +24,9 @@ from protocol.errors import IntegrityError, ProtocolError
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import TensorEntry
 from protocol.wire.metadata import ModelMetadata
-from receiver import fused
-from receiver.commit import StagedUpdate, commit
-from receiver.stage_device import Coded, stage_coded
+from receiver.apply import fused
+from receiver.apply.commit import StagedUpdate, commit
+from receiver.apply.stage_device import Coded, stage_coded
 
 DEVICE = PatchOptions(dense_above=1.0, device_codec=True)
 CPU = torch.device("cpu")
@@ -112,7 +112,7 @@ def decoded_of(specs: list[TensorEntry], frames: list[Buffer], places: list) -> 
 
 @pytest.fixture(params=["torch", "fused"])
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The torch ops, or the fused kernels (``receiver/fused.py``) in Triton's interpreter."""
+    """The torch ops, or the fused kernels (``receiver/apply/fused.py``) in Triton's interpreter."""
     if request.param == "fused":
         pytest.importorskip("triton")
         fused.interpret(True)

@@ -10,8 +10,8 @@ import torch
 
 from protocol.codec.tensorcodec import DecodedTensor, split_group
 from protocol.wire.framing import ValueEncoding
-from receiver.commit import StagedUpdate, commit
-from receiver.readback import check_written
+from receiver.apply.commit import StagedUpdate, commit
+from receiver.apply.readback import check_written
 from receiver.vllm.layout import Layout
 
 

@@ -4,7 +4,7 @@ numba compiles a kernel again for every new combination of argument types, array
 and read-only flags it is called with, seconds each, in whatever call meets it first (a
 rollout's first apply). Each kernel module therefore lists, beside its kernels, the
 argument types its own Python callers hand them for a set of dtypes (its ``signatures``
-functions), and the compile steps (``sender/diff/warmup.py``, ``receiver/warmup.py``) compile
+functions), and the compile steps (``sender/diff/warmup.py``, ``receiver/apply/warmup.py``) compile
 exactly those: from numba's on-disk cache where it holds them, so a warm start costs
 milliseconds. ``tests/test_compile.py`` runs every encoding after a compile step and fails
 on any signature the table missed.

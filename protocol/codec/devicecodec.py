@@ -507,7 +507,7 @@ class Target:
 def join(payloads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     """``payloads`` (uint8, one device) as one buffer ``decode_many`` reads, and where each
     starts in it: their own storage when they are views of one at 8-byte aligned offsets (a
-    part's one transfer, ``receiver/transfer.py``), else one copy of them all, each at a
+    part's one transfer, ``receiver/apply/transfer.py``), else one copy of them all, each at a
     multiple of ``ALIGN``."""
     for p in payloads:
         if p.dtype != torch.uint8 or p.dim() != 1:

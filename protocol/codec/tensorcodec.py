@@ -510,7 +510,7 @@ def decode_entry(
     A device-coded entry (``Encoding.BLOCKS``) is decoded on ``target_device`` (default
     ``device``) with no host sync; it comes back with its ``verdict`` unread (``read_verdicts``).
     ``payload``: such an entry's payload (``blocks_payload``) already on that device, moved
-    there with the rest of its message (``receiver/transfer.py``); without it the payload is
+    there with the rest of its message (``receiver/apply/transfer.py``); without it the payload is
     copied there on its own (a CPU target decodes it from its frame). A dense entry's
     ``payload`` is its values' bytes (``dense_bytes``) moved the same way: its values come
     back as a view of them, at the wire's dtype, on that device (``checked``); without it
@@ -651,7 +651,7 @@ def _device_payload(entry: TensorEntry, spec: BufferSpec, frame: Buffer, device:
 class BlocksEntry(NamedTuple):
     """A device-coded entry of a message and where it decodes: its target's shape (a group's
     or a span's: its elements end to end), dtype and device, and its payload already there
-    (moved with its message, ``receiver/transfer.py``), else None."""
+    (moved with its message, ``receiver/apply/transfer.py``), else None."""
 
     entry: TensorEntry
     shape: tuple[int, ...]
@@ -715,7 +715,7 @@ def read_verdicts(unread: Sequence[tuple[DecodedTensor, np.ndarray | torch.Tenso
     (one copy to the host of them all), and with them the cut points of each grouped
     entry's run at its ``group_offsets`` (for ``split_group``; None for a lone tensor):
     host offsets go to the device in one copy for all of them, offsets already there (a
-    tensor on the entry's device: its message's transfer brought them, ``receiver/transfer.py``)
+    tensor on the entry's device: its message's transfer brought them, ``receiver/apply/transfer.py``)
     are used where they are. ``IntegrityError`` for a payload whose checksum fails, else
     ``ProtocolError`` for any other the decoder refused, naming the first; called before
     anything is staged from them."""

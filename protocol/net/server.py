@@ -2,7 +2,7 @@
 
 A ``VersionServer`` knows nothing of where versions come from. It is composed with a
 ``VersionSource`` (the trainer's, ``sender/serve/source.py``; a relay's receiver,
-``receiver/relay.py``) that answers what only the source knows: is this receiver's HELLO
+``receiver/session/relay.py``) that answers what only the source knows: is this receiver's HELLO
 acceptable and what WELCOME does it get (``admit``), what is a bootstrap of the current
 version (``bootstrap``), what is its state digest (``digest``). Whoever owns the server
 puts each new version in front of it (``moved``, ``publish_patch``, ``publish_buckets``).

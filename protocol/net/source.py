@@ -1,5 +1,5 @@
 """What a version server asks of where its versions come from (the trainer's model,
-``sender/serve/source.py``; a relay's receiver, ``receiver/relay.py``)."""
+``sender/serve/source.py``; a relay's receiver, ``receiver/session/relay.py``)."""
 
 from __future__ import annotations
 

@@ -45,13 +45,13 @@ from protocol.state import Placed
 from protocol.wire.framing import MessageType
 from protocol.wire.metadata import ModelMetadata
 
-from ..base import PendingVersion, StrategyHooks
-from ..commit import StagedUpdate
+from ..apply.commit import StagedUpdate
+from ..apply.readback import check_all
+from ..control.service import Receiver
 from ..describe import ask_metadata
 from ..engine import parse_version
 from ..naming import AGENT_PREFIX
-from ..readback import check_all
-from ..service import Receiver
+from ..strategy.base import PendingVersion, StrategyHooks
 from .kinds import How
 from .layout import Layout, Prepack, derive_layout
 from .reload import reload

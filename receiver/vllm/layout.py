@@ -39,7 +39,7 @@ from protocol.errors import ConfigError, MetadataMismatchError, PlacementError
 from protocol.state import Placed
 from protocol.wire.dtypes import bit_view, bits_at, bits_dtype
 
-from ..commit import StagedUpdate, write
+from ..apply.commit import StagedUpdate, write
 from .kinds import How, Kind, classify, kind_name
 from .permute import Permutation
 from .reload import Reloads

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from . import kernels
 else:  # numba loads on first use (protocol/lazy.py)
-    entropy, packed, kernels = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("receiver.kernels")
+    entropy, packed, kernels = lazy_module("protocol.codec.entropy"), lazy_module("protocol.codec.packed"), lazy_module("receiver.apply.kernels")
 
 __all__ = ["COMMON_DTYPES", "compile_kernels", "signatures"]
 

@@ -9,7 +9,7 @@ points found by one ``searchsorted`` over the batch's positions made global: eac
 placed after the one before it), positions shifted to their tensors' coordinates in one op,
 and the differences added a dtype at once. What is left a tensor is reading its old values
 at those positions (``read_flat``), and the commit's write; where the fused kernels can
-(``receiver/fused.py``: plain contiguous tensors on a GPU, Triton there), those two are one
+(``receiver/apply/fused.py``: plain contiguous tensors on a GPU, Triton there), those two are one
 kernel each for the whole batch.
 """
 

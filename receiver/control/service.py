@@ -2,14 +2,14 @@
 
 Receiving, decoding and validating run off the event loop; a version is committed
 under the write side of ``lock`` and only then published as ``version``. The session
-loop is a ``Follower`` (``receiver/follower.py``: one connection at a time, each a
+loop is a ``Follower`` (``receiver/session/follower.py``: one connection at a time, each a
 ``Session``, re-established with backoff at the next of the ``Upstreams``), run as this
 receiver's task.
 
 The control calls (``pause``, ``resume``, ``sleep``, ``wakeup``, ``update_weights``) are
 methods of this class (``ControlCalls``), carried out by the ``Controller`` it composes
-(both in ``receiver/controller.py``, where their concurrency is documented; it drives the
-follower through ``receiver/controlled.py``); ``receiver/http_api.py`` serves them over
+(both in ``receiver/control/controller.py``, where their concurrency is documented; it drives the
+follower through ``receiver/control/controlled.py``); ``receiver/control/http_api.py`` serves them over
 HTTP. While paused, versions keep arriving and the connection and heartbeats stay up, but
 the next version waits, received and staged, in front of the commit until ``resume`` or
 ``update_weights``.
@@ -37,18 +37,18 @@ from protocol.net.security import CurveClient, CurveServer
 from protocol.state import StateLike, state_tensors
 from protocol.wire.limits import Limits
 
+from ..lifecycle import ControlState
+from ..metrics import ReceiverMetrics, ReceiverState
+from ..naming import NameMapping, NameMappingSpec
+from ..rwlock import ReadWriteLock
+from ..session.follower import Follower, Owner, Settings
+from ..session.relay import Relay
+from ..session.upstreams import Resolver, Upstreams
+from ..stats import ApplyStats
+from ..strategy.factory import make_receiver
+from ..strategy.hooks import StrategyHooks
 from .controlled import ControlledFollower
 from .controller import ControlCalls, Controller
-from .factory import make_receiver
-from .follower import Follower, Owner, Settings
-from .hooks import StrategyHooks
-from .lifecycle import ControlState
-from .metrics import ReceiverMetrics, ReceiverState
-from .naming import NameMapping, NameMappingSpec
-from .relay import Relay
-from .rwlock import ReadWriteLock
-from .stats import ApplyStats
-from .upstreams import Resolver, Upstreams
 
 if TYPE_CHECKING:
     from .http_api import ControlServer
@@ -106,7 +106,7 @@ class Receiver(ControlCalls):
         whenever a session is lost, the next one is tried. Or a resolver: a callable
         (sync or async) asked for the address before each session, for a sender whose
         address changes when it restarts (a Ray actor, a Kubernetes pod). ``relay_endpoint`` makes this
-        receiver a relay (``receiver/relay.py``): from ``start()`` it serves the versions it
+        receiver a relay (``receiver/session/relay.py``): from ``start()`` it serves the versions it
         has applied there, to receivers connecting as to a sender; ``relay_curve`` (a
         ``CurveServer``) secures that side.
 
@@ -153,7 +153,7 @@ class Receiver(ControlCalls):
         self._closing: asyncio.Task[None] | None = None  # ``close``, once called: from then on not healthy, waits fail
         self._names = None if name_mapping is None else NameMapping(name_mapping, state_tensors(model))
         self.limits = limits or Limits.for_model(state_tensors(self._state()))
-        # -- the session loop (receiver/follower.py) and the control state it asks (see pause / sleep / update_weights)
+        # -- the session loop (receiver/session/follower.py) and the control state it asks (see pause / sleep / update_weights)
         self.hold = hold
         self._lifecycle = ControlState(hold=hold)  # paused, asleep, ...: what the session loop asks
         owner = Owner(

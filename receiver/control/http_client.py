@@ -25,7 +25,7 @@ import urllib.request
 from typing import Any
 
 ENV_URL = "WEIGHTSYNC_CONTROL_URL"
-ENV_TOKEN = "WEIGHTSYNC_CONTROL_TOKEN"  # the same variable the receiver reads (receiver/http_api.py)
+ENV_TOKEN = "WEIGHTSYNC_CONTROL_TOKEN"  # the same variable the receiver reads (receiver/control/http_api.py)
 
 # command -> (HTTP method, path, takes --tags)
 COMMANDS: dict[str, tuple[str, str, bool]] = {

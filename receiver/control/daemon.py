@@ -19,7 +19,7 @@ Between hosts, use CURVE: ``--curve-secret`` (this receiver's ``.key_secret``, m
 A non-loopback ``--endpoint`` without them is refused unless ``--insecure-plaintext``.
 
 ``--relay-bind ENDPOINT`` makes this receiver a relay: it serves the versions it has
-applied to other receivers, which connect to it as to a sender (``receiver/relay.py``).
+applied to other receivers, which connect to it as to a sender (``receiver/session/relay.py``).
 Several ``--endpoint`` are parents tried in turn: a relay's death moves its children on.
 """
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from protocol.errors import ProtocolError
 from protocol.wire.framing import Message, MessageType
 
-from .commit import StagedUpdate
-from .stats import ApplyStats
+from ..apply.commit import StagedUpdate
+from ..stats import ApplyStats
 
 
 class _Superseded(Exception):

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from . import kernels
     from .fused import FusedWrite
 else:  # numba loads on first use (protocol/lazy.py)
-    kernels = lazy_module("receiver.kernels")
+    kernels = lazy_module("receiver.apply.kernels")
 
 
 Target = torch.Tensor | Placed  # a model tensor, or one an engine holds scattered (protocol.state.Placed)
@@ -38,7 +38,7 @@ class StagedUpdate:
         """Resolve XOR and ulp values against ``target`` and move everything to its device.
         A device-coded update (its verdict already read: ``tensorcodec.read_verdicts``) is
         resolved on the target's device, with no host sync; so is a dense one already there
-        (moved with its message: ``receiver/transfer.py``), cast there to the target's dtype."""
+        (moved with its message: ``receiver/apply/transfer.py``), cast there to the target's dtype."""
         if decoded.verdict is not None and decoded.flat is not None:
             return cls._stage_on_device(decoded, decoded.flat, target)
         raw = decoded.encoding is ValueEncoding.RAW  # final values: sent raw, or decoded onto the target
@@ -95,7 +95,7 @@ def write(target: Target, update: StagedUpdate) -> None:
 
 def commit(targets: Sequence[Target], updates: Sequence[StagedUpdate], aliases: dict[int, list[int]]) -> None:
     """Write every update, and the same into untied aliases of its tensor. Updates staged
-    as one batch (``receiver/stage_device.py``) are written in one kernel, where the first
+    as one batch (``receiver/apply/stage_device.py``) are written in one kernel, where the first
     of them comes, when all of them are here and their tensors have not moved since; the
     rest one by one."""
     whole = _whole_batches(updates)

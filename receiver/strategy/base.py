@@ -22,13 +22,13 @@ from protocol.wire.framing import Message, MessageType, decode_message, encode_m
 from protocol.wire.messages import ErrorReport, Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from .checks import check_first, check_same_version, check_untracked, claim
-from .commit import StagedUpdate, Target
-from .decode import decode_part
+from ..apply.checks import check_first, check_same_version, check_untracked, claim
+from ..apply.commit import StagedUpdate, Target
+from ..apply.decode import decode_part
+from ..stats import ApplyStats
+from ..threads import in_thread
 from .hooks import HOOK_NAMES, StrategyHooks
 from .pending import Announced, PendingVersion, _Superseded
-from .stats import ApplyStats
-from .threads import in_thread
 from .write_side import WriteSide
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class ReceiverBase(WriteSide):
         self._turn = asyncio.Lock()  # one apply() at a time, in the order they were called
         self.device = torch.device("cpu")  # where buffers are decoded
         # Reused host buffers (pinned where CUDA is available) through which each part's
-        # device-coded payloads reach a GPU target in one copy (receiver/transfer.py).
+        # device-coded payloads reach a GPU target in one copy (receiver/apply/transfer.py).
         self.staging = StagingPool()
         self._torn: AbstractAsyncContextManager[Any] | None = None  # the write side, kept: a version failed midway
 

@@ -19,11 +19,11 @@ from protocol.state import StateLike, state_tensors
 from protocol.timing import DeviceSpan
 from protocol.wire.metadata import ModelMetadata
 
-from .commit import StagedUpdate, Target, commit
+from ..apply.commit import StagedUpdate, Target, commit
+from ..stats import ApplyStats
+from ..threads import in_thread
 from .hooks import StrategyHooks
 from .pending import PendingVersion
-from .stats import ApplyStats
-from .threads import in_thread
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """A receiver's session loop: follows one upstream at a time, applying its versions.
 
-Each connection is a ``Session`` (``receiver/session.py``); lost ones (nothing heard within
+Each connection is a ``Session`` (``receiver/session/session.py``); lost ones (nothing heard within
 ``peer_timeout``: no message, and over TCP no byte) are re-established with backoff,
 resuming from the applied version, at the next of the ``Upstreams``. A session says HELLO,
 takes the handshake (a bootstrap, if one is needed), then receives, gates and commits
 versions, publishing each (ACK, ``on_update`` hooks, waiters). ``Receiver``
-(``receiver/service.py``) owns one ``Follower`` and runs ``run`` as its task; the control
+(``receiver/control/service.py``) owns one ``Follower`` and runs ``run`` as its task; the control
 calls reach it through ``ControlState`` (what the loop asks) and the calls below.
 """
 
@@ -37,17 +37,17 @@ from protocol.wire.framing import Message, MessageType, peek_type
 from protocol.wire.limits import Limits
 from protocol.wire.messages import Ack, ErrorReport, Nack
 
-from .base import ReceiverBase
-from .digest import digest_of
+from ..apply.digest import digest_of
+from ..lifecycle import ControlState
+from ..metrics import ReceiverMetrics
+from ..naming import NameMapping
+from ..rwlock import ReadWriteLock
+from ..stats import ApplyStats
+from ..strategy.base import ReceiverBase
+from ..strategy.pending import PendingVersion
 from .incoming import WHOLE_MODEL, Incoming, model_bytes
-from .lifecycle import ControlState
-from .metrics import ReceiverMetrics
-from .naming import NameMapping
-from .pending import PendingVersion
 from .relay import Relay
-from .rwlock import ReadWriteLock
 from .session import Foreign, Leave, Reconnect, Session
-from .stats import ApplyStats
 from .upstreams import Upstreams
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class Owner:
 
 class Follower:
     """The session machinery of one receiver: its loop (``run``) and what it knows of the
-    connection, which the control calls read and end (``receiver/controlled.py``)."""
+    connection, which the control calls read and end (``receiver/control/controlled.py``)."""
 
     def __init__(self, settings: Settings, upstreams: Upstreams, lifecycle: ControlState, owner: Owner) -> None:
         self.settings, self.upstreams, self.lifecycle, self._owner = settings, upstreams, lifecycle, owner
@@ -370,7 +370,7 @@ class Follower:
                 log.exception("on_update hook failed at v%s", version)
         await self._owner.notify()
 
-    # -- for the control calls (``receiver/controlled.py``) and ``Receiver.close`` ------------
+    # -- for the control calls (``receiver/control/controlled.py``) and ``Receiver.close`` ------------
     def nack(self, reason: str, message: str) -> None:
         """Ask the sender for a resync of its current version."""
         self._owner.metrics().nack(reason)

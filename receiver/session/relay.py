@@ -37,11 +37,11 @@ from protocol.wire.limits import Limits
 from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from .base import ReceiverBase
-from .hooks import StrategyHooks, WriteGuard
-from .pending import PendingVersion
-from .rwlock import ReadWriteLock
-from .threads import in_thread
+from ..rwlock import ReadWriteLock
+from ..strategy.base import ReceiverBase
+from ..strategy.hooks import StrategyHooks, WriteGuard
+from ..strategy.pending import PendingVersion
+from ..threads import in_thread
 
 
 class Relay:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from protocol.errors import WeightSyncError
 from protocol.state import StateLike, state_tensors
 
-from . import memory
-from .follower import Follower, Owner
+from .. import memory
+from ..session.follower import Follower, Owner
 
 
 class ControlledFollower:

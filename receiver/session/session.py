@@ -5,7 +5,7 @@ inbox the receiver reads messages from, the three tasks that feed and watch it (
 and routing, heartbeats and the silence check, the socket's TCP connections and CURVE
 handshake failures) and the DIGEST queries in flight. ``close`` stops all of them and
 fails the queries left, so nothing of a session outlives it. A receiver's ``Follower``
-opens one per connection (``receiver/follower.py``) and drives the handshake and the
+opens one per connection (``receiver/session/follower.py``) and drives the handshake and the
 versions through ``recv`` and ``send``.
 
 What ends a session arrives through the inbox, in order with the messages, as an

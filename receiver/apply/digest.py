@@ -16,8 +16,8 @@ from protocol.state import Placed
 from protocol.wire.checksum import state_digest
 from protocol.wire.metadata import ModelMetadata
 
-from .rwlock import ReadWriteLock
-from .threads import in_thread
+from ..rwlock import ReadWriteLock
+from ..threads import in_thread
 
 
 async def digest_of(

@@ -10,7 +10,7 @@ import torch
 from protocol.codec.compress import Codec
 from protocol.wire.framing import MessageType
 
-from . import warmup
+from ..apply import warmup
 from .base import ReceiverBase
 from .hooks import StrategyHooks
 

@@ -1,6 +1,6 @@
 """The control API: the receiver's control calls over HTTP, in the shape of
 FastDeploy's rollout server (its ``/v1/*`` weight-control endpoints), so FastDeploy's own
-clients work against it unchanged. ``receiver/http_client.py`` is its command-line client.
+clients work against it unchanged. ``receiver/control/http_client.py`` is its command-line client.
 
 Every endpoint calls one method of a ``Controllable`` (a ``Receiver`` is one: this module
 imports no receiver code); it parses requests and maps results and errors to FastDeploy's

@@ -7,7 +7,7 @@ sleep pauses, then releases the KV cache (the engine's hook) and the weights' me
 wakeup brings the KV cache back first, then the weights as the sender's *current*
 version, then resumes. abort_requests only forwards to the engine's hook; without one it
 aborts nothing and reports the requested ids not found (FastDeploy's answer's shape).
-``receiver/http_api.py`` serves these over HTTP.
+``receiver/control/http_api.py`` serves these over HTTP.
 
 Concurrency: pause, resume, sleep, wakeup and update_weights are serialised by one lock
 (a second call waits for the first, then sees its result: each is idempotent);
@@ -17,7 +17,7 @@ abort_requests, is_paused and sender_version do not take it.
 ``ControlCalls`` below (their docstrings are the API's), each handing the call to it. The
 controller writes the ``ControlState`` the session loop reads, and drives that loop through
 ``ControlTarget``: the few calls it needs of the receiver's session machinery
-(``receiver/controlled.py``).
+(``receiver/control/controlled.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any, Protocol
 from protocol.errors import ConfigError, IntegrityError, StateError, WeightSyncError
 from protocol.state import Placed, StateLike, state_tensors
 
-from . import memory
-from .engine import KV_CACHE, WEIGHT, AbortHook, EngineHooks, Hook, call_hook, parse_tags, parse_version
-from .lifecycle import ControlState
+from .. import memory
+from ..engine import KV_CACHE, WEIGHT, AbortHook, EngineHooks, Hook, call_hook, parse_tags, parse_version
+from ..lifecycle import ControlState
 
 log = logging.getLogger(__name__)
 

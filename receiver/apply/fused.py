@@ -9,7 +9,7 @@ its tensor in a table of the tensors' addresses (int64, cast to a pointer in the
 width, a bool kept 0 or 1), ``scatter`` writes values; one launch a dtype width.
 
 Raw addresses: only for contiguous plain tensors on one device, positions already checked
-within their tensors (the verdicts, ``receiver/stage_device.py``). Used for CUDA tensors when
+within their tensors (the verdicts, ``receiver/apply/stage_device.py``). Used for CUDA tensors when
 Triton imports; elsewhere the torch ops run (``usable``). On CPU tensors Triton's interpreter
 runs the same kernels (``interpret(True)``: the tests, and ``benchmarks.device_ops``, which
 counts each launch as one op through ``LAUNCHES``).
