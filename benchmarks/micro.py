@@ -4,7 +4,7 @@
 
 Each case reports the median and the best of ``--repeat`` timed calls (after one
 untimed call that compiles or loads the kernels). ``mark_serial`` / ``mark_parallel``
-call the compare kernel of ``sender.fastdiff`` directly (it does not write the
+call the compare kernel of ``sender.diff.fastdiff`` directly (it does not write the
 snapshot); ``diff`` is ``diff_and_update`` on a fresh snapshot copy (mark, collect and
 the snapshot update); ``build`` the sender's whole compare of the suites' real models, against
 the read floor; ``encode_tensor`` / ``decode_tensor`` are one entropy-coded

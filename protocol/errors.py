@@ -80,7 +80,7 @@ class PlacementError(ConfigError):
 
 class WriteCheckError(PlacementError):
     """An element read back after a commit does not hold the value staged for it: the
-    engine's runtime map put a tensor's elements somewhere else (``receiver.readback``).
+    engine's runtime map put a tensor's elements somewhere else (``receiver.apply.readback``).
     The version is not published; names the tensor and the element."""
 
 

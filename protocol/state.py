@@ -6,7 +6,7 @@ key is tracked unless ``trainable_keys`` says otherwise. Tied weights (two names
 storage) are found by storage identity so they travel once.
 
 Sharded (FSDP2) state dicts hold DTensors, and gathering one is a collective: every rank
-must gather the same tensors in the same order (``sender.gathers.gather_order``);
+must gather the same tensors in the same order (``sender.sharded.gathers.gather_order``);
 ``gathering`` lets the rank that hosts the sender route its gathers through a hook that
 enforces it.
 """

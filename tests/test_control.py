@@ -386,10 +386,10 @@ async def ctl(*args: str) -> tuple[int, dict[str, Any]]:
 
 async def test_the_http_api_imports_no_receiver() -> None:
     """receiver/control/http_api.py serves a Controllable: it loads without the Receiver (no import cycle)."""
-    code = "import sys, receiver.http_api; print(sorted(m for m in sys.modules if m.startswith('receiver')))"
+    code = "import sys, receiver.control.http_api; print(sorted(m for m in sys.modules if m.startswith('receiver')))"
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
-    assert proc.returncode == 0 and out.decode().strip() == "['receiver', 'receiver.control.http_api']"
+    assert proc.returncode == 0 and out.decode().strip() == "['receiver', 'receiver.control', 'receiver.control.http_api']"
 
 
 async def test_ctl_cli(capsys: pytest.CaptureFixture[str]) -> None:

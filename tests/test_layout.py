@@ -168,7 +168,7 @@ def test_importing_weightsync_loads_no_jit_compiler() -> None:
     the user's main script: importing weightsync must not import numba."""
     code = (
         "import sys; import protocol, sender, receiver; from sender import Sender; from receiver import Receiver; "
-        "import receiver.vllm, receiver.service, protocol.net.server; "
+        "import receiver.vllm, receiver.control.service, protocol.net.server; "
         "bad = [m for m in ('numba', 'llvmlite') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

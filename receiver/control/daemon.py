@@ -6,7 +6,7 @@ state digest, so a script can check it against the trainer's).
 
 ``--shm NAME`` puts the model in a shared-memory region this process creates and owns
 (unlinked on exit): a rollout engine maps its model onto it with
-``receiver.attach.attach(model, NAME)`` and reads under the region's seqlock.
+``receiver.attach(model, NAME)`` and reads under the region's seqlock.
 ``--load-strategy rsync`` (the default) follows a sender over the network;
 ``ipc_snapshot`` reloads the trainer's ``step_<version>.safetensors`` files from ``--watch``.
 

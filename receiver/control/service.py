@@ -173,7 +173,7 @@ class Receiver(ControlCalls):
     def _strategy_hooks(self, caller: StrategyHooks, wrap_write: WrapWrite | None) -> StrategyHooks:
         """The caller's hooks with the receiver's own: its writes under ``lock`` (wrapped by
         ``wrap_write``), a held receiver's commit gate, then its relay's."""
-        # wrap_write: a sidecar wraps each version's write (receiver.attach.seqlock_writes: a shared-memory seqlock)
+        # wrap_write: a sidecar wraps each version's write (receiver.control.attach.seqlock_writes: a shared-memory seqlock)
         write = self.lock.writing if wrap_write is None else wrap_write(self.lock.writing)
         own = replace(caller, write_guard=write, commit_gate=self._follower.hold_bootstrap if self.hold else None)
         return own if self.relay is None else self.relay.compose(own)

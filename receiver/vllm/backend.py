@@ -75,7 +75,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     layers after loading (CPU), re-pack them while a version is staged, on copies, so that
     ``update_weights`` only swaps them in (one more copy of those layers' weights).
     ``check_writes``: after each commit, read back this many of the elements written into
-    each tensor and compare them with the staged values (``receiver.readback``); a map
+    each tensor and compare them with the staged values (``receiver.apply.readback``); a map
     that wrote elsewhere fails the update with ``WriteCheckError`` instead of serving. 0: off."""
 
     endpoint: str | list[str]
