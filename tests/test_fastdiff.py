@@ -227,7 +227,7 @@ def test_the_two_builds_are_distinct_functions() -> None:
 
 _PROBE = """
 import sys, numba, torch
-from sender import fastdiff
+from sender.diff import fastdiff
 cur = torch.randn(fastdiff.PARALLEL_MIN if sys.argv[1] == "large" else 1000)
 fastdiff.diff_and_update(cur, torch.zeros(cur.numel(), dtype=torch.bfloat16))
 try:
