@@ -139,33 +139,23 @@ def ship(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tenso
 
 
 # -- layout shared by both directions ---------------------------------------------------------
-class _Grid:
-    """Entries' changes as one [blocks, BLOCK] grid: entry ``e``'s ``nnz[e]`` changes fill
-    ``count[e]`` blocks from block ``first[e]`` (its last block padded), and are changes
-    ``start[e]..`` of the batch's concatenation. Host arrays (numpy) say what the host
-    knows; ``extra`` host arrays go to the device with the layout's own, in its one copy."""
+class _Layout:
+    """Entries' changes as one grid of blocks, as the host knows it (numpy): entry ``e``'s
+    ``nnz[e]`` changes fill ``count[e]`` blocks from block ``first[e]`` (its last block
+    padded), and are changes ``start[e]..`` of the batch's concatenation."""
 
-    def __init__(self, nnz: Sequence[int] | np.ndarray, block: int, device: torch.device, extra: Sequence[np.ndarray] = ()) -> None:
-        self.block, self.device = block, device
+    def __init__(self, nnz: Sequence[int] | np.ndarray, block: int) -> None:
+        self.block = block
         self.nnz = np.asarray(nnz, dtype=np.int64).reshape(-1)
         self.count = -(-self.nnz // block)
         self.first = np.cumsum(self.count) - self.count
         self.start = np.cumsum(self.nnz) - self.nnz
         self.blocks, self.changes = int(self.count.sum()), int(self.nnz.sum())
-        entries = len(self.nnz)
-        self.entry_of_block = np.repeat(np.arange(entries), self.count)
-        sizes = np.full(self.blocks, block, dtype=np.int64)
+        self.entry_of_block = np.repeat(np.arange(len(self.nnz)), self.count)
+        self.sizes = np.full(self.blocks, block, dtype=np.int64)  # changes a block
         busy = self.count > 0
-        sizes[(self.first + self.count - 1)[busy]] = (self.nnz - block * (self.count - 1))[busy]
+        self.sizes[(self.first + self.count - 1)[busy]] = (self.nnz - block * (self.count - 1))[busy]
         self.first_of_block = self.first[self.entry_of_block]
-        shipped = ship([sizes, self.entry_of_block, self.nnz, self.first * block - self.start, self.start, *extra], device)
-        self.sizes, self.block_entry, nnz_d, shift, self.start_d = shipped[:5]
-        self.extra = shipped[5:]
-        self.lane = torch.arange(block, device=device)[None, :]
-        self.pad = self.lane >= self.sizes[:, None]  # [blocks, BLOCK]: the padding of each entry's last block
-        # each change's entry and place in the grid (entry by entry, in order)
-        self.change_entry = torch.repeat_interleave(torch.arange(entries, device=device), nnz_d, output_size=self.changes)
-        self.change_at = torch.arange(self.changes, device=device) + shift[self.change_entry]
 
     @property
     def entries(self) -> int:
@@ -180,6 +170,23 @@ class _Grid:
         e = self.entry_of_block
         local = np.arange(self.blocks) - self.first_of_block
         return (starts[e] + HEADER + local)[None, :] + np.arange(PLANES)[:, None] * self.count[e][None, :]
+
+
+class _Grid(_Layout):
+    """A ``_Layout`` on ``device``: what the host knows shipped in one copy (``extra`` host
+    arrays with it), and each change's entry and place in the grid, computed there."""
+
+    def __init__(self, layout: _Layout, device: torch.device, extra: Sequence[np.ndarray] = ()) -> None:
+        self.__dict__.update(layout.__dict__)
+        self.device = device
+        shipped = ship([self.sizes, self.entry_of_block, self.nnz, self.first * self.block - self.start, self.start, *extra], device)
+        self.sizes_d, self.block_entry, nnz_d, shift, self.start_d = shipped[:5]
+        self.extra = shipped[5:]
+        self.lane = torch.arange(self.block, device=device)[None, :]
+        self.pad = self.lane >= self.sizes_d[:, None]  # [blocks, BLOCK]: the padding of each entry's last block
+        # each change's entry and place in the grid (entry by entry, in order)
+        self.change_entry = torch.repeat_interleave(torch.arange(self.entries, device=device), nnz_d, output_size=self.changes)
+        self.change_at = torch.arange(self.changes, device=device) + shift[self.change_entry]
 
     def grid(self, *values: torch.Tensor) -> torch.Tensor:
         """[len(values) * blocks, BLOCK]: each a stream's symbols (one a change) in its own
@@ -324,7 +331,8 @@ def prepare(flats: Sequence[torch.Tensor], news: Sequence[torch.Tensor], olds: S
     device = flats[0].device
     # The batch's order: entries by value width, so a width's differences are one subtraction.
     order = sorted(range(len(flats)), key=lambda i: news[i].element_size())
-    grid = _Grid([flats[i].numel() for i in order], block, device, [np.flatnonzero(np.asarray([flats[i].numel() for i in order]) > 0)])
+    layout = _Layout([flats[i].numel() for i in order], block)
+    grid = _Grid(layout, device, [np.flatnonzero(layout.nnz > 0)])
     (busy,) = grid.extra
     flat = torch.cat([flats[i] for i in order]).to(torch.int64)
     diffs = []
@@ -339,7 +347,7 @@ def prepare(flats: Sequence[torch.Tensor], news: Sequence[torch.Tensor], olds: S
         begins = grid.start_d[busy]
         gaps.index_copy_(0, begins, flat[begins] + 1)  # an entry's first gap is from -1
     u = grid.grid(gaps, (d << 1) ^ (d >> 63))  # gap symbols' blocks, then the zigzagged values'
-    pad, sizes = grid.pad.repeat(2, 1), grid.sizes.repeat(2)
+    pad, sizes = grid.pad.repeat(2, 1), grid.sizes_d.repeat(2)
     v = (u - 1).masked_fill_(pad, 0)
     length = _length_estimate(u).masked_fill_(u <= 0, 64).masked_fill_(pad, 0)
     b, h = _choose_widths(v, length, sizes)
@@ -578,11 +586,11 @@ def _decode_fitting(buffer: torch.Tensor, at: np.ndarray, nbytes: np.ndarray, ta
     tops = np.where(widths == 64, -1, (1 << np.minimum(widths, 62)) - 1)
     tops[[t.dtype == torch.bool for t in targets]] = 2
     fields = VERSION | (block.bit_length() - 1) << 8 | widths << 16
-    pre = _Grid([t.nnz for t in targets], block, torch.device("cpu"))  # the host's view, for the arrays below
+    pre = _Layout([t.nnz for t in targets], block)
     e = pre.entry_of_block
     body = pre.body()
     grid = _Grid(
-        pre.nnz, block, device,
+        pre, device,
         [pre.table_at(at), np.repeat(limits, 2, axis=0)[:, e], 8 * (at + body)[e], pre.first_of_block,
          np.concatenate([pre.first, pre.first + pre.count]), numel, tops, np.concatenate([at // 8, at // 8 + 1, at // 8 + 2]),
          np.concatenate([fields, pre.nnz]), nbytes - body, 8 * (at + body), at, nbytes],
@@ -599,7 +607,7 @@ def _decode_fitting(buffer: torch.Tensor, at: np.ndarray, nbytes: np.ndarray, ta
 
     def lows(b: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """A stream's low fields' bit offsets, from each block's entry's ``start``."""
-        before, _ = _segmented(grid.sizes * b, grid, first_of_block, bounds)
+        before, _ = _segmented(grid.sizes_d * b, grid, first_of_block, bounds)
         return (start + before)[:, None] + grid.lane * b[:, None]
 
     def escapes(low: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -613,8 +621,8 @@ def _decode_fitting(buffer: torch.Tensor, at: np.ndarray, nbytes: np.ndarray, ta
 
     # An entry's stream: gap lows, gap escapes, value lows, value escapes. Lows say which
     # changes escaped, so each section's offsets wait for the one before it.
-    _, gap_low_bits = _segmented(grid.sizes * bg, grid, first_of_block, bounds)
-    _, value_low_bits = _segmented(grid.sizes * bv, grid, first_of_block, bounds)
+    _, gap_low_bits = _segmented(grid.sizes_d * bg, grid, first_of_block, bounds)
+    _, value_low_bits = _segmented(grid.sizes_d * bv, grid, first_of_block, bounds)
     owner = grid.block_entry
     gl = _get_bits(words, lows(bg, first_bit), bg[:, None])
     g_esc = escapes(gl, bg)
