@@ -10,16 +10,12 @@ import asyncio
 import json
 import logging
 import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from . import device_ops, e2e
+from . import device_ops, e2e, report
 from .bandwidth import copy_bandwidth, zmq_raw_throughput
 from .e2e import finish, fixed_cost, run_workload
 from .memory import free_port
@@ -81,19 +77,13 @@ async def run_suite(name: str, only: list[str] | None = None, memory_pass: bool 
     doc: dict[str, Any] = {
         "benchmark": "weightsync",
         "suite": name,
-        "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            # other work on the machine disturbs every timing: the 1-minute load average
-            "load_average_start_end": [load_before[0], os.getloadavg()[0]],
-            "sender_cpus": sorted(os.sched_getaffinity(0)),  # --split-cores: the receivers' are receiver_cpus
-            "receiver_cpus": os.environ.get(CPUS_ENV) or "all",
-            "receivers": e2e.RECEIVERS,
-        },
+        "command": report.command("-m benchmarks"),
+        "machine": report.machine(
+            load_before[0],
+            sender_cpus=sorted(os.sched_getaffinity(0)),  # --split-cores: the receivers' are receiver_cpus
+            receiver_cpus=os.environ.get(CPUS_ENV) or "all",
+            receivers=e2e.RECEIVERS,
+        ),
         "library": library_info(),
         "copy_Bps": copy_bps,
         "zmq_raw_Bps": zmq_bps,

@@ -27,8 +27,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import report
 from benchmarks.encodings import best_of
 from benchmarks.floor import entropy_floor_bits, tensor_change
 from benchmarks.workloads import SUITES, RealWorkload, SyntheticWorkload, Workload, ulp_steps
@@ -188,16 +187,8 @@ def run(suite: str, densities: tuple[float, ...], repeat: int, scale_changes: in
         print(f"  {w.name}: {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     return {
         "benchmark": "device_codec",
-        "command": "python -m benchmarks.device_codec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "device": "cpu",
-            "load_average_start_end": [load, os.getloadavg()[0]],  # others' work on the machine disturbs the timings
-        },
+        "command": report.command("-m benchmarks.device_codec"),
+        "machine": report.machine(load, device="cpu"),
         "suite": suite,
         "block": devicecodec.BLOCK,
         "target_device_over_floor": TARGET,

@@ -31,8 +31,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -45,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import report
 from protocol.wire.checksum import state_digest
 from sender import Sender
 
@@ -196,8 +195,8 @@ async def run(receivers: list[int], fanout: int, steps: int, lr: float, uplink_m
         results = await run_layouts(receivers, fanout, steps, lr, uplink)
     return {
         "benchmark": "weightsync-fanout",
-        "command": "python -m benchmarks.fanout " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average_start_end": [load, os.getloadavg()[0]]},
+        "command": report.command("-m benchmarks.fanout"),
+        "machine": report.machine(load),
         "model": "4 x Linear(1024, 1024): 4.2M parameters, fp32 trainer, bf16 receivers",
         "lr": lr,
         "fanout": fanout,

@@ -29,8 +29,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
-import shlex
 import shutil
 import socket
 import subprocess
@@ -149,7 +147,7 @@ def workloads(tiny: bool = False) -> list[Any]:
 async def run(chosen: list[Any], mbit: float = DEFAULT_MBIT, rtt_ms: float = DEFAULT_RTT_MS) -> dict[str, Any]:
     """Every path of every workload in ``chosen`` across the shaped link; the result document
     (``benchmarks.e2e.finish`` objects under ``results``)."""
-    from . import e2e
+    from . import e2e, report
     from .bandwidth import copy_bandwidth
     from .fanout import shaped_uplink
     from .memory import free_port
@@ -192,9 +190,8 @@ async def run(chosen: list[Any], mbit: float = DEFAULT_MBIT, rtt_ms: float = DEF
     doc: dict[str, Any] = {
         "benchmark": "weightsync-lowbw",
         "suite": "lowbw",
-        "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "torch": __import__("torch").__version__, "load_average_start_end": [load, os.getloadavg()[0]]},
+        "command": report.command("-m benchmarks"),
+        "machine": report.machine(load),
         "link": {
             "mbit": mbit, "rtt_ms": rtt_ms,
             "shaping": f"veth into a namespace, tc tbf {mbit:g} Mbit/s towards the receivers (burst 256 kB, latency 500 ms); "

@@ -44,8 +44,40 @@ class Shape:
         mlp = 3 * h * self.intermediate
         return self.layers * (attn + mlp + 2 * h) + self.vocab * h * (1 if self.tied else 2) + h
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """This model's parameter names and shapes, in state-dict order (``Qwen2Shaped``'s)."""
+        return checkpoint_shapes(self.layers, self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.vocab)
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "head_dim": self.head_dim, "parameters": self.parameters(), "tied_embeddings": self.tied}
+
+
+def checkpoint_shapes(layers: int, hidden: int, intermediate: int, q: int, kv: int, vocab: int, *, bias: bool = True) -> dict[str, tuple[int, ...]]:
+    """Hugging Face Qwen2's parameter names and shapes, in state-dict order: the one table
+    this model, tests/vllm_like.py's engine layout and their tests are checked against
+    (``lm_head.weight`` listed tied or not, as ``state_dict()`` lists it)."""
+    h = hidden
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = (q, h)
+        if bias:
+            out[p + "self_attn.q_proj.bias"] = (q,)
+        out[p + "self_attn.k_proj.weight"] = (kv, h)
+        if bias:
+            out[p + "self_attn.k_proj.bias"] = (kv,)
+        out[p + "self_attn.v_proj.weight"] = (kv, h)
+        if bias:
+            out[p + "self_attn.v_proj.bias"] = (kv,)
+        out[p + "self_attn.o_proj.weight"] = (h, q)
+        out[p + "mlp.gate_proj.weight"] = (intermediate, h)
+        out[p + "mlp.up_proj.weight"] = (intermediate, h)
+        out[p + "mlp.down_proj.weight"] = (h, intermediate)
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+    out["model.norm.weight"] = (h,)
+    out["lm_head.weight"] = (vocab, h)
+    return out
 
 
 class Attention(nn.Module):

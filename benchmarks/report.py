@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import platform
+import shlex
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +19,27 @@ RESULT_KEYS = (
     "zmq_raw_Bps", "bucket_Bps", "sender_peak_rss", "receiver_peak_rss", "notes",
 )
 TOP_KEYS = ("suite", "command", "machine", "copy_Bps", "zmq_raw_Bps", "targets", "results")
+
+
+def command(entry: str) -> str:
+    """How this run was started (``entry``: ``python -m benchmarks.x`` or a script path), to reproduce it."""
+    return f"python {entry} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def machine(load_start: float, **extra: Any) -> dict[str, Any]:
+    """What ran the benchmark. Other work on the machine disturbs every timing: the 1-minute
+    load average at the start (``load_start``) and now says how much there was."""
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_average_start_end": [load_start, os.getloadavg()[0]],
+        **extra,
+    }
 
 
 def near(density: float, target: float) -> bool:

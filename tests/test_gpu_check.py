@@ -39,6 +39,26 @@ def test_the_default_shape_is_qwen2_1_5b() -> None:
     assert "model.layers.0.self_attn.k_proj.bias" in model.state_dict() and "lm_head.weight" in model.state_dict()
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_one_qwen2_table_names_the_model_the_engine_layout_and_transformers(tied: bool) -> None:
+    """``qwen2.checkpoint_shapes`` is the table ``Qwen2Shaped`` builds, tests/vllm_like.py's
+    engine is laid out from, and Hugging Face's own Qwen2 has: names, shapes and order."""
+    shape = qwen2.Shape(layers=2, hidden=32, intermediate=48, heads=4, kv_heads=2, vocab=64, tied=tied)
+    table = shape.checkpoint_shapes()
+    built = {k: tuple(v.shape) for k, v in qwen2.Qwen2Shaped(shape).state_dict().items()}
+    assert list(built.items()) == list(table.items())
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tied)
+    hf = {k: tuple(v.shape) for k, v in transformers.Qwen2ForCausalLM(config).state_dict().items()}
+    assert list(hf.items()) == list(table.items())
+    sys.path.insert(0, str(ROOT / "tests"))
+    from vllm_like import Shape as EngineShape
+
+    engine = EngineShape(layers=2, hidden=32, inter=48, heads=4, kv_heads=2, head_dim=8, vocab=64, tied=tied)
+    assert engine.checkpoint_shapes() == table
+
+
 @pytest.mark.timeout(180)
 def test_e2e_on_cpu_tiny_patch_and_bucket_device_and_host_codec(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from benchmarks import qwen2
+
 VOCAB_PADDING = 64  # vllm's DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -55,26 +57,8 @@ class Shape:
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """The trainer's (Hugging Face) names and shapes, in state-dict order."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
-        for i in range(self.layers):
-            p = f"model.layers.{i}."
-            out[p + "self_attn.q_proj.weight"] = (q, h)
-            out[p + "self_attn.k_proj.weight"] = (kv, h)
-            out[p + "self_attn.v_proj.weight"] = (kv, h)
-            if self.bias:
-                out[p + "self_attn.q_proj.bias"] = (q,)
-                out[p + "self_attn.k_proj.bias"] = (kv,)
-                out[p + "self_attn.v_proj.bias"] = (kv,)
-            out[p + "self_attn.o_proj.weight"] = (h, q)
-            out[p + "mlp.gate_proj.weight"] = (self.inter, h)
-            out[p + "mlp.up_proj.weight"] = (self.inter, h)
-            out[p + "mlp.down_proj.weight"] = (h, self.inter)
-            out[p + "input_layernorm.weight"] = (h,)
-            out[p + "post_attention_layernorm.weight"] = (h,)
-        out["model.norm.weight"] = (h,)
-        out["lm_head.weight"] = (self.vocab, h)
-        return out
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return qwen2.checkpoint_shapes(self.layers, self.hidden, self.inter, q, kv, self.vocab, bias=self.bias)
 
     def metadata(self, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         return [(k, s, dtype) for k, s in self.checkpoint_shapes().items()]

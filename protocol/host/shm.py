@@ -365,12 +365,8 @@ class Region:
         it returns, read on exit) becomes the region's version. If the body raises, ``seq``
         stays odd: the region is torn until the next complete write."""
         self._begin_write()
-        ok = False
-        try:
+        with self._ending(version):
             yield
-            ok = True
-        finally:
-            self._end_write(_version_of(version) if ok else None, ok)
 
     @contextlib.asynccontextmanager
     async def writing_async(self, version: int | Callable[[], int | None] | None) -> AsyncIterator[None]:
@@ -386,6 +382,12 @@ class Region:
 
             started.add_done_callback(release)
             raise
+        with self._ending(version):
+            yield
+
+    @contextlib.contextmanager
+    def _ending(self, version: int | Callable[[], int | None] | None) -> Iterator[None]:
+        """The body of a write, the lock taken: ends it whole (``version``) or torn (it raised)."""
         ok = False
         try:
             yield

@@ -187,12 +187,10 @@ class PartMover:
         own first (``part``, not copied), then each other rank's once it has arrived, each
         waited for at most ``timeout`` from when it is asked for. Closed early, the generator
         still takes the parts already posted (bounded), so the ranks' sends complete."""
-        pending = self._post(agreed, part)
-        own = memoryview(part).cast("B")
+        pending, own = self._start(agreed, part)
         try:
-            if own.nbytes:
-                agreed.arrived.append(self.rank)
-                yield self.rank, own
+            if own is not None:
+                yield own
             while pending:
                 yield self._take(agreed, pending)
         finally:
@@ -200,12 +198,10 @@ class PartMover:
 
     async def aparts(self, agreed: PartStats, part: Part) -> AsyncIterator[tuple[int, memoryview]]:
         """``parts`` for an event loop: each wait on a worker thread."""
-        pending = self._post(agreed, part)
-        own = memoryview(part).cast("B")
+        pending, own = self._start(agreed, part)
         try:
-            if own.nbytes:
-                agreed.arrived.append(self.rank)
-                yield self.rank, own
+            if own is not None:
+                yield own
             while pending:
                 yield await asyncio.to_thread(self._take, agreed, pending)
         finally:
@@ -213,6 +209,15 @@ class PartMover:
                 await asyncio.to_thread(self._drain, agreed, pending)
 
     # -- internals ----------------------------------------------------------------------------
+    def _start(self, agreed: PartStats, part: Part) -> tuple[list[tuple[int, torch.Tensor, dist.Work]], tuple[int, memoryview] | None]:
+        """The other ranks' receives posted, and the leader's own part (None when empty)."""
+        pending = self._post(agreed, part)
+        own = memoryview(part).cast("B")
+        if not own.nbytes:
+            return pending, None
+        agreed.arrived.append(self.rank)
+        return pending, (self.rank, own)
+
     def _post(self, agreed: PartStats, part: Part) -> list[tuple[int, torch.Tensor, dist.Work]]:
         if not self.is_leader:
             raise ConfigError(f"only rank {self.leader} takes the parts; rank {self.rank} sends its own")
