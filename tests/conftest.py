@@ -6,12 +6,15 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from daemon_helpers import Processes
 
 # The tests' models are tiny and two cores are shared by trainers, daemons and their
 # decode threads: OpenMP workers only oversubscribe them. Subprocesses inherit this.
@@ -41,6 +44,20 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# -- daemon processes -------------------------------------------------------------------------
+@pytest.fixture
+async def procs(tmp_path: Path) -> AsyncIterator[Processes]:
+    """Daemon CLIs a test starts (``procs.spawn``), their logs in ``tmp_path``: whatever is
+    still running at the end is SIGKILLed, always."""
+    from daemon_helpers import Processes  # torch, the examples' model: only for the tests that start processes
+
+    p = Processes(tmp_path)
+    try:
+        yield p
+    finally:
+        await p.cleanup()
 
 
 # -- reliability figures ----------------------------------------------------------------------

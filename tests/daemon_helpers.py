@@ -211,13 +211,14 @@ class Processes:
         self.logs = logs
         self.procs: list[Proc] = []
 
-    async def spawn(self, name: str, module: str, *args: str) -> Proc:
+    async def spawn(self, name: str, module: str, *args: str, stdin: int = asyncio.subprocess.DEVNULL) -> Proc:
+        """``python -m module *args``; ``stdin=asyncio.subprocess.PIPE`` for a process the test drives by its stdin."""
         log = self.logs / f"{name}-{len(self.procs)}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log, "wb") as err:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", module, *args,
-                cwd=ROOT, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
+                cwd=ROOT, env=env, stdin=stdin, stdout=asyncio.subprocess.PIPE, stderr=err,
             )
         proc = Proc(name, process, log)
         self.procs.append(proc)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import re
 import subprocess
@@ -179,46 +180,20 @@ def help_flags(argv: list[str]) -> set[str]:
     return {m.group(1) for line in listed for m in re.finditer(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line.split("  ")[1])} - {"--help"}
 
 
+def called(module: str, function: str) -> Callable[[], Any]:
+    """``module.function([])``, the module imported only when it is called (inside ``capture_parser``)."""
+    return lambda: getattr(importlib.import_module(module), function)([])
+
+
 def cli_parsers() -> dict[str, tuple[Callable[[], Any], list[str]]]:
     """Reference table title -> (a call that builds and parses, the module argv for --help)."""
-
-    def sender_main() -> None:
-        from sender import __main__ as m
-
-        m.parse_args([])
-
-    def sender_keygen() -> None:
-        from sender import __main__ as m
-
-        m.keygen([])
-
-    def receiver_main() -> None:
-        from receiver.control import daemon
-
-        daemon.parse_args([])
-
-    def receiver_ctl() -> None:
-        from receiver.control import http_client
-
-        http_client.parse_args([])
-
-    def sender_compile() -> None:
-        from sender import __main__ as m
-
-        m.compile_kernels_main([])
-
-    def receiver_compile() -> None:
-        from receiver import __main__ as m
-
-        m.compile_main([])
-
     return {
-        "python -m sender": (sender_main, ["sender"]),
-        "python -m sender keygen": (sender_keygen, ["sender", "keygen"]),
-        "python -m sender compile": (sender_compile, ["sender", "compile"]),
-        "python -m receiver compile": (receiver_compile, ["receiver", "compile"]),
-        "python -m receiver": (receiver_main, ["receiver"]),
-        "python -m receiver ctl": (receiver_ctl, ["receiver", "ctl"]),
+        "python -m sender": (called("sender.__main__", "parse_args"), ["sender"]),
+        "python -m sender keygen": (called("sender.__main__", "keygen"), ["sender", "keygen"]),
+        "python -m sender compile": (called("sender.__main__", "compile_kernels_main"), ["sender", "compile"]),
+        "python -m receiver compile": (called("receiver.__main__", "compile_main"), ["receiver", "compile"]),
+        "python -m receiver": (called("receiver.control.daemon", "parse_args"), ["receiver"]),
+        "python -m receiver ctl": (called("receiver.control.http_client", "parse_args"), ["receiver", "ctl"]),
     }
 
 

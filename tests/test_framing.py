@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -41,7 +43,7 @@ def reseal(header: dict) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-def header_of(frames) -> dict:
+def header_of(frames: Sequence[Any]) -> dict:
     return msgpack.unpackb(bytes(frames[0]), raw=False)
 
 

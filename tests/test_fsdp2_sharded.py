@@ -142,6 +142,13 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
                 async with receiver.reading():
                     out["checks"].append([version, receiver.identity, state_digest(rollout.state_dict()), expected])
 
+        async def check_all(version: int) -> None:
+            """On every rank: the full model's digest is a collective (its gathers); the
+            leader's receivers must then hold it at ``version``."""
+            expected = full_bf16_digest(model)
+            if sender is not None:
+                await check(version, expected)
+
         if rank == 0:
             await join()  # before v1
         for version in range(1, VERSIONS + 1):
@@ -187,11 +194,9 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
             # (b) then in lockstep: every receiver resynced by bootstrap to the version
             await sharded.sync(sender, version)
             out["resync_gathered"] = list(sharded.stats.last)
+            await check_all(version)
             if sender is not None:
-                await check(version, full_bf16_digest(model))
                 out["resyncs"] = sum(int(r["resyncs"]) for r in sender.receivers.values())  # type: ignore[call-overload]
-            else:
-                full_bf16_digest(model)
             # (c) one rank's build fails: every rank raises the same typed error, nothing published
             version += 1
             train_step(model, optimizer, generator)
@@ -211,9 +216,7 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
             train_step(model, optimizer, generator)
             await sharded.sync(sender, version)
             out["recovered_gathered"] = list(sharded.stats.last)
-            expected = full_bf16_digest(model)
-            if sender is not None:
-                await check(version, expected)
+            await check_all(version)
             # (d) the leader's Sender fails before the parts are agreed: every rank raises, then resync
             version += 1
             train_step(model, optimizer, generator)
@@ -227,9 +230,7 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
             version += 1
             train_step(model, optimizer, generator)
             await sharded.sync(sender, version)
-            expected = full_bf16_digest(model)
-            if sender is not None:
-                await check(version, expected)
+            await check_all(version)
             # (e) the last rank compares slowly: the leader's own part is out before that rank's is built
             version += 1
             train_step(model, optimizer, generator)
@@ -244,9 +245,7 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
 
             with part_wrapped(sharded, slow if rank == world - 1 else None):
                 await sharded.sync(sender, version)
-            expected = full_bf16_digest(model)
-            if sender is not None:
-                await check(version, expected)
+            await check_all(version)
         out["last_version"] = version
     return out
 

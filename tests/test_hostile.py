@@ -16,13 +16,14 @@ import torch
 from channel import Channel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_framing import header_of, reseal
+from test_spans import at_base, frames_of, recv_of
 
 import receiver
 import sender
 from protocol.codec import devicecodec
 from protocol.codec.compress import Codec, compress
 from protocol.codec.spans import encode_dense_span, encode_span
-from protocol.codec.staging import StagingPool
 from protocol.codec.tensorcodec import (
     EncodedTensor,
     PatchOptions,
@@ -49,17 +50,6 @@ from protocol.wire.framing import (
 
 CPU = torch.device("cpu")
 Targets = dict[int, tuple[tuple[int, ...], torch.dtype]]
-
-
-def reseal(header: dict) -> bytes:
-    """A header frame for ``header`` with a valid ``hsum``, as encode_message computes it."""
-    header = {k: v for k, v in header.items() if k != "hsum"}
-    header["hsum"] = checksum(msgpack.packb(header, use_bin_type=True))
-    return msgpack.packb(header, use_bin_type=True)
-
-
-def header_of(frames: list[bytes]) -> dict:
-    return msgpack.unpackb(frames[0], raw=False)
 
 
 def message(entries: list[EncodedTensor], mtype: MessageType = MessageType.PATCH) -> list[bytes]:
@@ -863,42 +853,10 @@ SPAN_HOSTILE: dict[str, tuple[Callable[[], list[list[EncodedTensor]]], MessageTy
 
 async def span_receiver(staged: bool) -> tuple[Any, dict[str, torch.Tensor]]:
     """A patch receiver at v0 of two bf16 tensors (``SPAN_NUMEL`` and 300 elements)."""
-    config = {"type": "patch", "patch": {"group_numel": 0}}
     gen = torch.Generator().manual_seed(5)
     state = {"a": torch.randn(50, 100, generator=gen).to(BF16), "b": torch.randn(300, generator=gen).to(BF16)}
     model = {k: torch.zeros_like(v) for k, v in state.items()}
-    s, r = sender.make_sender(config), receiver.make_receiver(config)
-    if staged:
-        r.staging = StagingPool(cpu_too=True)
-    ch = Channel()
-    await asyncio.wait_for(
-        asyncio.gather(s.init_sender(state, ch.to_receiver.send, ch.to_sender.recv, version=0),
-                       r.init_receiver(model, ch.to_receiver.recv, ch.to_sender.send)),
-        timeout=60,
-    )
-    return r, model
-
-
-def version_of(r: Any, parts: list[list[EncodedTensor]], mtype: MessageType = MessageType.PATCH, version: int = 1) -> list[list[bytes]]:
-    out = []
-    for i, entries in enumerate(parts):
-        tensors, frames = assemble(entries)
-        msg = Message(mtype, session=r.session, seq=50 + i, version=version, base_version=version - 1 if mtype is MessageType.PATCH else None,
-                      part=i, last=i + 1 == len(parts), tensors=tensors, frames=frames)
-        out.append([bytes(f) for f in encode_message(msg)])
-    return out
-
-
-def recv_of(messages: list[list[bytes]]) -> Callable[[], Any]:
-    pending = iter(messages)
-
-    async def recv() -> list[bytes]:
-        frames = next(pending, None)
-        if frames is None:
-            raise AssertionError("the receiver waited past the last message")
-        return frames
-
-    return recv
+    return await at_base(state, model, staged), model
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])
@@ -917,7 +875,7 @@ async def test_hostile_spans_write_nothing(name: str, staged: bool) -> None:
     parts = build()
     parts[0] = [whole_of(1, 300), *parts[0]]
     with pytest.raises(WeightSyncError) as caught:
-        await r.apply(model, recv_of(version_of(r, parts, mtype, 1 if mtype is MessageType.PATCH else 5)))
+        await r.apply(model, recv_of(frames_of(r, parts, 1 if mtype is MessageType.PATCH else 5, mtype)))
     assert type(caught.value) is error, repr(caught.value)
     assert r.version == 0 and not r.torn
     assert all(torch.equal(model[k].view(torch.int16), before[k].view(torch.int16)) for k in model)
@@ -930,5 +888,5 @@ async def test_hostile_spans_write_nothing(name: str, staged: bool) -> None:
         local = torch.nonzero(old[lo:hi].view(torch.int16) != new[lo:hi].view(torch.int16)).squeeze(1)
         spans.append(encode_span(0, (lo, hi), local, new[lo:hi][local], old[lo:hi][local], options))
     new[2500:3000] = before["a"].reshape(-1)[2500:3000]  # left out: unchanged
-    assert await r.apply(model, recv_of(version_of(r, [[whole_of(1, 300), spans[0]], spans[1:]]))) == 1
+    assert await r.apply(model, recv_of(frames_of(r, [[whole_of(1, 300), spans[0]], spans[1:]]))) == 1
     assert torch.equal(model["a"].reshape(-1).view(torch.int16), new.view(torch.int16))

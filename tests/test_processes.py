@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ MODEL = "examples.tiny_model:build"
 TIMING = ["--heartbeat", str(HEARTBEAT), "--peer-timeout", str(PEER_TIMEOUT)]
 STEPS = 5
 SEED = 7  # the trainer's; the receiver CLIs build seed 0, so only the bootstrap makes them equal
-
-
-@pytest.fixture
-async def procs(tmp_path: Path) -> AsyncIterator[Processes]:
-    p = Processes(tmp_path)
-    try:
-        yield p
-    finally:
-        await p.cleanup()  # SIGKILL whatever is still running, always
 
 
 class Cluster:

@@ -43,6 +43,13 @@ class Tree:
         await asyncio.wait_for(self.sender.start(self.trainer.model, version=self.trainer.version), T)
         return self.sender
 
+    async def start_relay(self) -> tuple[Sender, Receiver]:
+        """The sender, and a relay ("relay") following it with its server up."""
+        sender = await self.start_sender()
+        relay = await self.start_receiver(sender.endpoint, "relay", relay=True)
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        return sender, relay
+
     async def start_receiver(self, upstream: str | list[str], identity: str, *, relay: bool = False, **kw: Any) -> Receiver:
         r = Receiver(
             kw.pop("model", None) or receiver_model(), upstream, CONFIGS[self.mode], identity=identity,
@@ -118,9 +125,7 @@ async def test_late_leaf_is_bootstrapped_by_the_relay_and_a_slow_one_caught_up_f
     """A leaf joining after several versions gets the relay's bootstrap; a leaf held back
     for two versions is caught up with the forwarded patches, one by one, no bootstrap."""
     async with tree(mode) as t:
-        sender = await t.start_sender()
-        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
-        assert relay.relay_endpoint is not None and relay.relay is not None
+        _, relay = await t.start_relay()
         for _ in range(3):
             await t.step(relay)
         late = await t.start_receiver(relay.relay_endpoint, "late")
@@ -142,9 +147,7 @@ async def test_a_corrupted_forward_is_nacked_and_the_leaf_resynced_from_the_rela
     """The relay only forwards what it applied; a leaf that rejects a message (here: one
     it is told never arrived intact) is resynced by the relay, the trainer never hears of it."""
     async with tree("patch") as t:
-        sender = await t.start_sender()
-        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
-        assert relay.relay_endpoint is not None and relay.relay is not None
+        sender, relay = await t.start_relay()
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await t.step(relay, leaf)
         # Corrupt the next patch on its way from the relay to the leaf: flip a payload byte.
@@ -207,9 +210,7 @@ async def test_relay_serves_only_versions_it_applied():
     version; after resume they get there too. Each WELCOME / PATCH the leaves see is
     stamped by the trainer's lineage (upstream session)."""
     async with tree("patch") as t:
-        sender = await t.start_sender()
-        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
-        assert relay.relay_endpoint is not None and relay.relay is not None
+        sender, relay = await t.start_relay()
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await relay.pause()
         version = await t.trainer.step_and_sync(sender)
@@ -231,9 +232,7 @@ async def test_a_relay_sleeps_its_weights_and_wakes():
     StateError and reconnects, never stopping; after ``wakeup`` the relay is bootstrapped
     by the trainer again and both leaves follow it bit for bit."""
     async with tree("patch") as t:
-        sender = await t.start_sender()
-        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
-        assert relay.relay_endpoint is not None and relay.relay is not None
+        sender, relay = await t.start_relay()
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await t.step(relay, leaf)
         slept = await relay.sleep("weight")
@@ -263,9 +262,7 @@ async def test_a_leaf_the_sleeping_relay_cannot_serve_is_dropped_not_forgotten()
     until the relay wakes, then is resynced. (The pump used to die silently: the leaf
     stayed registered and heartbeated, and was never served again.)"""
     async with tree("patch") as t:
-        sender = await t.start_sender()
-        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
-        assert relay.relay_endpoint is not None and relay.relay is not None
+        _, relay = await t.start_relay()
         server = relay.relay.server
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await t.step(relay, leaf)
@@ -304,9 +301,7 @@ async def test_a_damaged_first_bootstrap_is_asked_for_again():
     """A receiver whose very first bootstrap arrives corrupted reconnects and asks again
     (it used to stop for good): here the relay damages the first one it sends."""
     async with tree("patch") as t:
-        sender = await t.start_sender()
-        relay = await t.start_receiver(sender.endpoint, "relay", relay=True)
-        assert relay.relay_endpoint is not None and relay.relay is not None
+        _, relay = await t.start_relay()
         await t.step(relay)
         original = relay.relay.server.resync_messages
         sent: list[bool] = []

@@ -98,6 +98,14 @@ def client(keys: dict[str, KeyPair], name: str, server_key: bytes | None = None)
     return CurveClient(keys[name], server_key or keys["sender"].public)
 
 
+async def curve_sender(made: list[Any], keys: dict[str, KeyPair], tmp_path: Path, trainer: Trainer) -> Sender:
+    """A sender that admits the ``allowed`` keys only, started at the trainer's version (closed with ``made``)."""
+    sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], curve=server(keys, tmp_path), **DAEMON_KW)
+    made.append(sender)
+    await sender.start(trainer.model, version=trainer.version)
+    return sender
+
+
 @contextlib.asynccontextmanager
 async def daemons() -> AsyncIterator[list[Any]]:
     """Senders and receivers appended here are closed at the end, receivers first."""
@@ -151,9 +159,7 @@ async def test_curve_admits_only_allowed_keys_and_logs_the_rest(
     caplog.set_level(logging.WARNING, logger="protocol.net.sockets")
     trainer = Trainer()
     async with daemons() as made:
-        sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], curve=server(keys, tmp_path), **DAEMON_KW)
-        made.append(sender)
-        await sender.start(trainer.model, version=trainer.version)
+        sender = await curve_sender(made, keys, tmp_path, trainer)
         allowed = Receiver(receiver_model(), sender.endpoint, CONFIGS["patch"], identity="allowed", curve=client(keys, "a"), **DAEMON_KW)
         stranger = Receiver(
             receiver_model(), sender.endpoint, CONFIGS["patch"], identity="stranger", curve=client(keys, "stranger"), **DAEMON_KW
@@ -185,9 +191,7 @@ async def test_receivers_without_the_right_keys_never_connect(
     caplog.set_level(logging.WARNING, logger="protocol.net.sockets")
     trainer = Trainer()
     async with daemons() as made:
-        sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], curve=server(keys, tmp_path), **DAEMON_KW)
-        made.append(sender)
-        await sender.start(trainer.model, version=trainer.version)
+        sender = await curve_sender(made, keys, tmp_path, trainer)
         # An allowed receiver key, but it trusts another server key (an impostor sender's),
         # or no CURVE at all: neither completes a handshake with this sender.
         curve = client(keys, "a", server_key=KeyPair.generate().public) if case == "wrong_server_key" else None

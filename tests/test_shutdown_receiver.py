@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import pytest
@@ -53,10 +53,15 @@ def nothing_left_running() -> Iterator[None]:
     assert pending == []
 
 
-async def _sender(trainer: Trainer, mode: str) -> Sender:
+@asynccontextmanager
+async def _sender(trainer: Trainer, mode: str) -> AsyncIterator[Sender]:
+    """A sender at the trainer's version, closed at the end whatever happened."""
     sender = Sender("tcp://127.0.0.1:0", CONFIGS[mode], **DAEMON_KW)
     await asyncio.wait_for(sender.start(trainer.model, version=trainer.version), T)
-    return sender
+    try:
+        yield sender
+    finally:
+        await asyncio.wait_for(sender.close(), T)
 
 
 async def _receiver(upstream: str, mode: str, identity: str, **kw: Any) -> Receiver:
@@ -68,8 +73,7 @@ async def _receiver(upstream: str, mode: str, identity: str, **kw: Any) -> Recei
 @pytest.mark.parametrize("mode", ["patch", "patch-device", "bucket"])
 async def test_a_closed_receiver_leaves_nothing_running(mode: str) -> None:
     trainer = Trainer()
-    sender = await _sender(trainer, mode)
-    try:
+    async with _sender(trainer, mode) as sender:
         with nothing_left_running():
             r = await _receiver(sender.endpoint, mode, "r", control_address="127.0.0.1:0")
             for _ in range(3):
@@ -78,15 +82,12 @@ async def test_a_closed_receiver_leaves_nothing_running(mode: str) -> None:
             await assert_matches(r, trainer, version)
             await asyncio.wait_for(r.close(), T)
         assert not r.healthy
-    finally:
-        await asyncio.wait_for(sender.close(), T)
 
 
 @pytest.mark.parametrize("mode", ["patch", "bucket"])
 async def test_a_closed_relay_and_its_leaf_leave_nothing_running(mode: str) -> None:
     trainer = Trainer()
-    sender = await _sender(trainer, mode)
-    try:
+    async with _sender(trainer, mode) as sender:
         with nothing_left_running():
             relay = await _receiver(sender.endpoint, mode, "relay", relay_endpoint="tcp://127.0.0.1:0")
             assert relay.relay_endpoint is not None
@@ -98,15 +99,12 @@ async def test_a_closed_relay_and_its_leaf_leave_nothing_running(mode: str) -> N
             await assert_matches(leaf, trainer, version)
             await asyncio.wait_for(relay.close(), T)  # the parent first: the leaf is left reconnecting
             await asyncio.wait_for(leaf.close(), T)
-    finally:
-        await asyncio.wait_for(sender.close(), T)
 
 
 async def test_close_mid_transfer_waits_for_the_decode_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """Closed while a patch decodes on its thread, the receiver returns from ``close`` only
     once that thread is done with it: nothing decodes into its buffers after ``close``."""
     trainer = Trainer()
-    sender = await _sender(trainer, "patch")
     decode = ReceiverBase._decode
     slow, entered, release = False, threading.Event(), threading.Event()
     done: list[str] = []
@@ -122,23 +120,23 @@ async def test_close_mid_transfer_waits_for_the_decode_thread(monkeypatch: pytes
             done.append("decoded")
 
     monkeypatch.setattr(ReceiverBase, "_decode", slowed)
-    try:
-        with nothing_left_running():
-            r = await _receiver(sender.endpoint, "patch", "r")
-            slow = True
-            await trainer.step_and_sync(sender)
-            assert await asyncio.to_thread(entered.wait, T), "the patch never reached its decode"
-            closing = asyncio.create_task(r.close())
-            for _ in range(20):  # let close go as far as it can while the thread is held
-                await asyncio.sleep(0.01)
-            assert not closing.done(), "close returned while the receiver's decode thread still ran"
+    async with _sender(trainer, "patch") as sender:
+        try:
+            with nothing_left_running():
+                r = await _receiver(sender.endpoint, "patch", "r")
+                slow = True
+                await trainer.step_and_sync(sender)
+                assert await asyncio.to_thread(entered.wait, T), "the patch never reached its decode"
+                closing = asyncio.create_task(r.close())
+                for _ in range(20):  # let close go as far as it can while the thread is held
+                    await asyncio.sleep(0.01)
+                assert not closing.done(), "close returned while the receiver's decode thread still ran"
+                release.set()
+                await asyncio.wait_for(closing, T)
+                assert done == ["decoded"]
+                assert r.version == 0  # the version being decoded was never committed
+        finally:
             release.set()
-            await asyncio.wait_for(closing, T)
-            assert done == ["decoded"]
-            assert r.version == 0  # the version being decoded was never committed
-    finally:
-        release.set()
-        await asyncio.wait_for(sender.close(), T)
 
 
 async def test_close_twice_at_once_returns_only_when_everything_stopped() -> None:
@@ -146,8 +144,7 @@ async def test_close_twice_at_once_returns_only_when_everything_stopped() -> Non
     with the session still being torn down); one cancelled caller does not stop the close;
     ``start`` after ``close`` is refused."""
     trainer = Trainer()
-    sender = await _sender(trainer, "patch")
-    try:
+    async with _sender(trainer, "patch") as sender:
         with nothing_left_running():
             before = asyncio.all_tasks()
             r = await _receiver(sender.endpoint, "patch", "r", relay_endpoint="tcp://127.0.0.1:0")
@@ -168,16 +165,13 @@ async def test_close_twice_at_once_returns_only_when_everything_stopped() -> Non
         assert not r.healthy
         with pytest.raises(WeightSyncError, match="closed"):
             await r.start(timeout=T)
-    finally:
-        await asyncio.wait_for(sender.close(), T)
 
 
 async def test_close_while_start_compiles_starts_no_session() -> None:
     """``close`` while ``start`` is still preparing (compiling the kernels on a fresh install):
     ``start`` raises once the preparation ends, and no session is started to outlive close."""
     trainer = Trainer()
-    sender = await _sender(trainer, "patch")
-    try:
+    async with _sender(trainer, "patch") as sender:
         with nothing_left_running():
             r = Receiver(receiver_model(), sender.endpoint, CONFIGS["patch"], identity="r", **DAEMON_KW)
             prepare, preparing, release = r.strategy.prepare, asyncio.Event(), asyncio.Event()
@@ -196,5 +190,3 @@ async def test_close_while_start_compiles_starts_no_session() -> None:
                 await asyncio.wait_for(starting, T)
         assert not r.healthy and r.version is None
         assert sender.receivers == {}  # it never said HELLO
-    finally:
-        await asyncio.wait_for(sender.close(), T)

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -297,30 +297,6 @@ async def test_a_sidecar_whose_endpoint_is_taken_stops_with_a_transport_error(tm
 
 
 # -- real processes -----------------------------------------------------------------------------------
-class Launcher(Processes):
-    """``Processes`` plus a stdin pipe, for the trainer that the test drives step by step."""
-
-    async def spawn_driven(self, name: str, module: str, *args: str) -> Proc:
-        log = self.logs / f"{name}-{len(self.procs)}.log"
-        with open(log, "wb") as err:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", module, *args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err,
-            )
-        proc = Proc(name, process, log)
-        self.procs.append(proc)
-        return proc
-
-
-@pytest.fixture
-async def launcher(tmp_path: Path) -> AsyncIterator[Launcher]:
-    p = Launcher(tmp_path)
-    try:
-        yield p
-    finally:
-        await p.cleanup()
-
-
 async def command(proc: Proc, line: str) -> None:
     assert proc.process.stdin is not None
     proc.process.stdin.write(f"{line}\n".encode())
@@ -332,22 +308,24 @@ def observed(proc: Proc, version: int) -> bool:
 
 
 @pytest.mark.timeout(480)
-async def test_trainer_sidecars_and_engines_as_processes(tmp_path: Path, prefix: str, launcher: Launcher) -> None:
+async def test_trainer_sidecars_and_engines_as_processes(tmp_path: Path, prefix: str, procs: Processes) -> None:
     config = tmp_path / "patch.yaml"
     config.write_text(YAML["patch"])
     trainer_shm, handoff, endpoint = f"{prefix}-trainer", f"ipc://{tmp_path}/handoff", f"ipc://{tmp_path}/weights"
     sender_cmd = ["--shm", trainer_shm, "--handoff", handoff, "--endpoint", endpoint, "--config", str(config), *TIMING]
-    sender = await launcher.spawn("sender", "sender", *sender_cmd)
+    sender = await procs.spawn("sender", "sender", *sender_cmd)
     await sender.wait_event(lambda e: e.get("event") == "handoff", STARTUP)
     receivers, engines = {}, {}
     for i, mode in enumerate(["reading", "snapshot"]):
         shm = f"{prefix}-engine{i}"
-        receivers[i] = await launcher.spawn(
+        receivers[i] = await procs.spawn(
             f"r{i}", "receiver", "--endpoint", endpoint, "--model", "examples.tiny_model:build", "--identity", f"r{i}",
             "--digest", "--shm", shm, "--config", str(config), *TIMING,
         )
-        engines[i] = await launcher.spawn("engine", "examples.sidecars", "engine", "--shm", shm, "--mode", mode, "--timeout", str(STARTUP))
-    trainer = await launcher.spawn_driven("trainer", "examples.sidecars", "trainer", "--shm", trainer_shm, "--handoff", handoff, "--steps", "0")
+        engines[i] = await procs.spawn("engine", "examples.sidecars", "engine", "--shm", shm, "--mode", mode, "--timeout", str(STARTUP))
+    trainer = await procs.spawn(
+        "trainer", "examples.sidecars", "trainer", "--shm", trainer_shm, "--handoff", handoff, "--steps", "0", stdin=asyncio.subprocess.PIPE,
+    )
     digests: dict[int, str] = {}
 
     async def step(version: int, *, command_sent: bool = False, timeout: float = T) -> None:
@@ -366,7 +344,7 @@ async def test_trainer_sidecars_and_engines_as_processes(tmp_path: Path, prefix:
         await step(version)
     await sender.kill()  # SIGKILL, no goodbye: the trainer's region survives, the restarted sidecar maps it again
     await command(trainer, "step")  # v3: publish waits until a sidecar has collected v2 (its answer may be lost)
-    sender = await launcher.spawn("sender2", "sender", *sender_cmd)
+    sender = await procs.spawn("sender2", "sender", *sender_cmd)
     listening = await sender.wait_event(lambda e: e.get("event") == "listening", STARTUP)
     assert listening["version"] in (2, 3)  # resumed from the version the region holds
     await step(3, command_sent=True, timeout=STARTUP)
@@ -391,11 +369,11 @@ async def test_trainer_sidecars_and_engines_as_processes(tmp_path: Path, prefix:
 
 
 @pytest.mark.timeout(300)
-async def test_receiver_sidecar_ipc_snapshot(tmp_path: Path, prefix: str, launcher: Launcher) -> None:
+async def test_receiver_sidecar_ipc_snapshot(tmp_path: Path, prefix: str, procs: Processes) -> None:
     watch, shm = tmp_path / "snapshots", f"{prefix}-snap"
     watch.mkdir()
     args = ["--load-strategy", "ipc_snapshot", "--watch", str(watch), "--shm", shm, "--model", "examples.tiny_model:build", "--digest"]
-    receiver = await launcher.spawn("r", "receiver", *args)
+    receiver = await procs.spawn("r", "receiver", *args)
     engine_model = bf16_model()
     attached = await asyncio.to_thread(attach, engine_model, shm, timeout=STARTUP)
     trainer = Trainer(seed=7)
@@ -422,7 +400,7 @@ async def test_receiver_sidecar_ipc_snapshot(tmp_path: Path, prefix: str, launch
         assert version == 4 and state_digest(state) == trainer.digests[4]
         # the sidecar killed: its region stays; a restarted one adopts it, the engine stays attached
         await receiver.kill()
-        receiver = await launcher.spawn("r2", "receiver", *args)
+        receiver = await procs.spawn("r2", "receiver", *args)
         await receiver.wait_event(lambda e: e.get("event") == "applied" and e.get("version") == 4, STARTUP)
         trainer.step()
         write_snapshot(trainer.model.state_dict(), watch, 5)

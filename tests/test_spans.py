@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -103,7 +104,8 @@ def frames_of(r: Any, parts: list[list[EncodedTensor]], version: int = 1, mtype:
     return out
 
 
-async def deliver(r: Any, model: dict[str, Any], messages: list[list[bytes]]) -> int:
+def recv_of(messages: list[list[bytes]]) -> Callable[[], Awaitable[list[bytes]]]:
+    """A receiver's ``recv`` that hands out ``messages`` in order (and fails past the last)."""
     pending = iter(messages)
 
     async def recv() -> list[bytes]:
@@ -112,7 +114,11 @@ async def deliver(r: Any, model: dict[str, Any], messages: list[list[bytes]]) ->
             raise AssertionError("the receiver waited for a message past the version's last")
         return frames
 
-    return int(await asyncio.wait_for(r.apply(model, recv), timeout=60))
+    return recv
+
+
+async def deliver(r: Any, model: dict[str, Any], messages: list[list[bytes]]) -> int:
+    return int(await asyncio.wait_for(r.apply(model, recv_of(messages)), timeout=60))
 
 
 # -- the property -------------------------------------------------------------------------------

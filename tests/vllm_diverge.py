@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from proxy import Corrupt, Proxy, Wire  # noqa: E402
-from vllm_faults import background_loop, wait  # noqa: E402
+from vllm_faults import against_fresh, background_loop, followed, wait  # noqa: E402
 
-from examples.vllm_rollout import CONFIG, Trainer, checksums, compare, engine, generate, weights_differing  # noqa: E402
+from examples.vllm_rollout import CONFIG, Trainer, engine  # noqa: E402
 from protocol.wire.framing import MessageType  # noqa: E402
 
 
@@ -105,14 +105,9 @@ def main() -> int:
     llm.finish_weight_update("2")
     out["versions_after"] = [v for v, _ in llm.collective_rpc(worker_versions)]
 
-    final, ours = generate(llm), checksums(llm)
-    reference = tempfile.mkdtemp(prefix="weightsync-vllm-diverge-ref-")
-    trainer.save(reference)
-    out["weights_differing"] = llm.collective_rpc(weights_differing, args=(reference,))
+    ended = followed(llm, trainer.save, "weightsync-vllm-diverge-ref-")
     del llm
-    fresh = engine(reference, weightsync=False, tp=2, dummy=False)
-    out.update(compare(final, generate(fresh), 2))
-    out["checksums_equal"] = ours == checksums(fresh)
+    out.update(against_fresh(ended, tp=2))
     trainer.close()
     run(proxy.close())
     print(json.dumps(out), flush=True)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,36 @@ def background_loop() -> Any:
     return lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)
 
 
+@dataclass
+class Followed:
+    """What the engine that followed the trainer produced, and the trainer's weights saved
+    beside it: compared with a fresh engine only once the followed one is gone (``del``),
+    so that two engines never have to fit at once."""
+
+    generated: Any
+    checksums: Any
+    reference: str
+    weights_differing: Any
+
+
+def followed(llm: Any, save: Callable[[str], Any], prefix: str) -> Followed:
+    """The engine's tokens, logprobs and checksums, the weights ``save(directory)`` writes,
+    and which of the engine's weights differ from them."""
+    generated, ours = generate(llm), checksums(llm)
+    reference = tempfile.mkdtemp(prefix=prefix)
+    save(reference)
+    return Followed(generated, ours, reference, llm.collective_rpc(weights_differing, args=(reference,)))
+
+
+def against_fresh(f: Followed, tp: int) -> dict[str, Any]:
+    """The figures of a fresh engine loaded from ``f``'s saved weights, against ``f``."""
+    fresh = engine(f.reference, weightsync=False, tp=tp, dummy=False)
+    out: dict[str, Any] = {"weights_differing": f.weights_differing}
+    out.update(compare(f.generated, generate(fresh), tp))
+    out["checksums_equal"] = f.checksums == checksums(fresh)
+    return out
+
+
 def main() -> int:
     run = background_loop()
 
@@ -139,14 +170,9 @@ def main() -> int:
     out["followed_to"] = trainer.version
 
     # 3. equal to a fresh engine from the new trainer's weights
-    final, ours = generate(llm), checksums(llm)
-    reference = tempfile.mkdtemp(prefix="weightsync-vllm-faults-ref-")
-    trainer.command(f"save {reference}")
-    out["weights_differing"] = llm.collective_rpc(weights_differing, args=(reference,))
+    ended = followed(llm, lambda directory: trainer.command(f"save {directory}"), "weightsync-vllm-faults-ref-")
     del llm
-    fresh = engine(reference, weightsync=False, tp=1, dummy=False)
-    out.update(compare(final, generate(fresh), 1))
-    out["checksums_equal"] = ours == checksums(fresh)
+    out.update(against_fresh(ended, tp=1))
     trainer.kill()
     run(proxy.close())
     print(json.dumps(out), flush=True)
