@@ -2,18 +2,19 @@
 
 The trainer never waits for rollouts: every step it takes whatever samples have arrived,
 does one policy-gradient update and ``sender.sync``s a new version. Rollout workers
-(separate processes, each with a ``Receiver``) generate under ``receiver.reading()`` and
-tag every sample with ``receiver.version`` read under that same lock, so the tag names
-exactly the weights that produced it. Staleness is bounded by ``k`` on both sides:
+(separate processes, each with a ``Receiver``) generate under
+``receiver.reading(max_lag=k)``, which yields the version of the weights held, the tag of
+every sample generated inside. Staleness is bounded by ``k`` on both sides:
 
-* a rollout whose applied version is more than ``k`` behind the trainer's latest waits
-  for the receiver to catch up before generating (``StalenessGate``);
+* ``reading(max_lag=k)`` holds back a rollout whose weights are more than ``k`` versions
+  behind the trainer's latest until its receiver has caught up (the latest comes from
+  weightsync's own heartbeats; knowledge gone stale, as after the process was stopped, is
+  asked afresh first);
 * the trainer drops, and reports, any sample more than ``k`` versions old on arrival
   at its step (one generated just before a rollout froze, say).
 
-The rollouts learn the trainer's latest version from the sample channel itself (a
-ZeroMQ ROUTER/DEALER pair beside weightsync's): the trainer answers every message at
-once, from a background task, with its latest version.
+Samples travel on a channel of the application's own (a ZeroMQ ROUTER/DEALER pair beside
+weightsync's), which also says when to stop.
 
 Task: a tiny transformer policy (examples/tiny_model.py, 16-token vocabulary) samples 8
 tokens after a one-token prompt, 8 sequences per prompt; the reward is the fraction of
@@ -30,13 +31,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import os
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,7 +120,7 @@ def unpack(data: bytes) -> dict[str, Any]:
 
 class TrainerLink:
     """The rollout's end of the sample channel: one request at a time, each answered by
-    the trainer with its latest version (``k`` and whether to stop ride along)."""
+    the trainer at once (whether to stop, and the final version, ride along)."""
 
     def __init__(self, endpoint: str, identity: str, context: zmq.asyncio.Context | None = None) -> None:
         self.socket = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
@@ -130,65 +129,20 @@ class TrainerLink:
         self.identity = identity
         self._nonce = 0
 
-    async def request(self, kind: str, timeout: float = 60.0, **body: Any) -> tuple[dict[str, Any], float]:
-        """Send one message, return the trainer's answer and the time it was asked."""
+    async def request(self, kind: str, timeout: float = 60.0, **body: Any) -> dict[str, Any]:
+        """Send one message, return the trainer's answer."""
         self._nonce += 1
-        asked = time.monotonic()
         await self.socket.send(pack({"kind": kind, "identity": self.identity, "nonce": self._nonce, **body}))
         while True:  # answers to requests that timed out earlier are skipped
             answer = unpack(await asyncio.wait_for(self.socket.recv(), timeout))
             if answer.get("nonce") == self._nonce:
-                return answer, asked
+                return answer
 
     def close(self) -> None:
         self.socket.close()
 
 
 # -- the rollout side ----------------------------------------------------------------------------
-class StalenessGate:
-    """Lets a rollout generate only on weights at most ``k`` versions behind the trainer.
-
-    ``async with gate.fresh() as version:`` holds the receiver's read lock on weights that
-    pass the bound and yields their version, the sample's tag; when they are too old it
-    waits, outside the lock, until the receiver has applied ``latest - k``. ``ask`` returns
-    the trainer's latest version and when it was asked; an answer older than ``max_age``
-    seconds (the rollout was slow or frozen since) is asked again first, so an old answer
-    cannot let old weights by. Only a generation already under way when a rollout froze
-    can come out too old: the trainer drops it.
-    """
-
-    def __init__(self, receiver: Receiver, k: int, ask: Callable[[], Awaitable[tuple[int, float]]], max_age: float = 0.05) -> None:
-        self.receiver, self.k, self.ask, self.max_age = receiver, k, ask, max_age
-        self.latest = -1
-        self.known_at = float("-inf")  # when the question behind ``latest`` was asked
-        self.waits: list[dict[str, Any]] = []
-
-    def observe(self, latest: int, asked_at: float) -> None:
-        """Record an answer from the trainer (versions only grow)."""
-        self.latest = max(self.latest, latest)
-        self.known_at = max(self.known_at, asked_at)
-
-    async def refresh(self) -> None:
-        self.observe(*await self.ask())
-
-    @contextlib.asynccontextmanager
-    async def fresh(self, timeout: float = 60.0) -> AsyncIterator[int]:
-        while True:
-            if time.monotonic() - self.known_at > self.max_age:
-                await self.refresh()
-            async with self.receiver.reading():
-                version = self.receiver.version
-                if version is not None and self.latest - version <= self.k:
-                    yield version
-                    return
-            target = self.latest - self.k
-            began = time.monotonic()
-            await self.receiver.wait_for_version(target, timeout)
-            wait = {"version": version, "latest": self.latest, "lag": self.latest - (version or 0), "seconds": round(time.monotonic() - began, 4)}
-            self.waits.append(wait)
-            report("gate_wait", identity=self.receiver.identity, **wait)
-
-
 async def rollout_main(args: argparse.Namespace) -> None:
     """A rollout worker: generate, tag, submit, until the trainer says stop."""
     torch.set_num_threads(1)
@@ -203,32 +157,29 @@ async def rollout_main(args: argparse.Namespace) -> None:
 
             receiver.on_update(slow)
         await receiver.start(timeout=60)
-        hello, asked = await link.request("hello")
-
-        async def ask() -> tuple[int, float]:
-            answer, at = await link.request("ask")
-            return answer["latest"], at
-
-        gate = StalenessGate(receiver, hello["k"], ask, args.max_age)
-        gate.observe(hello["latest"], asked)
-        answer, seq = hello, 0
+        answer = await link.request("hello")
+        k, seq, waits = answer["k"], 0, receiver.lag_waits
         while not answer["stop"]:
             prompt = int(torch.randint(0, VOCAB, (1,), generator=generator))
-            async with gate.fresh() as version:  # the weights stay at ``version`` until the block ends
-                latest = gate.latest
+            waited = waits.count
+            # Waits (outside the lock) while the weights are more than k versions behind; then
+            # they stay at ``version`` until the block ends.
+            async with receiver.reading(max_lag=k, timeout=60, max_age=args.max_age) as version:
+                latest = receiver.latest_version  # what the bound was checked against (nothing ran between)
+                if waits.count != waited:
+                    report("gate_wait", identity=args.identity, **(waits.last or {}))
                 tokens, behaviour = await asyncio.to_thread(generate, model, prompt, generator)
                 digest = weights_digest(model) if args.verify else ""
+            assert version is not None and latest is not None
             seq += 1
             sample = Sample(args.identity, seq, version, latest, digest, tokens.tolist(), behaviour.tolist(), rewards_of(tokens).tolist())
-            answer, asked = await link.request("sample", sample=dataclasses.asdict(sample))
-            gate.observe(answer["latest"], asked)
+            answer = await link.request("sample", sample=dataclasses.asdict(sample))
         final = await receiver.wait_for_version(answer["final"], timeout=60)
         async with receiver.reading():
             digest = weights_digest(model)
-        waits = [w["seconds"] for w in gate.waits]
-        await link.request("done", version=final, digest=digest, samples=seq, gate_waits=len(waits))
+        await link.request("done", version=final, digest=digest, samples=seq, gate_waits=waits.count)
         report("rollout_done", identity=args.identity, version=final, digest=digest, samples=seq,
-               gate_waits=len(waits), gate_wait_seconds=round(sum(waits), 3))
+               gate_waits=waits.count, gate_wait_seconds=round(waits.seconds, 3))
     link.close()
 
 
@@ -451,7 +402,8 @@ if __name__ == "__main__":
     r.add_argument("--identity", required=True)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--slow-apply", type=float, default=0.0, help="sleep this long after each applied version")
-    r.add_argument("--max-age", type=float, default=0.05, help="re-ask the trainer's latest version when older than this (s)")
+    r.add_argument("--max-age", type=float, default=None,
+                   help="ask the trainer's latest version afresh when what was heard is older than this (s; default: 2 heartbeats)")
     r.add_argument("--no-verify", dest="verify", action="store_false", help="do not send a digest of the weights with each sample")
     r.add_argument("--config", help="weight_syncer YAML")
     r.add_argument("--log-level", default="WARNING")

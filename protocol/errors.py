@@ -136,6 +136,16 @@ else:  # Python 3.10: asyncio's and concurrent.futures' TimeoutError are other c
         Also a ``TimeoutError``, ``asyncio.TimeoutError`` and ``concurrent.futures.TimeoutError``."""
 
 
+class LagTimeoutError(WeightSyncTimeout):
+    """``Sender.sync`` under ``lag_policy="wait"`` waited its ``lag_timeout`` and receivers
+    are still more than ``max_lag`` versions behind: nothing was built. ``receivers``: each
+    late receiver's name and the version it has acknowledged."""
+
+    def __init__(self, message: str, receivers: dict[str, int | None] | None = None) -> None:
+        super().__init__(message)
+        self.receivers = dict(receivers or {})
+
+
 # -- on the wire --------------------------------------------------------------------------
 # The ``code`` of an ERROR message's body and of a sidecar hand-off error reply. The most
 # specific class listed wins (a PlacementError travels as "config"); an error of no class

@@ -25,7 +25,7 @@ class ReceiverState:
     connected: bool
     asleep: frozenset[str]
     reconnects: int
-    sender_version: int | None = None  # as the sender's last heartbeat said
+    sender_version: int | None = None  # the trainer's latest, as last heard (``Receiver.latest_version``)
 
 
 class _StateCollector(Collector):
@@ -47,11 +47,11 @@ class _StateCollector(Collector):
         yield asleep
         yield CounterMetricFamily("weightsync_receiver_reconnects", "Sessions with the sender that ended and were restarted", s.reconnects)
         yield GaugeMetricFamily(
-            "weightsync_receiver_sender_version", "The sender's version, as its last heartbeat said (-1: none heard)",
+            "weightsync_receiver_sender_version", "The trainer's latest version, as last heard (through relays too) (-1: none heard)",
             -1 if s.sender_version is None else s.sender_version,
         )
         behind = 0 if s.sender_version is None else s.sender_version - (-1 if s.version is None else s.version)
-        yield GaugeMetricFamily("weightsync_receiver_lag_versions", "The sender's version less the applied one (0 when current)", max(0, behind))
+        yield GaugeMetricFamily("weightsync_receiver_lag_versions", "The trainer's latest version less the applied one (0: current)", max(0, behind))
         phases = GaugeMetricFamily("weightsync_receiver_last_phase_seconds", "The last applied version's phase times", labels=["phase"])
         last = self._last()
         if last is not None:

@@ -23,3 +23,22 @@ class ApplyStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class LagWaits:
+    """The waits of ``Receiver.reading(max_lag=...)`` for fresher weights, for the receiver's
+    life: how many, how long in all, and the last one's start (the version held, the
+    trainer's latest, their difference) and length."""
+
+    count: int = 0
+    seconds: float = 0.0
+    timeouts: int = 0
+    last: dict[str, Any] | None = None
+
+    def waited(self, held: int | None, latest: int | None, seconds: float, *, timed_out: bool = False) -> None:
+        self.count += 1
+        self.seconds += seconds
+        self.timeouts += timed_out
+        lag = None if latest is None else latest - (-1 if held is None else held)
+        self.last = {"version": held, "latest": latest, "lag": lag, "seconds": round(seconds, 4)}

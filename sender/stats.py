@@ -25,6 +25,10 @@ class SyncStats:
     # copies of the version's changes (device encoder) or whole tensors (buckets) from a CUDA
     # device to host memory, timed on the device (CUDA events); 0 where they are host memory
     d2h_seconds: float = 0.0
+    # the staleness bound (``Sender(max_lag=..., lag_policy=...)``): time this sync waited for
+    # receivers before building, and the receivers it left behind to be resynced
+    lag_wait_seconds: float = 0.0
+    lag_dropped: tuple[str, ...] = ()
 
     @property
     def changed_fraction(self) -> float:

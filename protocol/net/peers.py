@@ -31,6 +31,7 @@ class Peer:
     sent: int | None = None
     inflight: list[int | None] = field(default_factory=list)
     needs_resync: bool = False
+    skipped: bool = False  # left behind by the sender's lag policy: its next version is a resync to the newest
     last_seen: float = field(default_factory=time.monotonic)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -43,6 +44,7 @@ class Peer:
     acked_bytes: int | None = None  # what its kernel had acknowledged of ours at the last look
     acked_at: float | None = None  # monotonic time of its last ACK (or heartbeat moving its version)
     joined_at: float = field(default_factory=time.monotonic)
+    behind_at: float = float("-inf")  # monotonic time of the last BEHIND acted on (one an interval at most)
 
     @property
     def name(self) -> str:

@@ -120,7 +120,7 @@ class Pump:
 
     async def _next_for(self, peer: Peer) -> tuple[int | None, RingEntry | list[list[Buffer]]] | None:
         server = self._server
-        if not peer.needs_resync:
+        if not peer.needs_resync and not peer.skipped:
             for entry in self._ring:  # from the current version too: a patch whose first parts are out
                 if entry.base == peer.sent:
                     return entry.version, entry
@@ -141,7 +141,10 @@ class Pump:
                 first, largest = server.resync_backoff
                 await asyncio.sleep(min(first * 2 ** (peer.refused - 1), largest))
             peer.refused += 1
-        peer.needs_resync = False
+        elif peer.skipped and peer.sent == server.version:
+            peer.skipped = False  # what it was sent already reaches the newest version
+            return None
+        peer.needs_resync = peer.skipped = False
         peer.resyncs += 1
         server.counts.resyncs += 1
         log.info("resyncing receiver %s from v%s to v%s", peer.name, peer.acked, server.version,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import zmq
@@ -44,6 +44,7 @@ from protocol.progress import Progress
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, Stamper
 from protocol.wire.limits import Limits
+from protocol.wire.messages import Beat
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class VersionServer:
         self._context = context or shared_context()
         self.stamp = Stamper()
         self.version: int | None = None
+        # The trainer's newest version where this server's own can lag it (a relay: its
+        # upstream's latest as last heard); told to receivers with each heartbeat.
+        self.upstream_latest: Callable[[], int | None] | None = None
         self._ring = PatchRing(ring_size, ring_bytes)
         self._bucket_frames: tuple[int, list[list[Buffer]]] | None = None  # bucket mode: the current version's messages
         self._resync: tuple[int | None, list[Message]] | None = None
@@ -125,6 +129,20 @@ class VersionServer:
         self._closed = False
 
     # -- public API -----------------------------------------------------------------
+    @property
+    def latest(self) -> int | None:
+        """The newest version the trainer has published, as this server knows it: its own,
+        or, for a relay, its upstream's when that is newer."""
+        upstream = None if self.upstream_latest is None else self.upstream_latest()
+        if upstream is None or (self.version is not None and self.version >= upstream):
+            return self.version
+        return upstream
+
+    def beat(self) -> Message:
+        """A heartbeat to a receiver: this server's version, and the trainer's latest where that differs."""
+        latest = self.latest
+        return Message(MessageType.HEARTBEAT, version=self.version, body=Beat(None if latest == self.version else latest).to_body())
+
     @property
     def endpoint(self) -> str:
         """The bound address, with the real port once started."""
@@ -174,6 +192,13 @@ class VersionServer:
         if not versions or any(v is None for v in versions):
             return count, None
         return count, min(v for v in versions if v is not None)
+
+    def skip(self, peer: Peer) -> None:
+        """Stop catching ``peer`` up version by version: what it is sent next, once it has
+        room (``max_inflight``), is a resync to the newest version (the sender's lag policy,
+        ``drop``). What is already queued for it still arrives."""
+        peer.skipped = True
+        peer.wake.set()
 
     async def wait_acked(self, version: int, timeout: float | None = None, *, tree: bool = False) -> None:
         """Wait until every connected receiver has applied ``version`` (or a later one);

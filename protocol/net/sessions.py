@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -20,7 +21,7 @@ from protocol.net.sockets import RouterSocket
 from protocol.net.source import VersionSource
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, Stamper, decode_message
-from protocol.wire.messages import Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack
+from protocol.wire.messages import BEHIND, Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ class SessionsHost(Protocol):
 
     @property
     def source(self) -> VersionSource: ...
+
+    @property
+    def latest(self) -> int | None: ...
+
+    def beat(self) -> Message: ...
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[None]: ...
 
@@ -118,6 +124,8 @@ class Sessions:
                 if below_changed:
                     await server.notify()
                 server.release_resync()
+            elif msg.type is MessageType.NACK and _reason(msg) == BEHIND:
+                self._behind(peer, msg.version)
             elif msg.type is MessageType.NACK:
                 log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, _reported(Nack, msg),
                             extra={"receiver": peer.name, "version": msg.version})
@@ -131,6 +139,24 @@ class Sessions:
                 await server.drop(peer, "said goodbye")
             elif msg.type is MessageType.ERROR:
                 log.error("receiver %s reported: %s", peer.name, _reported(ErrorReport, msg))
+
+    def _behind(self, peer: Peer, version: int | None) -> None:
+        """``peer`` holds ``version`` and heard of a later one it never received (a message
+        lost with a connection): what it was sent after ``version`` is sent again, from the
+        ring, or else a resync. Acting on it twice is harmless: a receiver drops versions it holds."""
+        now = time.monotonic()
+        if peer.needs_resync or version is None or (peer.acked is not None and version < peer.acked):
+            return  # a resync is coming anyway, or the ask is older than what it acknowledged since
+        if now - peer.behind_at < self._server.heartbeat_interval:
+            return  # bounded work: one ask a heartbeat interval, however many arrive
+        peer.behind_at = now
+        log.info("receiver %s is behind at v%s (this %s is at v%s): sending what follows again", peer.name, version,
+                 self._server.role, self._server.version, extra={"receiver": peer.name, "version": version})
+        self._server.counts.behind += 1
+        peer.ack(version)
+        peer.sent = version
+        peer.inflight.clear()
+        peer.wake.set()
 
     def _describe_to(self, identity: bytes, request: DigestRequest) -> None:
         reply = Description(request.nonce, self._server.source.describe())
@@ -157,7 +183,8 @@ class Sessions:
                     break
             else:
                 digest = None
-        reply = DigestReply(request.nonce, digest).to_message(version)
+        latest = server.latest
+        reply = DigestReply(request.nonce, digest, None if latest == version else latest).to_message(version)
         try:
             server.try_send(peer, server.stamp(reply))
         except PeerGone:
@@ -212,14 +239,14 @@ class Sessions:
                     await server.drop(peer, f"silent for {silent:.1f}s")
                     continue
                 try:
-                    server.try_send(peer, server.stamp(Message(MessageType.HEARTBEAT, version=server.version)))
+                    server.try_send(peer, server.stamp(server.beat()))
                 except PeerGone:
                     await server.drop(peer, "disconnected")
             # A HELLO being answered (a large model's snapshot, kernels compiled on a cold
             # start) can take longer than the receiver's peer_timeout: it must hear that we
             # are alive, or it reconnects and its new HELLO starts the answer over.
             for identity in [i for i in self.greeting if i not in self._peers]:
-                server.try_send(Peer(identity), server.stamp(Message(MessageType.HEARTBEAT, version=server.version)))
+                server.try_send(Peer(identity), server.stamp(server.beat()))
 
 
 def _reason(msg: Message) -> str:

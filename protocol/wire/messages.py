@@ -11,9 +11,10 @@ with the reader that has it. ``to_message(version)`` wraps a record in its ``Mes
     HELLO           receiver -> sender  Hello         metadata, who, applied version, digest, session
     WELCOME         sender -> receiver  Welcome       strategy, aliases, bootstrap size
     ACK, HEARTBEAT  receiver -> sender  Ack           a relay's receivers below it
-    NACK            receiver -> sender  Nack          why an update was rejected
+    HEARTBEAT       sender -> receiver  Beat          the trainer's latest version (from a relay)
+    NACK            receiver -> sender  Nack          why an update was rejected, or BEHIND
     DIGEST_REQUEST  receiver -> sender  DigestRequest nonce; the digest? the metadata?
-    DIGEST          sender -> receiver  DigestReply   nonce, state digest
+    DIGEST          sender -> receiver  DigestReply   nonce, state digest, latest
                                         Description   nonce, metadata (before HELLO)
     ERROR           either way          ErrorReport   wire code (``protocol.errors``), text
 """
@@ -28,7 +29,13 @@ from protocol.errors import ProtocolError, WeightSyncError, error_code, error_fr
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.metadata import ModelMetadata
 
-__all__ = ["Ack", "Description", "DigestReply", "DigestRequest", "ErrorReport", "Hello", "Nack", "Welcome"]
+__all__ = ["BEHIND", "Ack", "Beat", "Description", "DigestReply", "DigestRequest", "ErrorReport", "Hello", "Nack", "Welcome"]
+
+# A NACK's reason when nothing was rejected: the receiver heard of a version it never
+# received (a message lost on a connection ZeroMQ re-established) and asks to be sent what
+# follows the version it holds. A server of an older protocol takes it as any NACK and
+# resyncs: more bytes, the same weights.
+BEHIND = "Behind"
 
 _MISSING = object()
 
@@ -58,6 +65,10 @@ def _int_or_none(v: object) -> bool:
 
 def _count(v: object) -> bool:
     return type(v) is int and v >= 0
+
+
+def _count_or_none(v: object) -> bool:
+    return v is None or _count(v)
 
 
 def _bool(v: object) -> bool:
@@ -174,8 +185,27 @@ def _below(v: object) -> bool:
 
 
 @dataclass(frozen=True)
+class Beat(_Body):
+    """The body of a server's HEARTBEAT (the message's version is the server's own):
+    ``latest``, the newest version the trainer published as this server last heard it,
+    where that is not the server's own (a relay a version behind its upstream). Absent on
+    the wire: the heartbeat's version is the latest. A peer that predates it ignores it."""
+
+    TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
+    latest: int | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return {} if self.latest is None else {"latest": self.latest}
+
+    @classmethod
+    def from_body(cls, body: Mapping[Any, Any]) -> Beat:
+        return cls(_field(cls.TYPE, body, "latest", "an int >= 0 or nil", _count_or_none, optional=True))
+
+
+@dataclass(frozen=True)
 class Nack(_Body):
-    """A receiver rejected an update (``reason``: the error's class) and asks for a resync."""
+    """A receiver rejected an update (``reason``: the error's class) and asks for a resync;
+    or, with ``reason`` ``BEHIND``, asks for the versions after the one it holds."""
 
     TYPE: ClassVar[MessageType] = MessageType.NACK
     reason: str
@@ -222,19 +252,28 @@ class DigestRequest(_Body):
 @dataclass(frozen=True)
 class DigestReply(_Body):
     """The answer to a DIGEST_REQUEST (the message's version is the server's): the
-    request's nonce and, when asked and available, the state digest."""
+    request's nonce, when asked and available the state digest, and ``latest`` as in
+    ``Beat`` (absent: the server's version is the latest)."""
 
     TYPE: ClassVar[MessageType] = MessageType.DIGEST
     nonce: str
     digest: str | None = None
+    latest: int | None = None
 
     def to_body(self) -> dict[str, Any]:
-        return {"nonce": self.nonce, "digest": self.digest}
+        body: dict[str, Any] = {"nonce": self.nonce, "digest": self.digest}
+        if self.latest is not None:
+            body["latest"] = self.latest
+        return body
 
     @classmethod
     def from_body(cls, body: Mapping[Any, Any]) -> DigestReply:
         k = cls.TYPE
-        return cls(_field(k, body, "nonce", "a string", _str), _field(k, body, "digest", "a string or nil", _str_or_none, optional=True))
+        return cls(
+            _field(k, body, "nonce", "a string", _str),
+            _field(k, body, "digest", "a string or nil", _str_or_none, optional=True),
+            _field(k, body, "latest", "an int >= 0 or nil", _count_or_none, optional=True),
+        )
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,7 @@ from ..rwlock import ReadWriteLock
 from ..session.follower import Follower, Owner, Settings
 from ..session.relay import Relay
 from ..session.upstreams import Resolver, Upstreams
-from ..stats import ApplyStats
+from ..stats import ApplyStats, LagWaits
 from ..strategy.factory import make_receiver
 from ..strategy.hooks import StrategyHooks
 from .controlled import ControlledFollower
@@ -151,6 +152,8 @@ class Receiver(ControlCalls):
         self._notifying: set[asyncio.Task[None]] = set()  # wake-ups after the task ended, kept until done
         self._failure: BaseException | None = None
         self._closing: asyncio.Task[None] | None = None  # ``close``, once called: from then on not healthy, waits fail
+        self._asking: asyncio.Future[None] | None = None  # readers' question for the latest version, while one is out
+        self.lag_waits = LagWaits()  # reading(max_lag=...)'s waits
         self._names = None if name_mapping is None else NameMapping(name_mapping, state_tensors(model))
         self.limits = limits or Limits.for_model(state_tensors(self._state()))
         # -- the session loop (receiver/session/follower.py) and the control state it asks (see pause / sleep / update_weights)
@@ -164,6 +167,8 @@ class Receiver(ControlCalls):
             self._upstreams, self._lifecycle, owner,
         )
         self.strategy = make_receiver(self.config, self._strategy_hooks(caller, wrap_write))
+        if self.relay is not None:  # its receivers hear the trainer's latest, not only the relay's own version
+            self.relay.server.upstream_latest = lambda: self._follower.latest.version
         controlled = ControlledFollower(self._follower, owner, model, lambda: self.healthy)
         self._controller = Controller(self._lifecycle, controlled, identity=self.identity, writes_wrapped=wrap_write is not None)
         self.metrics = ReceiverMetrics(self._metric_state)  # after both: registering it reads their state
@@ -246,9 +251,91 @@ class Receiver(ControlCalls):
         """The last ``stats_history`` versions' ``ApplyStats``, by version, oldest first."""
         return self._follower.stats
 
-    def reading(self) -> AbstractAsyncContextManager[None]:
-        """Hold the model still: no version is committed while inside."""
-        return self.lock.reading()
+    def reading(
+        self, max_lag: int | None = None, *, timeout: float | None = 60.0, max_age: float | None = None,
+    ) -> AbstractAsyncContextManager[int | None]:
+        """Hold the model still: no version is committed while inside. Yields the version
+        held (None while it holds none): the tag of whatever is generated inside.
+
+        ``max_lag=k`` bounds staleness: the weights held are at most ``k`` versions behind
+        the trainer's latest (``latest_version``; through relays, the trainer's, not the
+        relay's). Further behind, it waits, outside the lock so that commits go on, until
+        they are not, for at most ``timeout`` seconds (``WeightSyncTimeout``). The latest is
+        what the upstream last said (its heartbeats, each version received); knowledge older
+        than ``max_age`` seconds (default: two heartbeat intervals; older after this process
+        was stopped or its event loop blocked) is asked for afresh first, one question for
+        all readers asking at once; while disconnected, it waits for the session to return.
+
+        Concurrency: any number of readers at once, each its own bound; a commit waits for
+        the readers inside, and readers arriving meanwhile wait for it (``ReadWriteLock``).
+        """
+        if max_lag is None:
+            return self._reading()
+        if type(max_lag) is not int or max_lag < 0:
+            raise ConfigError(f"max_lag must be an int >= 0 (versions), got {max_lag!r}")
+        return self._reading_bounded(max_lag, timeout, 2 * self.heartbeat_interval if max_age is None else max_age)
+
+    @property
+    def latest_version(self) -> int | None:
+        """The trainer's newest version as last heard (None: none heard yet); see ``reading``."""
+        return self._follower.latest.version
+
+    @contextlib.asynccontextmanager
+    async def _reading(self) -> AsyncIterator[int | None]:
+        async with self.lock.reading():
+            yield self.version
+
+    @contextlib.asynccontextmanager
+    async def _reading_bounded(self, max_lag: int, timeout: float | None, max_age: float) -> AsyncIterator[int | None]:
+        latest = self._follower.latest
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - loop.time())
+
+        def fresh_enough() -> bool:
+            current, held = latest.version, self.version
+            return held is not None and latest.age() <= max_age and (current is None or held >= current - max_lag)
+
+        began: tuple[float, int | None, int | None] | None = None  # a wait's start: when, the version held, the latest
+        while True:
+            if latest.age() > max_age:
+                await self._ask_latest(left(), max_age)
+            async with self.lock.reading():
+                if fresh_enough():
+                    if began is not None:
+                        self.lag_waits.waited(began[1], began[2], loop.time() - began[0])
+                    yield self.version
+                    return
+                if began is None:
+                    began = loop.time(), self.version, latest.version
+            if deadline is not None and loop.time() >= deadline:
+                self.lag_waits.waited(began[1], began[2], loop.time() - began[0], timed_out=True)
+                raise WeightSyncTimeout(
+                    f"receiver {self.identity} holds v{self.version}, more than max_lag={max_lag} versions behind the trainer's "
+                    f"v{latest.version} (heard {latest.age():.3g}s ago), after {timeout:.3g}s"
+                )
+            # outside the lock: a commit may bring it within the bound; the latest is re-checked as it ages
+            with contextlib.suppress(WeightSyncTimeout):
+                step = max_age if deadline is None else min(max_age, left() or 0.0)
+                await self._wait(lambda: fresh_enough() or latest.age() > max_age, step, what="weights within max_lag")
+
+    async def _ask_latest(self, timeout: float | None, max_age: float) -> None:
+        """Ask the upstream for the latest version (one question at a time for all readers),
+        after waiting, within ``timeout``, for a session; a question that fails leaves the
+        latest as it was (the caller's bound decides)."""
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._ask_once(timeout if timeout is None else min(timeout, self.peer_timeout)))
+            self._asking.add_done_callback(lambda f: f.cancelled() or f.exception())  # each reader raises what it sees
+        with contextlib.suppress(WeightSyncError):
+            await asyncio.wait_for(asyncio.shield(self._asking), timeout)
+
+    async def _ask_once(self, timeout: float | None) -> None:
+        await self._wait(lambda: self.connected and self._follower.link is not None, timeout, what="a session with the upstream")
+        link = self._follower.link
+        if link is not None:
+            await link.ask(self.version, False, timeout)
 
     def on_update(self, hook: Callable[[int | None], Any]) -> None:
         """Call ``hook(version)`` after each version is committed (async hooks are awaited)."""
@@ -308,6 +395,8 @@ class Receiver(ControlCalls):
             "relay_endpoint": self.relay_endpoint,
             "relay_receivers": None if self.relay is None else len(self.relay.server.receivers),
             "version": self.version,
+            "latest_version": self.latest_version,
+            "lag_waits": self.lag_waits.count,
             "pending_version": self.pending_version,
             "is_paused": self._lifecycle.paused,
             "asleep": sorted(self._lifecycle.asleep),
@@ -325,10 +414,8 @@ class Receiver(ControlCalls):
 
     def _metric_state(self) -> ReceiverState:
         state = self._lifecycle
-        link = self._follower.link
-        sender_version = None if link is None else link.sender_version
         return ReceiverState(
-            self.version, self.pending_version, state.paused, self.connected, frozenset(state.asleep), self.reconnects, sender_version
+            self.version, self.pending_version, state.paused, self.connected, frozenset(state.asleep), self.reconnects, self.latest_version
         )
 
     async def __aenter__(self) -> Receiver:

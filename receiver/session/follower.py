@@ -35,7 +35,7 @@ from protocol.state import StateLike, state_tensors
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, peek_type
 from protocol.wire.limits import Limits
-from protocol.wire.messages import Ack, ErrorReport, Nack
+from protocol.wire.messages import BEHIND, Ack, ErrorReport, Nack
 
 from ..apply.digest import digest_of
 from ..lifecycle import ControlState
@@ -46,6 +46,7 @@ from ..stats import ApplyStats
 from ..strategy.base import ReceiverBase
 from ..strategy.pending import PendingVersion
 from .incoming import WHOLE_MODEL, Incoming, model_bytes
+from .lag import LagWatch, Latest
 from .relay import Relay
 from .session import Foreign, Leave, Reconnect, Session
 from .upstreams import Upstreams
@@ -116,6 +117,11 @@ class Follower:
         self.in_session = False
         self.handshaking = False
         self.last_bootstrap: ApplyStats | None = None
+        # the trainer's latest version as heard (``Receiver.reading(max_lag=...)``), and when to ask for one never received
+        self.latest = Latest(settings.heartbeat_interval)
+        self.lag = LagWatch(settings.heartbeat_interval, settings.peer_timeout)
+        self._receiving = False  # a version's messages are arriving, or it is being decoded
+        self._awaiting_resync = False  # a NACK was sent: the resync it asked for is coming
 
     @property
     def version(self) -> int | None:
@@ -165,9 +171,11 @@ class Follower:
         s = self.settings
         self.in_session = self.handshaking = True
         # From here on, leave_session can end this session.
+        self.latest.reset()  # another upstream, or a restarted one, may number its versions anew
         link = self.link = Session(
             s.identity, heartbeat=lambda: (self.version, self._below()),
             heartbeat_interval=s.heartbeat_interval, peer_timeout=s.peer_timeout,
+            latest=self.latest, news=self._owner.notify, tick=self._tick,
         )
         goodbye: Message | None = None
         try:
@@ -272,6 +280,7 @@ class Follower:
             await incoming.close()
         self.connected = True
         self.handshakes += 1
+        self.latest.saw(version)
         boot = strategy.last_stats
         strategy.last_stats = None
         self.last_bootstrap = boot if boot is not None and boot.kind == "bootstrap" else None
@@ -288,12 +297,13 @@ class Follower:
     async def _follow(self, link: Session) -> None:
         identity, owner = self.settings.identity, self._owner
         strategy = owner.strategy()
-        awaiting_resync = False
+        self._awaiting_resync = False
         last_type: list[MessageType | None] = [None]
         incoming: list[Incoming] = []  # a whole model arriving (a resync, a bucket version): its progress
 
         async def seen(*_: Any) -> Sequence[Buffer]:  # remembers what kind of message was rejected
             frames = await link.recv()
+            self._receiving = True
             kind = last_type[0] = peek_type(frames)
             if kind in WHOLE_MODEL or incoming:
                 if not incoming:
@@ -305,6 +315,7 @@ class Follower:
 
         async def gate(pending: PendingVersion) -> None:
             self.pending_version = pending.version
+            self.latest.saw(pending.version)
             await owner.notify()
             await owner.wait(lambda: self.lifecycle.may_commit(pending.version, self.version), None, fail=False)  # paused: wait here, staged
             if self.lifecycle.leaving:
@@ -329,14 +340,15 @@ class Follower:
                     continue
                 # One NACK per incident: the sender resyncs once, and what it had in flight
                 # is rejected meanwhile. A rejected resync itself is a new incident.
-                if not awaiting_resync or last_type[0] is MessageType.BOOTSTRAP:
+                if not self._awaiting_resync or last_type[0] is MessageType.BOOTSTRAP:
                     log.warning("receiver %s rejected an update at v%s: %s", identity, self.version, e)
                     self.nack(type(e).__name__, str(e))
-                    awaiting_resync = True
+                    self._awaiting_resync = True
                 continue
             finally:
                 self.pending_version = None
-            awaiting_resync = False
+                self._receiving = False
+            self._awaiting_resync = False
             self._record(pending.stats)
             await self._publish(pending.version, link)
             # Published: its staged changes (an index and a value each, decoded here) go now,
@@ -345,6 +357,20 @@ class Follower:
             # receive reuses; freed now, it goes back to the OS and that receive faults it in
             # afresh (docs/performance.md, *The memory pass's next sync*).
             pending.updates = [u for u in pending.updates if u.flat is None]
+
+    def _tick(self, now: float) -> None:
+        """Every heartbeat: a receiver that heard of a version it never received asks for what
+        follows its own (``LagWatch``), rather than wait for the next version to show the gap."""
+        link = self.link
+        if link is None or self.handshaking:
+            return
+        quiet = now - link.data_at
+        busy = self.pending_version is not None or self._awaiting_resync or (self._receiving and quiet < self.settings.peer_timeout)
+        if self.lag.due(now, link.sender_version, self.version, busy=busy, quiet=quiet):
+            log.warning("receiver %s is at v%s, its upstream at v%s, and nothing arrived for %.1fs: asking for what follows",
+                        self.settings.identity, self.version, link.sender_version, quiet,
+                        extra={"receiver": self.settings.identity, "version": self.version, "upstream_version": link.sender_version})
+            self.nack(BEHIND, f"at v{self.version}; the upstream named v{link.sender_version}")
 
     def _below(self) -> Ack:
         """A relay tells its parent about the receivers below it (see ``Sender.wait_acked(tree=True)``)."""
@@ -360,6 +386,7 @@ class Follower:
 
     async def _publish(self, version: int | None, link: Session) -> None:
         """``version`` is committed (the strategy holds it): tell the sender, the hooks and the waiters."""
+        self.latest.saw(version)
         link.try_send(self._below().to_message(version))
         for hook in self.hooks:
             try:

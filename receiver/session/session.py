@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import zmq.asyncio
 
@@ -31,12 +31,15 @@ from protocol.net.sockets import DealerSocket
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type
 from protocol.wire.limits import Limits
-from protocol.wire.messages import Ack, DigestReply, DigestRequest, ErrorReport
+from protocol.wire.messages import Ack, Beat, DigestReply, DigestRequest, ErrorReport
+
+from .lag import Latest
 
 log = logging.getLogger(__name__)
 
 _EARLIER_CONNECTION = frozenset({MessageType.PATCH, MessageType.BUCKET, MessageType.BOOTSTRAP})
 Heartbeat = Callable[[], tuple["int | None", Ack]]  # the applied version, and what a relay reports below it
+DATA_BPS = 4096  # bytes a second that heartbeats alone never reach: more is a message arriving
 
 
 class Reconnect(Exception):
@@ -55,9 +58,11 @@ class Leave(Exception):
 class Session:
     """``identity``'s connection to one upstream, from ``open`` to ``close``.
 
-    ``heartbeat()`` is asked, every ``heartbeat_interval``, what the heartbeat says;
-    silence from the upstream for ``peer_timeout`` (judged only on ticks the event loop
-    was not stalled for) ends the session with ``Reconnect``. Silence is no message and,
+    ``heartbeat()`` is asked, every ``heartbeat_interval``, what the heartbeat says, and
+    ``tick(now)`` is called after it is sent; silence from the upstream for ``peer_timeout``
+    (judged only on ticks the event loop was not stalled for) ends the session with
+    ``Reconnect``. What the upstream says of the trainer's latest version (its heartbeats,
+    its answers) goes to ``latest``, and ``news()`` is awaited when that is a newer version. Silence is no message and,
     over TCP on Linux, no byte either: a message larger than the link carries in
     ``peer_timeout`` is still arriving, and the heartbeats queue behind it. Created before
     ``open`` so that ``leave`` works while the receiver still prepares its HELLO.
@@ -73,16 +78,22 @@ class Session:
         heartbeat: Heartbeat,
         heartbeat_interval: float,
         peer_timeout: float,
+        latest: Latest | None = None,
+        news: Callable[[], Awaitable[None]] | None = None,
+        tick: Callable[[float], None] | None = None,
     ) -> None:
         self.identity = identity
         self.endpoint: str | None = None
         self._heartbeat, self.heartbeat_interval, self.peer_timeout = heartbeat, heartbeat_interval, peer_timeout
+        self.latest = latest if latest is not None else Latest(heartbeat_interval)
+        self._news, self._tick = news, tick
         self._inbox: asyncio.Queue[Sequence[Buffer] | BaseException] = asyncio.Queue()
         self._socket: DealerSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._queries: dict[str, asyncio.Future[tuple[int | None, str | None]]] = {}
+        self._queries: dict[str, tuple[asyncio.Future[tuple[int | None, str | None]], float]] = {}
         self._last_seen = time.monotonic()
-        self.sender_version: int | None = None  # the version the sender's last heartbeat named
+        self.data_at = self._last_seen  # when a message other than a heartbeat last arrived (or its bytes did)
+        self.sender_version: int | None = None  # the version the upstream's last heartbeat named (its own)
 
     @property
     def is_open(self) -> bool:
@@ -135,7 +146,7 @@ class Session:
         sock = self._open_socket()
         nonce = uuid.uuid4().hex
         reply: asyncio.Future[tuple[int | None, str | None]] = asyncio.get_running_loop().create_future()
-        self._queries[nonce] = reply
+        self._queries[nonce] = reply, time.monotonic()
         try:
             sock.try_send(encode_message(DigestRequest(nonce, digest=digest).to_message(version)))
             try:
@@ -153,7 +164,7 @@ class Session:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for reply in self._queries.values():
+        for reply, _ in self._queries.values():
             if not reply.done():
                 reply.set_exception(WeightSyncError("the session with the sender ended before it answered"))
         if self._socket is not None:
@@ -180,15 +191,20 @@ class Session:
             except LimitError as e:  # drained, nothing kept: reject it like any bad message
                 inbox.put_nowait(e)
                 continue
-            self._last_seen = time.monotonic()
+            now = self._last_seen = time.monotonic()
             kind = peek_type(frames)
             if kind is MessageType.HEARTBEAT:
-                with contextlib.suppress(WeightSyncError):  # only a figure for metrics: a bad one is skipped
-                    self.sender_version = decode_message(frames).version
+                with contextlib.suppress(WeightSyncError):  # a bad one is skipped: the next says the same
+                    beat = decode_message(frames)
+                    self.sender_version = beat.version
+                    if self.latest.beat(_newest(beat.version, Beat.from_body(beat.body).latest), now) and self._news is not None:
+                        await self._news()
                 continue
             if kind is MessageType.DIGEST:
-                self._answer(frames)
+                if self._answer(frames) and self._news is not None:
+                    await self._news()
                 continue
+            self.data_at = now
             if not welcomed and kind in _EARLIER_CONNECTION:
                 # Sent to this identity before the sender saw our HELLO (a previous
                 # connection's patch still on its way): this session starts at WELCOME.
@@ -206,22 +222,35 @@ class Session:
             version, below = self._heartbeat()
             sock.try_send(encode_message(Message(MessageType.HEARTBEAT, version=version, body=below.to_body())))
             if (count := sock.bytes_received()) is not None and count != received:  # bytes arrived since the last tick
+                if received is not None and count - received > DATA_BPS * self.heartbeat_interval:
+                    self.data_at = now
                 received, self._last_seen = count, max(self._last_seen, now - self.heartbeat_interval)
+            if self._tick is not None:
+                self._tick(now)
             silent = now - self._last_seen
             if silent > self.peer_timeout and not stalled:
                 self._inbox.put_nowait(Reconnect(f"no message from the sender for {silent:.1f}s"))
 
-    def _answer(self, frames: Sequence[Buffer]) -> None:
-        """A DIGEST reply: resolves the ``ask`` waiting for its nonce."""
+    def _answer(self, frames: Sequence[Buffer]) -> bool:
+        """A DIGEST reply: resolves the ``ask`` waiting for its nonce; True if it named a
+        newer latest version."""
         try:
             msg = decode_message(frames)
             answer = DigestReply.from_body(msg.body)
         except WeightSyncError as e:
             log.warning("receiver %s: dropping a bad DIGEST reply: %s", self.identity, e)
-            return
-        reply = self._queries.get(answer.nonce)
-        if reply is not None and not reply.done():
+            return False
+        query = self._queries.get(answer.nonce)
+        if query is None:
+            return False
+        reply, asked_at = query
+        if not reply.done():
             reply.set_result((msg.version, answer.digest))
+        return self.latest.answered(_newest(msg.version, answer.latest), asked_at)
+
+
+def _newest(a: int | None, b: int | None) -> int | None:
+    return a if b is None else b if a is None else max(a, b)
 
 
 def _ending(frames: Sequence[Buffer]) -> Reconnect | None:

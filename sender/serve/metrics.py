@@ -29,6 +29,7 @@ from protocol.net.http import bearer_auth, check_token, parse_address, serve
 from protocol.net.server import VersionServer
 
 from ..stats import SyncStats
+from .lag import LagBound
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Observed(Protocol):
     """What the metrics read of a ``Sender`` at scrape time."""
 
     server: VersionServer
+    lag: LagBound
 
     @property
     def failure(self) -> BaseException | None: ...
@@ -160,6 +162,16 @@ class _Collector(Collector):
         yield CounterMetricFamily("weightsync_sender_handshakes_refused", "CURVE handshakes refused (key not allowed)", server.rejected_handshakes)
         yield CounterMetricFamily("weightsync_sender_bytes_queued", "Bytes queued for receivers (every receiver's copy)", server.bytes_sent)
         yield GaugeMetricFamily("weightsync_sender_encode_backlog_bytes", "Collected bytes waiting for the encoder now", sender.encode_backlog_bytes)
+        bound, counts = sender.lag, sender.lag.counts
+        policy = GaugeMetricFamily("weightsync_sender_lag_policy", "The staleness bound: max_lag (-1: none), by lag_policy", labels=["policy"])
+        policy.add_metric([bound.policy], -1 if bound.max_lag is None else bound.max_lag)
+        yield policy
+        yield CounterMetricFamily("weightsync_sender_lag_waits", "Syncs that waited for receivers beyond max_lag", counts.waits)
+        yield CounterMetricFamily("weightsync_sender_lag_wait_seconds", "Seconds syncs waited for receivers beyond max_lag", counts.wait_seconds)
+        yield CounterMetricFamily("weightsync_sender_lag_timeouts", "Waits for receivers beyond max_lag that ran out", counts.timeouts)
+        yield CounterMetricFamily("weightsync_sender_lag_drops", "Receivers beyond max_lag left behind, to be resynced", counts.drops)
+        yield CounterMetricFamily("weightsync_sender_lag_over", "Receivers found beyond max_lag at a sync, any policy", counts.over)
+        yield CounterMetricFamily("weightsync_sender_behind_asks", "Receivers' asks for versions they never received, acted on", server.counts.behind)
         phases = GaugeMetricFamily("weightsync_sender_version_phase_seconds", "A recent version's phase times", labels=["version", "phase"])
         sizes = GaugeMetricFamily(
             "weightsync_sender_version_bytes", "A recent version's bytes on the wire and as a full copy", labels=["version", "kind"]

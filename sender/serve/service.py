@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, WeightSyncError
+from protocol.net.peers import Peer
 from protocol.net.security import CurveServer
 from protocol.net.server import VersionServer
 from protocol.state import StateLike, resolve_state, state_tensors
@@ -33,6 +34,7 @@ from ..plan import SyncPlan
 from ..stats import SyncStats
 from ..streams import Mark
 from .feed import VersionFeed
+from .lag import LagBound
 from .metrics import MetricsServer, SenderMetrics
 from .shard_source import ShardedSource
 from .source import TrainerSource
@@ -51,6 +53,14 @@ class Sender:
     ``rejected_handshakes``. Without it, binding beyond loopback is a ``ConfigError``
     unless ``insecure_plaintext``. ``limits`` bounds what receivers may send (default:
     derived from the model at ``start``).
+
+    ``max_lag`` and ``lag_policy`` bound staleness from the trainer's side
+    (``sender/serve/lag.py``): before version ``v`` is built, ``"wait"`` waits up to
+    ``lag_timeout`` seconds for every connected receiver (and every one below a relay) to
+    have applied ``v - max_lag``, then raises a ``LagTimeoutError`` naming those still behind;
+    ``"drop"`` goes on and resyncs them to the newest version when they have room; ``"off"``
+    (the default) only counts them. ``SyncStats.lag_wait_seconds`` and ``lag_dropped``, the
+    metrics and ``python -m sender status`` report it.
 
     A receiver that NACKs its resyncs one after another is resynced later each time
     (``resync_backoff``: first and largest delay, doubling) and, after ``max_resyncs`` in a
@@ -85,6 +95,9 @@ class Sender:
         max_resyncs: int = 8,
         metrics_address: str | None = None,
         metrics_token: str | None = None,
+        max_lag: int | None = None,
+        lag_policy: str = "off",
+        lag_timeout: float = 60.0,
     ) -> None:
         self.server = VersionServer(
             endpoint, ring_size=ring_size, ring_bytes=ring_bytes, max_inflight=max_inflight, heartbeat_interval=heartbeat_interval,
@@ -92,6 +105,7 @@ class Sender:
             resync_backoff=resync_backoff, max_resyncs=max_resyncs,
         )
         self._limits = limits
+        self.lag = LagBound(max_lag, lag_policy, lag_timeout)  # checked before anything starts
         self.config = load_config(config)
         self.strategy = self.config.type
         self._trainable_keys = None if trainable_keys is None else list(trainable_keys)
@@ -166,6 +180,7 @@ class Sender:
         # The trainer's step is queued on this thread's current streams (a side stream, maybe):
         # the model is read after it, on whatever thread and stream the build reads it.
         after = Mark.now(tensors.values())
+        waited, late = await self._bound_lag(version)
         async with self.server.lock:
             # Checked under the lock: of two syncs racing, the one that waited for the other
             # sees its version, and a stale one (sync(5) after sync(6)) is refused here; so
@@ -180,6 +195,7 @@ class Sender:
                 raise
             self.server.moved(version)
             self._feed.settle(True)
+            stats.lag_wait_seconds, stats.lag_dropped = waited, self.lag.leave(self.server, version, late)
         if not self._feed.reports(version):
             self._synced(stats)
         self.stats[version] = stats
@@ -214,6 +230,7 @@ class Sender:
         if source is None:
             raise ConfigError("publish() is for a sender started with sharded=True (ShardedSync); call sync()")
         stats = SyncStats(version, self.strategy) if stats is None else stats
+        stats.lag_wait_seconds, late = await self._bound_lag(version)
         async with self.server.lock:
             self._check_open()
             check_next_version(self.version, version)
@@ -247,11 +264,21 @@ class Sender:
             else:
                 self.server.forget()  # no patch: every receiver behind is resynced
             self.server.moved(version)
+            stats.lag_dropped = self.lag.leave(self.server, version, late)
         self._synced(stats)
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
         return stats
+
+    async def _bound_lag(self, version: int) -> tuple[float, list[Peer]]:
+        """The staleness bound ahead of ``version`` (``sender/serve/lag.py``), outside the
+        server's lock (receivers joining meanwhile are admitted): the seconds it waited, and
+        the receivers to leave behind once ``version`` is published (``LagBound.leave``)."""
+        check_next_version(self.version, version)  # a stale version fails before it waits
+        started = time.perf_counter()
+        late = await self.lag.before(self.server, version)
+        return time.perf_counter() - started, late
 
     def _synced(self, stats: SyncStats) -> None:
         """A version is built and published: counted in the metrics, and logged with its figures."""

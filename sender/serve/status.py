@@ -4,7 +4,8 @@
     python -m sender status --metrics http://127.0.0.1:9400 [--token T] [--json]
 
 Prints each connected receiver (acknowledged and sent version, lag in versions and seconds,
-credits in flight, ACK age) and the sender's last versions with their phase times and bytes;
+credits in flight, ACK age), the staleness bound's waits and drops (``Sender(max_lag=...)``)
+and the sender's last versions with their phase times and bytes;
 ``--json`` prints the same as one object for scripts. ``--metrics`` is the endpoint's base URL
 or its ``/metrics`` URL (the one the sender logs). Exits 1 when the endpoint cannot be read or
 is not a weightsync sender's metrics (a receiver's control port, another exporter).
@@ -67,6 +68,7 @@ def status_of(text: str) -> dict[str, Any]:
     receivers: dict[str, dict[str, Any]] = {}
     versions: dict[int, dict[str, Any]] = {}
     single: dict[str, float] = {}
+    policy: tuple[str, float] = ("off", -1.0)  # a sender of before the staleness bound serves none
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if "receiver" in s.labels:
@@ -77,13 +79,18 @@ def status_of(text: str) -> dict[str, Any]:
                 versions.setdefault(int(s.labels["version"]), {})[f"{s.labels['phase']}_s"] = s.value
             elif s.name == "weightsync_sender_version_bytes":
                 versions.setdefault(int(s.labels["version"]), {})[f"{s.labels['kind']}_bytes"] = int(s.value)
+            elif s.name == "weightsync_sender_lag_policy":
+                policy = (s.labels["policy"], s.value)
             elif not s.labels:
                 single[s.name] = s.value
     version = single.get("weightsync_sender_version", -1)
+    lag = {k: _number(single.get(f"weightsync_sender_lag_{k}_total", 0)) for k in ("waits", "wait_seconds", "timeouts", "drops", "over")}
     return {
         "version": None if version < 0 else int(version),
         "receivers_connected": int(single.get("weightsync_sender_receivers_connected", 0)),
         "resyncs": int(single.get("weightsync_sender_resyncs_total", 0)),
+        "lag": {"policy": policy[0], "max_lag": None if policy[1] < 0 else int(policy[1]), **lag},
+        "behind_asks": int(single.get("weightsync_sender_behind_asks_total", 0)),
         "receivers": dict(sorted(receivers.items())),
         "versions": [{"version": v, **fields} for v, fields in sorted(versions.items())],
     }
@@ -96,6 +103,10 @@ def _number(x: float) -> int | float:
 def table(status: dict[str, Any]) -> str:
     """The status as text tables."""
     lines = [f"sender at v{status['version']}, {status['receivers_connected']} receivers connected, {status['resyncs']} resyncs"]
+    lag = status["lag"]
+    if lag["max_lag"] is not None:
+        lines.append(f"staleness bound: max_lag {lag['max_lag']}, policy {lag['policy']}: {lag['waits']} waits ({lag['wait_seconds']:.1f}s), "
+                     f"{lag['timeouts']} timed out, {lag['drops']} receivers dropped, {lag['over']} found beyond it")
     header: tuple[str, ...] = ("receiver", "acked", "sent", "lag", "lag s", "in flight", "last ACK s")
     rows: list[tuple[str, ...]] = [
         (name, _v(r.get("acked")), _v(r.get("sent")), str(r.get("lag_versions", "")), f"{r.get('lag_seconds', 0):.1f}",

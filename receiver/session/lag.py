@@ -1,0 +1,97 @@
+"""How far behind the trainer this receiver is: the latest version as heard, and when to ask.
+
+The trainer's latest version reaches a receiver through the protocol itself: every
+heartbeat of its upstream names the upstream's version and, from a relay, the trainer's
+(``messages.Beat``); an answer to a DIGEST_REQUEST says the same; each version this
+receiver receives is one too. ``Latest`` keeps the newest of these and how fresh that
+knowledge is, for ``Receiver.reading(max_lag=...)``; ``LagWatch`` decides when a receiver
+that heard of a version it never received asks for it (NACK ``BEHIND``) instead of waiting
+for the next version to expose the gap.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+class Latest:
+    """The newest version the trainer has published, as this receiver last heard, and when.
+
+    Versions only grow within one upstream lineage; ``reset`` starts over (a new session:
+    a restarted trainer may number from lower). Heard from a heartbeat, the knowledge is
+    current only if that heartbeat came at the heartbeats' pace: heartbeats that queued up
+    while this process was stopped or its event loop blocked arrive in a burst, and the
+    newest of them may be older than the interval suggests, so a beat that comes sooner
+    than half an interval after the one before, or later than two, refreshes the version
+    but not its age (the reader that needs it current asks). An answer to a question is
+    current as of when the question was asked.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.version: int | None = None
+        self.current_at = -math.inf  # monotonic time as of which ``version`` is known to be the latest
+        self._beat_at = -math.inf  # arrival of the last heartbeat
+
+    def reset(self) -> None:
+        self.version, self.current_at, self._beat_at = None, -math.inf, -math.inf
+
+    def saw(self, version: int | None) -> bool:
+        """A version exists (received, applied, or named by the upstream); True if it is news."""
+        if version is None or (self.version is not None and version <= self.version):
+            return False
+        self.version = version
+        return True
+
+    def beat(self, version: int | None, now: float | None = None) -> bool:
+        """A heartbeat said ``version`` is the latest; True if it is news."""
+        now = time.monotonic() if now is None else now
+        gap, self._beat_at = now - self._beat_at, now
+        if self.interval / 2 <= gap <= 2 * self.interval:
+            self.current_at = now
+        return self.saw(version)
+
+    def answered(self, version: int | None, asked_at: float) -> bool:
+        """An answer to a question asked at ``asked_at`` said ``version`` is the latest."""
+        self.current_at = max(self.current_at, asked_at)
+        return self.saw(version)
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since ``version`` was last known to be the latest (inf: never)."""
+        return (time.monotonic() if now is None else now) - self.current_at
+
+
+class LagWatch:
+    """When a receiver behind its upstream asks again for what follows its version.
+
+    Asked on every heartbeat tick. A receiver is behind when its upstream's version is
+    newer than the one it holds while it receives, stages and applies nothing. A heartbeat
+    can overtake the version it names, and a version on its way shows as data arriving, so
+    it asks only once it has been behind, with no data arriving, for ``2 * interval``. It
+    asks again, if still behind, after twice as long each time, up to ``cap`` seconds.
+    """
+
+    def __init__(self, interval: float, cap: float) -> None:
+        self.interval, self.cap = interval, max(cap, 2 * interval)
+        self.asks = 0  # asks sent, for the receiver's life
+        self._since: float | None = None  # when it was first seen behind (None: it is not)
+        self._next: float | None = None  # when the next ask is due while behind
+        self._delay = 2 * interval
+
+    def due(self, now: float, upstream: int | None, applied: int | None, *, busy: bool, quiet: float) -> bool:
+        """Whether to ask now: ``upstream`` is the upstream's version, ``applied`` this
+        receiver's, ``busy`` a version in hand (received, staged or being applied), ``quiet``
+        seconds since data last arrived."""
+        if upstream is None or applied is None or upstream <= applied or busy:
+            self._since, self._next, self._delay = None, None, 2 * self.interval
+            return False
+        if self._since is None:
+            self._since = now
+        wait = 2 * self.interval
+        if quiet < wait or now - self._since < wait or (self._next is not None and now < self._next):
+            return False
+        self._next = now + self._delay
+        self._delay = min(2 * self._delay, self.cap)
+        self.asks += 1
+        return True

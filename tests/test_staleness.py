@@ -1,0 +1,319 @@
+"""Bounded staleness in the library: the rollout's bound (``Receiver.reading(max_lag=...)``),
+the trainer's (``Sender(max_lag=..., lag_policy=...)``), the trainer's latest version heard
+through relays, and a version never received asked for at once (NACK ``BEHIND``).
+
+Real senders, receivers and relays over TCP loopback, a real AdamW step a version (the
+tiny transformer of ``daemon_helpers``); lost messages through the impairing proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from daemon_helpers import CONFIGS, DAEMON_KW, HEARTBEAT, PEER_TIMEOUT, T, Trainer, assert_matches, receiver_model, wait_until
+from proxy import Proxy, Tamper, Wire
+
+from protocol.errors import ConfigError, LagTimeoutError, ProtocolError, WeightSyncTimeout
+from protocol.wire.framing import MessageType
+from protocol.wire.messages import Beat, DigestReply
+from receiver import Receiver
+from receiver.session.lag import LagWatch, Latest
+from sender import Sender
+from sender.serve.status import status_of
+
+
+@dataclass
+class Rig:
+    trainer: Trainer
+    sender: Sender
+    mode: str
+    receivers: list[Receiver]
+
+    async def receiver(self, identity: str, endpoint: str | None = None, **kw: Any) -> Receiver:
+        r = Receiver(receiver_model(), endpoint or self.sender.endpoint, CONFIGS[self.mode], identity=identity, **{**DAEMON_KW, **kw})
+        self.receivers.append(r)
+        await r.start(timeout=T)
+        if endpoint is None:  # the sender has its ACK: the next sync does not find it behind by chance
+            await self.acked(self.trainer.version, identity)
+        return r
+
+    async def step(self, *acked: str) -> int:
+        """A version; with ``acked``, once those receivers' ACKs of it reached the sender."""
+        version = await self.trainer.step_and_sync(self.sender)
+        await self.acked(version, *acked)
+        return version
+
+    async def acked(self, version: int, *names: str) -> None:
+        await wait_until(lambda: all(self.sender.receivers.get(n, {}).get("acked") == version for n in names))
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    made: list[Rig] = []
+
+    async def make(mode: str = "patch", **sender_kw: Any) -> Rig:
+        trainer = Trainer()
+        sender = Sender("tcp://127.0.0.1:0", CONFIGS[mode], **{**DAEMON_KW, **sender_kw})
+        await sender.start(trainer.model, version=trainer.version)
+        made.append(Rig(trainer, sender, mode, []))
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for r in made:
+        for receiver in reversed(r.receivers):
+            await receiver.close()
+        await r.sender.close()
+
+
+# -- the knowledge of the latest version, and when to ask (no sockets) -------------------------
+def test_latest_counts_heartbeats_current_only_at_their_pace() -> None:
+    latest = Latest(0.1)
+    assert latest.version is None and latest.age(0.0) == math.inf
+    assert latest.beat(3, now=10.0)  # the first heartbeat of a session: news, not yet current
+    assert latest.age(10.0) == math.inf
+    assert not latest.beat(3, now=10.1) and latest.age(10.1) == pytest.approx(0.0)  # at the pace: current
+    assert latest.beat(5, now=30.0) and latest.age(30.0) == pytest.approx(19.9)  # after a silence (a frozen process)
+    assert not latest.beat(4, now=30.001)  # a burst of queued heartbeats: never older versions, never current
+    assert latest.version == 5 and latest.age(30.001) == pytest.approx(19.901)
+    assert not latest.answered(5, asked_at=30.0) and latest.age(30.002) == pytest.approx(0.002)  # an answer: current when asked
+    latest.reset()
+    assert latest.version is None and latest.saw(2) and not latest.saw(1)
+
+
+def test_lag_watch_asks_once_behind_and_quiet_then_backs_off_to_its_cap() -> None:
+    w = LagWatch(0.1, cap=0.5)
+    ticks = [round(0.1 * i, 1) for i in range(60)]
+    asked = [t for t in ticks if w.due(t, upstream=5, applied=4, busy=False, quiet=10.0)]
+    assert asked[0] == pytest.approx(0.2)  # behind for two intervals first: a heartbeat may overtake its version
+    gaps = [round(b - a, 1) for a, b in itertools.pairwise(asked)]
+    assert gaps[:3] == [0.2, 0.4, 0.5] and set(gaps[3:]) == {0.5}  # doubling, capped
+    assert w.asks == len(asked)
+    w = LagWatch(0.1, cap=0.5)
+    assert not any(w.due(t, 5, 4, busy=False, quiet=0.05) for t in ticks)  # data arriving: a version on its way
+    assert not any(w.due(t, 5, 4, busy=True, quiet=10.0) for t in ticks)  # a version in hand
+    assert not any(w.due(t, 4, 4, busy=False, quiet=10.0) for t in ticks)  # current
+    assert not any(w.due(t, 5, None, busy=False, quiet=10.0) for t in ticks)  # no version held: a resync's business
+
+
+def test_beat_and_digest_reply_bodies_and_an_older_peer() -> None:
+    assert Beat(7).to_body() == {"latest": 7} and Beat().to_body() == {}
+    assert Beat.from_body({}).latest is None and Beat.from_body({"latest": 7, "later": 1}).latest == 7
+    assert DigestReply("n", None, 9).to_body()["latest"] == 9 and "latest" not in DigestReply("n").to_body()
+    assert DigestReply.from_body({"nonce": "n", "digest": None}).latest is None  # an older server's answer
+    for bad in (-1, "7", 1.5):
+        with pytest.raises(ProtocolError, match="latest"):
+            Beat.from_body({"latest": bad})
+
+
+# -- the rollout's bound ---------------------------------------------------------------------
+async def test_reading_tags_the_version_and_max_lag_waits_outside_the_lock(rig: Any) -> None:
+    r_ = await rig()
+    r = await r_.receiver("r")
+    await r_.step()
+    await r.wait_for_version(1, timeout=T)
+    async with r.reading() as version:
+        assert version == r.version == 1
+    await r.pause()
+    for _ in range(3):
+        await r_.step()
+    await wait_until(lambda: r.latest_version == 4)
+    assert r.version == 1 and r.status()["latest_version"] == 4
+    async with r.reading(max_lag=3) as version:  # 3 behind is within 3
+        assert version == 1
+    began = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match="max_lag=1"):
+        async with r.reading(max_lag=1, timeout=0.5):
+            pass
+    assert time.monotonic() - began < 5
+
+    tags: list[int | None] = []
+
+    async def generate() -> None:
+        async with r.reading(max_lag=1, timeout=T) as tag:
+            tags.append(tag)
+            await assert_matches(r, r_.trainer, tag)  # the tag is the weights read under the same hold
+
+    reader = asyncio.create_task(generate())
+    await asyncio.sleep(0.3)
+    assert not reader.done()  # waiting outside the lock: the commits below can go on
+    await r.resume()
+    await asyncio.wait_for(reader, T)
+    assert tags and tags[0] is not None and tags[0] >= 3
+
+
+async def test_stale_knowledge_is_asked_once_for_all_readers(rig: Any) -> None:
+    r_ = await rig()
+    r = await r_.receiver("r")
+    await r_.step()
+    await r.wait_for_version(1, timeout=T)
+    link = r._follower.link
+    asks = 0
+    ask = link.ask
+
+    async def counted(*a: Any, **kw: Any) -> Any:
+        nonlocal asks
+        asks += 1
+        return await ask(*a, **kw)
+
+    link.ask = counted  # type: ignore[method-assign]
+    r._follower.latest.current_at = -math.inf  # as after SIGSTOP: what was heard is no longer known current
+
+    async def read() -> int | None:
+        async with r.reading(max_lag=0, timeout=T) as tag:
+            return tag
+
+    assert await asyncio.gather(*(read() for _ in range(8))) == [1] * 8
+    assert asks == 1
+
+
+async def test_reading_refuses_a_bad_bound(rig: Any) -> None:
+    r_ = await rig()
+    r = await r_.receiver("r")
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ConfigError, match="max_lag"):
+            r.reading(max_lag=bad)
+
+
+# -- through a relay: the trainer's latest, not the relay's ------------------------------------
+async def test_a_relays_children_hear_the_trainers_latest_and_the_sender_waits_for_them(rig: Any) -> None:
+    r_ = await rig(max_lag=1, lag_policy="wait", lag_timeout=0.6)
+    relay = await r_.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
+    assert relay.relay_endpoint is not None
+    child = await r_.receiver("child", relay.relay_endpoint)
+    await wait_until(lambda: relay.relay is not None and relay.relay.server.subtree() == (1, 0))
+    await r_.step("relay")
+    await child.wait_for_version(1, timeout=T)
+    await relay.pause()  # the relay holds v1: its own heartbeats say v1
+    await r_.step()  # v2: floor v1, held by both
+    await wait_until(lambda: child.latest_version == 2)
+    assert child.version == 1 and relay.relay is not None and relay.relay.server.version == 1
+    with pytest.raises(WeightSyncTimeout):
+        async with child.reading(max_lag=0, timeout=0.5):
+            pass
+    r_.trainer.step()
+    with pytest.raises(LagTimeoutError) as failed:  # v3 needs v2 applied everywhere
+        await r_.sender.sync(r_.trainer.model, 3)
+    assert set(failed.value.receivers) == {"relay"} and "relay at v1" in str(failed.value)
+    assert r_.sender.version == 2 and r_.sender.lag.counts.timeouts == 1
+    await relay.resume()
+    stats = await asyncio.wait_for(r_.sender.sync(r_.trainer.model, 3), T)  # the same version, now within the bound
+    assert stats.lag_wait_seconds >= 0 and stats.lag_dropped == ()
+    await child.wait_for_version(3, timeout=T)
+    await assert_matches(child, r_.trainer, 3)
+
+
+# -- the trainer's bound ---------------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    ({"lag_policy": "later"}, "lag_policy"),
+    ({"lag_policy": "wait"}, "needs a max_lag"),
+    ({"max_lag": 0, "lag_policy": "drop"}, "max_lag"),
+    ({"max_lag": True}, "max_lag"),
+    ({"max_lag": 2, "lag_timeout": 0}, "lag_timeout"),
+])
+def test_sender_refuses_a_bad_bound(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **kw)
+
+
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+async def test_wait_times_out_naming_the_receiver_then_waits_for_it(rig: Any, mode: str) -> None:
+    r_ = await rig(mode, max_lag=2, lag_policy="wait", lag_timeout=0.5)
+    slow = await r_.receiver("slow")
+    fast = await r_.receiver("fast")
+    await r_.step("slow", "fast")
+    await slow.pause()
+    await r_.step("fast")  # v2 and v3: the floor is v0, then v1
+    await r_.step("fast")
+    assert r_.sender.lag.counts.over == 0
+    r_.trainer.step()
+    with pytest.raises(LagTimeoutError) as failed:
+        await r_.sender.sync(r_.trainer.model, 4)
+    assert failed.value.receivers == {"slow": 1} and isinstance(failed.value, TimeoutError)
+    assert r_.sender.version == 3  # nothing built
+    syncing = asyncio.create_task(r_.sender.sync(r_.trainer.model, 4))
+    await asyncio.sleep(0.2)
+    assert not syncing.done()
+    await slow.resume()
+    stats = await asyncio.wait_for(syncing, T)
+    assert stats.lag_wait_seconds > 0.1
+    for r in (slow, fast):
+        await r.wait_for_version(4, timeout=T)
+        await assert_matches(r, r_.trainer, 4)
+    status = status_of(r_.sender.metrics.render()[0].decode())
+    assert status["lag"] == {"policy": "wait", "max_lag": 2, "waits": 2, "wait_seconds": pytest.approx(status["lag"]["wait_seconds"]),
+                             "timeouts": 1, "drops": 0, "over": 2}
+    assert status["lag"]["wait_seconds"] > 0.6
+
+
+async def test_drop_goes_on_and_resyncs_the_receiver_behind(rig: Any) -> None:
+    r_ = await rig(max_lag=1, lag_policy="drop")
+    slow = await r_.receiver("slow")
+    await r_.step("slow")
+    await slow.pause()
+    assert (await r_.step()) == 2  # floor v1: held
+    began = time.monotonic()
+    await r_.step()  # floor v2: slow holds v1, and is left behind
+    assert time.monotonic() - began < 5
+    assert r_.sender.stats[3].lag_dropped == ("slow",) and r_.sender.lag.counts.drops == 1
+    await slow.resume()
+    await slow.wait_for_version(3, timeout=T)
+    await assert_matches(slow, r_.trainer, 3)
+    assert int(r_.sender.receivers["slow"]["resyncs"]) >= 1  # type: ignore[call-overload]
+
+
+async def test_off_only_counts(rig: Any) -> None:
+    r_ = await rig(max_lag=1)
+    slow = await r_.receiver("slow")
+    await r_.step("slow")
+    await slow.pause()
+    await r_.step()
+    await r_.step()
+    counts = r_.sender.lag.counts
+    assert (counts.over, counts.waits, counts.drops) == (1, 0, 0)
+    assert r_.sender.stats[3].lag_dropped == () and int(r_.sender.receivers["slow"]["resyncs"]) == 0  # type: ignore[call-overload]
+    await slow.resume()
+    await slow.wait_for_version(3, timeout=T)
+
+
+# -- a version never received, asked for at once ----------------------------------------------
+@dataclass
+class Drop(Tamper):
+    """Lose the selected messages (as a connection ZeroMQ re-established loses what it held)."""
+
+    def act(self, w: Wire) -> list[Wire]:
+        return []
+
+
+@pytest.mark.parametrize("through", ["sender", "relay"])
+async def test_a_lost_patch_is_asked_for_at_once_and_served_from_the_ring(rig: Any, through: str) -> None:
+    r_ = await rig()
+    upstream = r_.sender.endpoint
+    relay = None
+    if through == "relay":
+        relay = await r_.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
+        assert relay.relay_endpoint is not None
+        upstream = relay.relay_endpoint
+    host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+    drop = Drop(lambda w: w.type == MessageType.PATCH and w.version == 2)
+    async with Proxy((host, int(port)), tamper=drop) as proxy:
+        r = await r_.receiver("r", proxy.endpoint)
+        await r_.step()
+        await r.wait_for_version(1, timeout=T)
+        began = time.monotonic()
+        await r_.step()  # v2 never reaches r; no v3 comes to show the gap
+        await r.wait_for_version(2, timeout=PEER_TIMEOUT * 2)
+        took = time.monotonic() - began
+        assert drop.hits == 1
+        await assert_matches(r, r_.trainer, 2)
+        server = r_.sender.server if relay is None else relay.relay.server  # type: ignore[union-attr]
+        assert server.counts.behind >= 1 and server.counts.resyncs == 0  # the ring, not a whole model
+        assert r._follower.lag.asks >= 1
+        assert took < 20 * HEARTBEAT + 1.0, took
+        await r.close()
