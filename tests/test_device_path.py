@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from channel import Channel
+from coded import stage_decoded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_device_codec import FLOATS, INTEGERS, SyncCounter, bits, bitwise_changes, float_pair, integer_pair
@@ -27,14 +28,14 @@ from protocol.codec import parallel
 from protocol.codec.compress import Codec
 from protocol.codec.staging import StagingPool
 from protocol.codec.tensorcodec import (
-    DecodedTensor,
+    BlocksEntry,
     EncodedTensor,
     PatchOptions,
     assemble,
+    decode_blocks,
     decode_entry,
     encode_sparse,
     group_offsets,
-    read_verdicts,
     split_group,
 )
 from protocol.config import load_config
@@ -58,24 +59,26 @@ def decoded_changes(
     """What a receiver takes from ``entry`` (a 1-D target of ``numel``, whose values are
     ``old``): (positions, new bits) of the whole target, or of each of the group's
     ``members`` (their element counts), each against its own slice of ``old``. ``staged``:
-    through a part's transfer (receiver/apply/transfer.py), as a GPU target's payload and group
-    offsets go (a CPU target's decode from the frame otherwise)."""
+    through a part's transfer (receiver/apply/transfer.py), as a GPU target's payload goes (a
+    CPU target's decode from the frame otherwise). A device-coded entry is staged as the
+    receiver stages it (``stage_coded``: its verdict and a group's cut points read at once),
+    a host-coded one split as the receiver splits it (``split_group``)."""
     specs, frames = assemble([entry])
-    offsets = None if members is None else group_offsets([(n,) for n in members])
-    moved = transfer_part(specs, frames, [Placement((numel,), dtype, CPU, offsets)], StagingPool(cpu_too=staged))
+    offsets = group_offsets([(numel,)] if members is None else [(n,) for n in members])
+    moved = transfer_part(specs, frames, [Placement((numel,), dtype, CPU)], StagingPool(cpu_too=staged))
     assert len(moved.payloads) == int(staged and entry.encoding is Encoding.BLOCKS)
     decoded = decode_entry(specs[0], frames, (numel,), dtype, CPU, payload=moved.payloads.get(0))
-    cuts = read_verdicts([(decoded, moved.offsets.get(0, offsets))])[0] if decoded.verdict is not None else None
-    if members is None:
-        pieces = [decoded]
-    else:
-        assert offsets is not None
-        pieces = split_group(decoded, tuple(range(len(members))), [(n,) for n in members], cuts)
+    keys = tuple(range(len(offsets) - 1))
+    olds = dict(enumerate(old.reshape(-1).split([int(n) for n in offsets[1:] - offsets[:-1]])))
+    if decoded.verdict is not None:
+        (updates,) = stage_decoded([(decoded, keys if members is not None else (), None)], olds)
+        return [(u.flat + int(offsets[u.ordinal]), bits(u.values)) for u in updates if u.flat is not None]
+    pieces = [decoded] if members is None else split_group(decoded, keys, [(n,) for n in members])
     out = []
     for piece in pieces:
-        start = 0 if members is None else int(offsets[piece.key])  # type: ignore[index]
+        start = int(offsets[piece.key])
         assert piece.flat is not None
-        at = old.reshape(-1)[start:][piece.flat]
+        at = olds[piece.key][piece.flat]
         new = piece.values if piece.encoding is ValueEncoding.RAW else piece.new_values(at)
         out.append((piece.flat + start, bits(new)))
     return out
@@ -102,7 +105,7 @@ def test_device_entries_decode_to_exactly_the_host_codecs_changes(
     the values) and integer buffers, from no change to every element changed, alone or as a
     group of up to three tensors: the same positions and new bits as the host codec's,
     decoded from the frame (a CPU target) or ``staged`` (a GPU target's path: the payload
-    and group offsets moved in the part's one transfer, ``receiver/apply/transfer.py``)."""
+    moved in the part's one transfer, ``receiver/apply/transfer.py``)."""
     old, new = float_pair(dtype, numel, density, lr, seed) if dtype.is_floating_point else integer_pair(dtype, numel, density, seed)
     flat, new_at, old_at = bitwise_changes(old, new)
     sizes = None if members == 1 else [numel // members] * (members - 1) + [numel - numel // members * (members - 1)]
@@ -239,20 +242,29 @@ async def test_decode_and_stage_read_the_device_once_a_part_whatever_the_tensor_
 
 
 def test_a_verdict_read_is_one_copy_for_many_entries() -> None:
-    """``read_verdicts`` of 40 entries, some grouped, reads the device once (and copies the
-    groups' offsets to it once)."""
-    unread: list[tuple[DecodedTensor, Any]] = []
+    """``stage_coded`` of 40 entries decoded as one batch, some grouped, reads the device once
+    (every verdict and every group's cut points in one copy to the host), and cuts each group
+    where its members' changes start."""
+    entries, olds, changes, groups = [], {}, [], []
     for i in range(40):
         old, new = float_pair(torch.bfloat16, 900, 0.05, 1e-5, i)
         flat, new_at, old_at = bitwise_changes(old, new)
-        specs, frames = assemble([encode_sparse(i, flat, new_at, old_at, (900,), DEVICE)])
-        decoded = decode_entry(specs[0], frames, (900,), torch.bfloat16, CPU)
-        unread.append((decoded, group_offsets([(300,), (600,)]) if i % 3 == 0 else None))
+        key = len(olds)
+        group = (key, key + 1) if i % 3 == 0 else ()
+        olds.update({key: old[:300], key + 1: old[300:]} if group else {key: old})
+        entries.append(encode_sparse(key, flat, new_at, old_at, (900,), DEVICE))
+        changes.append((flat, new_at))
+        groups.append(group)
+    specs, frames = assemble(entries)
+    decoded = decode_blocks([BlocksEntry(spec, (900,), torch.bfloat16, CPU) for spec in specs], frames)
     with HostReads() as reads:
-        cuts = read_verdicts(unread)
-    assert dict(reads.syncs) == {"copy to the host": 1, "aten::lift_fresh": 1}
-    for (decoded, offsets), cut in zip(unread, cuts):
-        assert (cut is None) == (offsets is None)
-        if cut is not None:
-            assert decoded.flat is not None and cut == [0, int((decoded.flat < 300).sum()), decoded.flat.numel()]
-    assert sum(c is not None for c in cuts) == 14
+        updates = stage_decoded([(d, group, None) for d, group in zip(decoded, groups)], olds)
+    assert dict(reads.syncs) == {"copy to the host": 1}
+    for (flat, new_at), group, mine in zip(changes, groups, updates):
+        if group:
+            low = int((flat < 300).sum())
+            assert [(u.ordinal, u.flat.numel()) for u in mine] == [(k, n) for k, n in zip(group, (low, flat.numel() - low)) if n]
+        placed = torch.cat([u.flat + (300 if group and u.ordinal == group[1] else 0) for u in mine])
+        assert placed.tolist() == flat.tolist()
+        assert torch.equal(torch.cat([bits(u.values) for u in mine]), bits(new_at))
+    assert sum(1 for g in groups if g) == 14

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import torch
 from channel import Channel
+from coded import judged
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_framing import header_of, reseal
@@ -32,7 +33,6 @@ from protocol.codec.tensorcodec import (
     encode_dense,
     encode_sparse,
     pack_entry,
-    read_verdicts,
 )
 from protocol.errors import IntegrityError, ProtocolError, WeightSyncError
 from protocol.wire.checksum import checksum
@@ -60,7 +60,7 @@ def message(entries: list[EncodedTensor], mtype: MessageType = MessageType.PATCH
 
 def decode_all(frames: list[bytes], targets: Targets) -> list:
     """What a receiver does with a message: parse and validate it, then decode every entry
-    (and read the verdicts of the device-coded ones, all at once)."""
+    (and read the verdicts of the device-coded ones as the receiver does: ``coded.judged``)."""
     msg = decode_message(frames)
     out = []
     for entry in msg.tensors:
@@ -68,7 +68,7 @@ def decode_all(frames: list[bytes], targets: Targets) -> list:
             raise AssertionError(f"decoded an entry for unknown key {entry.key}")
         shape, dtype = targets[entry.key]
         out.append(decode_entry(entry, msg.frames, shape, dtype, CPU))
-    read_verdicts([(d, None) for d in out if d.verdict is not None])
+    judged(out, targets)
     return out
 
 

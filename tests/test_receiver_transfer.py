@@ -1,13 +1,13 @@
 """A part's one host-to-device transfer (receiver/apply/transfer.py, protocol/codec/staging.py),
 run on CPU tensors.
 
-A receiver whose targets are on a GPU moves every device-coded payload of a part, and its
-groups' offsets, to the device in one copy through a reused staging buffer, and in that
-same copy the bytes of every tensor sent whole (a bucket's, a bootstrap's, a patch part's
-dense entries), cast to the target's dtype once there. A CPU target
-needs no copy, so the receiver stages nothing for it; here the pool is told to stage CPU
-targets too (``StagingPool(cpu_too=True)``), which runs the GPU's path on CPU tensors,
-and the transfer function (``staging.host_to_device``) is counted."""
+A receiver whose targets are on a GPU moves every device-coded payload of a part to the
+device in one copy through a reused staging buffer, and in that same copy the bytes of
+every tensor sent whole (a bucket's, a bootstrap's, a patch part's dense entries), cast to
+the target's dtype once there. A CPU target needs no copy, so the receiver stages nothing
+for it; here the pool is told to stage CPU targets too (``StagingPool(cpu_too=True)``),
+which runs the GPU's path on CPU tensors, and the transfer function
+(``staging.host_to_device``) is counted."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from channel import Channel, Pipe
+from coded import stage_decoded
 from test_device_path import HostReads, bf16_state, device_messages
 from test_hostile import BF16, DEVICE_HOSTILE, DEVICE_TARGET, VALID_FLAT, VALID_NNZ, blocks, device_changes
 
@@ -29,14 +30,15 @@ from protocol.codec import parallel, staging
 from protocol.codec.compress import Codec, compress
 from protocol.codec.staging import StagingPool
 from protocol.codec.tensorcodec import (
+    BlocksEntry,
     EncodedTensor,
     PatchOptions,
     assemble,
+    decode_blocks,
     decode_entry,
     encode_dense,
     encode_sparse,
     pack_entry,
-    read_verdicts,
 )
 from protocol.errors import IntegrityError, ProtocolError
 from protocol.wire.checksum import checksum
@@ -85,8 +87,8 @@ async def test_one_transfer_a_part_whatever_the_tensor_count(
     patch: dict[str, Any], transfers: Transfers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """48 and 480 bf16 tensors of the same 491,520 elements, 1% changed, every sparse entry
-    device coded: each part reaches the (stand-in) device in one transfer, the groups'
-    offsets with it (no other copy to the device), the device is read once a part, the
+    device coded: each part reaches the (stand-in) device in one transfer of its payloads
+    and nothing else (no other copy to the device), the device is read once a part, the
     staging buffer is the same one for every part, and the model ends bit-exact."""
     monkeypatch.setattr(parallel, "WORKERS", 1)  # every entry on this thread, where the counter sees it
     for tensors in (48, 480):
@@ -101,10 +103,7 @@ async def test_one_transfer_a_part_whatever_the_tensor_count(
                 updates = r._decode(msg, targets)
             assert len(transfers.sizes) == called + 1, (tensors, len(msg.tensors))
             assert dict(reads.syncs) == {"copy to the host": 1}, (tensors, dict(reads.syncs))
-            payloads = sum(memoryview(f).nbytes for f in msg.frames)
-            offsets = sum(8 * (len(e.group) + 1) for e in msg.tensors if e.group)
-            pieces = len(msg.tensors) + sum(1 for e in msg.tensors if e.group)
-            assert payloads + offsets <= transfers.sizes[-1] < payloads + offsets + staging.ALIGN * pieces  # each piece aligned
+            assert transfers.sizes[-1] == sum(aligned(memoryview(f).nbytes) for f in msg.frames)  # each payload aligned, no more
             buffer = r.staging.buffer(CPU)
             assert buffer is not None
             buffers.add(buffer.data_ptr())
@@ -204,23 +203,29 @@ def test_a_buffer_is_written_again_only_after_its_last_copy_finished(monkeypatch
     assert order == ["waited", "moved 2"]
 
 
-def test_verdicts_use_offsets_already_on_the_device() -> None:
-    """``read_verdicts`` takes a group's offsets where its transfer put them (no copy) or
-    from the host (one copy for all), with the same cut points."""
+def test_a_staged_group_stages_as_its_frame_does(transfers: Transfers) -> None:
+    """A device-coded group's payload, moved in its part's transfer (the payload alone: the
+    group's cut points are found on the device, ``stage_coded``), decodes and stages to the
+    same updates as from its frame, cut where each member's changes start, with one read of
+    the device; a staged payload of the wrong size is refused."""
     frames = blocks(device_changes(VALID_FLAT), VALID_NNZ)
     msg = decode_message(frames)
-    offsets = np.array([0, 1000, 4000, 5000], dtype=np.int64)
-    where = Placement((5000,), BF16, CPU, offsets)
-    moved = transfer_part(msg.tensors, msg.frames, [where], StagingPool(cpu_too=True))
-    assert set(moved.payloads) == set(moved.offsets) == {0}
-    staged = decode_entry(msg.tensors[0], msg.frames, (5000,), BF16, CPU, payload=moved.payloads[0])
-    plain = decode_entry(msg.tensors[0], msg.frames, (5000,), BF16, CPU)
-    with HostReads() as reads:
-        cuts = read_verdicts([(staged, moved.offsets[0])])
-    assert dict(reads.syncs) == {"copy to the host": 1}  # no copy of the offsets
-    assert cuts == read_verdicts([(plain, offsets)])
-    assert staged.flat is not None and plain.flat is not None
-    assert torch.equal(staged.flat, plain.flat) and torch.equal(staged.values, plain.values)
+    moved = transfer_part(msg.tensors, msg.frames, [Placement((5000,), BF16, CPU)], StagingPool(cpu_too=True))
+    assert set(moved.payloads) == {0} and not moved.extra
+    assert transfers.sizes == [aligned(moved.payloads[0].numel())]
+    gen = torch.Generator().manual_seed(3)
+    olds = {k: torch.randn(n, generator=gen).to(BF16) for k, n in enumerate((1000, 3000, 1000))}
+    got = {}
+    for how, payload in (("staged", moved.payloads[0]), ("plain", None)):
+        (decoded,) = decode_blocks([BlocksEntry(msg.tensors[0], (5000,), BF16, CPU, payload)], msg.frames)
+        with HostReads() as reads:
+            (updates,) = stage_decoded([(decoded, (0, 1, 2), None)], olds)
+        assert dict(reads.syncs) == {"copy to the host": 1}, how  # verdict and cut points at once
+        got[how] = [(u.ordinal, u.flat.tolist(), raw(u.values).tolist()) for u in updates if u.flat is not None]
+    assert got["staged"] == got["plain"]
+    cuts = np.searchsorted(VALID_FLAT, [0, 1000, 4000, 5000]).tolist()
+    assert [(k, len(flat)) for k, flat, _ in got["staged"]] == [(k, cuts[k + 1] - cuts[k]) for k in range(3)]
+    assert [p + at for (_, flat, _), at in zip(got["staged"], (0, 1000, 4000)) for p in flat] == VALID_FLAT
     with pytest.raises(ValueError, match="staged payload"):
         decode_entry(msg.tensors[0], msg.frames, (5000,), BF16, CPU, payload=moved.payloads[0][:-1])
 

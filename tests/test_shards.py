@@ -29,13 +29,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from coded import stage_decoded
 from ranks import spawn_ranks
 from test_device_codec import bits
 from test_spans import at_base, deliver, frames_of
 
 from examples.fsdp2_trainer import build_sharded, free_port
 from examples.tiny_model import TinyLM, build, train_step
-from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, at_span, decode_entry, read_verdicts
+from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, at_span, decode_entry
 from protocol.config import InitSyncConfig, PatchConfig
 from protocol.errors import ConfigError, MetadataMismatchError
 from protocol.state import resolve_state, sync_keys
@@ -110,8 +111,8 @@ def carried(entries: list[EncodedTensor], dtypes: dict[int, torch.dtype], old: d
         assert spec.span is not None and not spec.group
         lo, hi = spec.span
         decoded = decode_entry(spec, frames, (hi - lo,), dtypes[spec.key], CPU)
-        if decoded.verdict is not None:
-            read_verdicts([(decoded, None)])
+        if decoded.verdict is not None:  # read as the receiver reads it, against the tensor's old values
+            stage_decoded([(decoded, (), spec.span)], {spec.key: old[spec.key]})
         placed = at_span(decoded, spec.span)
         assert placed.flat is not None
         flat = placed.flat

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from channel import Channel
+from coded import stage_decoded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_device_codec import bits, bitwise_changes, float_pair, integer_pair
@@ -256,13 +257,14 @@ def test_encode_span_codes_a_range_as_a_tensor_of_its_elements(options: str) -> 
     (spec,) = msg.tensors
     assert spec.span == (lo, hi)
     decoded = decode_entry(spec, msg.frames, (hi - lo,), torch.bfloat16, CPU)
-    if decoded.verdict is not None:
-        from protocol.codec.tensorcodec import read_verdicts
-
-        read_verdicts([(decoded, None)])
+    in_range = (flat >= lo) & (flat < hi)
+    if decoded.verdict is not None:  # device-coded: staged as the receiver stages it, its verdict read first
+        ((update,),) = stage_decoded([(decoded, (), spec.span)], {7: old})
+        assert update.ordinal == 7 and update.flat is not None
+        assert update.flat.tolist() == flat[in_range].tolist()
+        assert torch.equal(bits(update.values), bits(new_at[in_range]))
     placed = at_span(decoded, (lo, hi))
     assert placed.flat is not None
-    in_range = (flat >= lo) & (flat < hi)
     assert placed.flat.tolist() == flat[in_range].tolist()
     got = placed.values if placed.encoding is ValueEncoding.RAW else placed.new_values(old.reshape(-1)[placed.flat])
     assert torch.equal(bits(got), bits(new_at[in_range]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -22,7 +22,7 @@ import torch
 from protocol.codec import devicecodec
 from protocol.codec.compress import Codec, compress, decompress, shuffle, unshuffle
 from protocol.codec.positions import decode_positions, downscale, encode_positions, gaps_and_top, positions_nbytes
-from protocol.errors import ConfigError, IntegrityError, ProtocolError
+from protocol.errors import ConfigError, ProtocolError
 from protocol.lazy import lazy_module
 from protocol.wire.buffers import Buffer, buffer_tensor, tensor_view
 from protocol.wire.checksum import checksum
@@ -464,8 +464,9 @@ class Verdict:
 @dataclass
 class DecodedTensor:
     """A validated tensor update: ``flat`` is None for a dense tensor. A device-coded one
-    (``verdict`` set) is validated only once ``read_verdicts`` has read its verdict; its
-    positions always lie within the target, so reading the old values there is safe before."""
+    (``verdict`` set) is validated only once its verdict is read (the receiver's
+    ``stage_coded``, receiver/apply/stage_device.py); its positions always lie within the
+    target, so reading the old values there is safe before."""
 
     key: int
     flat: torch.Tensor | None
@@ -508,7 +509,7 @@ def decode_entry(
     the target's values now (only read), lets a packed entry decode straight to its new
     values (``packed.decode_onto``, where it takes ``base``): they come back RAW.
     A device-coded entry (``Encoding.BLOCKS``) is decoded on ``target_device`` (default
-    ``device``) with no host sync; it comes back with its ``verdict`` unread (``read_verdicts``).
+    ``device``) with no host sync; it comes back with its ``verdict`` unread (``Verdict``).
     ``payload``: such an entry's payload (``blocks_payload``) already on that device, moved
     there with the rest of its message (``receiver/apply/transfer.py``); without it the payload is
     copied there on its own (a CPU target decodes it from its frame). A dense entry's
@@ -664,7 +665,7 @@ def decode_blocks(items: Sequence[BlocksEntry], frames: list[Buffer]) -> list[De
     """A message's device-coded entries, each checked as ``decode_entry`` checks it, then
     decoded together: one ``devicecodec.decode_many`` a device, a fixed number of kernels
     whatever the entry count, no host sync. Each comes back with its ``verdict`` unread
-    (``read_verdicts``)."""
+    (the receiver reads a batch's at once: ``stage_coded``, receiver/apply/stage_device.py)."""
     decodable = []
     for item in items:
         numel, spec = _checked(item.entry, item.shape, item.dtype)
@@ -710,55 +711,12 @@ def group_offsets(shapes: Sequence[tuple[int, ...]]) -> np.ndarray:
     return np.cumsum([0, *(math.prod(s) for s in shapes)])
 
 
-def read_verdicts(unread: Sequence[tuple[DecodedTensor, np.ndarray | torch.Tensor | None]]) -> list[list[int] | None]:
-    """Read the verdicts of a message's device-coded entries with one host sync per device
-    (one copy to the host of them all), and with them the cut points of each grouped
-    entry's run at its ``group_offsets`` (for ``split_group``; None for a lone tensor):
-    host offsets go to the device in one copy for all of them, offsets already there (a
-    tensor on the entry's device: its message's transfer brought them, ``receiver/apply/transfer.py``)
-    are used where they are. ``IntegrityError`` for a payload whose checksum fails, else
-    ``ProtocolError`` for any other the decoder refused, naming the first; called before
-    anything is staged from them."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (decoded, _) in enumerate(unread):
-        assert decoded.verdict is not None and decoded.flat is not None
-        by_device.setdefault(decoded.flat.device, []).append(i)
-    cuts: list[list[int] | None] = [None] * len(unread)
-    for device, members in by_device.items():
-        verdicts = [v for i in members if (v := unread[i][0].verdict) is not None]
-        read = [torch.stack([v.intact for v in verdicts]), torch.stack([v.ok for v in verdicts])]
-        grouped = [i for i in members if unread[i][1] is not None]
-        runs = [o for i in grouped if (o := unread[i][1]) is not None]
-        on_host = [o for o in runs if not isinstance(o, torch.Tensor)]
-        moved: Iterator[torch.Tensor] = iter(())
-        if on_host:  # the groups' host offsets in one copy to the device
-            moved = iter(torch.from_numpy(np.concatenate(on_host)).to(device, non_blocking=True).split([len(o) for o in on_host]))
-        bounds = [o.to(device, non_blocking=True) if isinstance(o, torch.Tensor) else next(moved) for o in runs]
-        for i, sought in zip(grouped, bounds):
-            flat = unread[i][0].flat
-            assert flat is not None
-            read.append(torch.searchsorted(flat, sought))
-        host = torch.cat([t.to(torch.int64) for t in read]).to("cpu", copy=True).tolist()  # the sync
-        n = len(members)
-        for j, i in enumerate(members):
-            key = unread[i][0].key
-            if not host[j]:
-                raise IntegrityError(f"tensor {key}: device payload checksum mismatch")
-            if not host[n + j]:
-                raise ProtocolError(f"tensor {key}: device payload refused (block table, widths, sizes, positions or values)")
-        at = 2 * n
-        for i, offsets in zip(grouped, runs):
-            cuts[i], at = host[at : at + len(offsets)], at + len(offsets)
-    return cuts
-
-
-def split_group(
-    decoded: DecodedTensor, group: tuple[int, ...], shapes: list[tuple[int, ...]], cuts: list[int] | None = None
-) -> list[DecodedTensor]:
+def split_group(decoded: DecodedTensor, group: tuple[int, ...], shapes: list[tuple[int, ...]]) -> list[DecodedTensor]:
     """A grouped entry's decoded run (``decode_entry`` of a 1-D target of all the group's
     elements) as one update per tensor of ``group`` (of ``shapes``): every tensor for a
-    dense run, those with changes for a sparse one (whose positions are sorted). ``cuts``:
-    where each tensor's changes start in the run (``read_verdicts``), else found here."""
+    dense run, those with changes for a sparse one (whose positions are sorted). The
+    receiver splits no device-coded run here: it stages those with the rest of their batch,
+    their cut points read with their verdicts (``receiver/apply/stage_device.py``)."""
     offsets = group_offsets(shapes)
     if decoded.flat is None:
         values = decoded.values.reshape(-1)
@@ -767,9 +725,8 @@ def split_group(
             for i, k in enumerate(group)
         ]
     flat, values = decoded.flat, decoded.values
-    host = flat.numpy() if flat.device.type == "cpu" and cuts is None else None  # numpy's calls cost a fraction of torch's, per member
-    if cuts is None:
-        cuts = (np.searchsorted(host, offsets) if host is not None else torch.searchsorted(flat, torch.from_numpy(offsets).to(flat.device))).tolist()
+    host = flat.numpy() if flat.device.type == "cpu" else None  # numpy's calls cost a fraction of torch's, per member
+    cuts = (np.searchsorted(host, offsets) if host is not None else torch.searchsorted(flat, torch.from_numpy(offsets).to(flat.device))).tolist()
     pieces = []
     for i, k in enumerate(group):
         start, end = cuts[i], cuts[i + 1]

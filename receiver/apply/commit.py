@@ -36,7 +36,7 @@ class StagedUpdate:
     @classmethod
     def stage(cls, decoded: DecodedTensor, target: Target) -> StagedUpdate:
         """Resolve XOR and ulp values against ``target`` and move everything to its device.
-        A device-coded update (its verdict already read: ``tensorcodec.read_verdicts``) is
+        A device-coded update (its verdict already read: ``stage_device.stage_coded``) is
         resolved on the target's device, with no host sync; so is a dense one already there
         (moved with its message: ``receiver/apply/transfer.py``), cast there to the target's dtype."""
         if decoded.verdict is not None and decoded.flat is not None:

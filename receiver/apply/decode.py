@@ -41,8 +41,7 @@ def decode_part(
         dtype = metadata.dtypes[entry.key]
         if msg.type is not MessageType.PATCH or any(metadata.dtypes[k] != dtype for k in entry.group):
             raise ProtocolError(f"{msg.describe()}: tensor {entry.key}: a group outside a patch, or of tensors of several dtypes")
-        offsets = group_offsets([metadata.shapes[k] for k in entry.group])
-        return Placement((int(offsets[-1]),), dtype, device, offsets)
+        return Placement((int(group_offsets([metadata.shapes[k] for k in entry.group])[-1]),), dtype, device)
 
     placements = [place(entry) for entry in msg.tensors]
     # Host-coded sparse entries bound for a GPU: decoded on the host first (in parallel), so
@@ -50,8 +49,8 @@ def decode_part(
     hosted = [i for i, entry in enumerate(msg.tensors) if _decoded_on_host(entry, placements[i], targets, staging)]
     pieces = dict(zip(hosted, map_ordered(lambda i: _host_pieces(msg, i, placements[i], metadata, decode_device), hosted)))
     arrays = [(placements[i].device, a) for i in hosted for piece in pieces[i] for a in _host_arrays(piece)]
-    # Device-coded payloads bound for a GPU (and their groups' offsets), whole tensors' bytes
-    # and what the host decoded for it: one copy to it for the message, everything checked before it.
+    # Device-coded payloads bound for a GPU, whole tensors' bytes and what the host decoded
+    # for it: one copy to it for the message, everything checked before it.
     moved = transfer_part(msg.tensors, msg.frames, placements, staging, exact_dtype=exact, extra=arrays)
     there = iter(moved.extra)
     for i in hosted:

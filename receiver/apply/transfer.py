@@ -1,12 +1,11 @@
-"""A part's host-to-device transfer: every device-coded payload of one message (and the
-offsets of its grouped entries, which the verdict read needs there) moved to the target's
-device in one copy, through the receiver's reused staging buffer (``StagingPool``: pinned
-where CUDA is available). Tensors sent whole (``Encoding.DENSE``: every entry of a BUCKET or
-BOOTSTRAP message, and dense entries of a PATCH part) go in that same one copy a message and
-device: their values' bytes as the host decodes them (a view of an uncompressed frame, or
-decompressed and unshuffled), checked first, then viewed at the wire's dtype on the device
-and cast there to the target's (``StagedUpdate.stage``). A CPU target needs no transfer: its
-entries decode from their frames as they are, and nothing is staged for them."""
+"""A part's host-to-device transfer: every device-coded payload of one message moved to the
+target's device in one copy, through the receiver's reused staging buffer (``StagingPool``:
+pinned where CUDA is available). Tensors sent whole (``Encoding.DENSE``: every entry of a
+BUCKET or BOOTSTRAP message, and dense entries of a PATCH part) go in that same one copy a
+message and device: their values' bytes as the host decodes them (a view of an uncompressed
+frame, or decompressed and unshuffled), checked first, then viewed at the wire's dtype on the
+device and cast there to the target's (``StagedUpdate.stage``). A CPU target needs no
+transfer: its entries decode from their frames as they are, and nothing is staged for them."""
 
 from __future__ import annotations
 
@@ -27,22 +26,19 @@ from protocol.wire.framing import BufferSpec, TensorEntry
 
 class Placement(NamedTuple):
     """Where an entry of a message decodes: its target's shape (a group's: its elements
-    end to end), dtype and device, and a group's ``group_offsets`` (None for a lone tensor)."""
+    end to end; a span's: its hi - lo elements), dtype and device."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    offsets: np.ndarray | None = None
 
 
 @dataclass
 class Moved:
     """What a part's transfer brought to the devices, by the entry's index in its message:
-    ``payloads`` a device-coded entry's payload or a dense entry's bytes (uint8 both),
-    ``offsets`` a device-coded group's ``group_offsets``."""
+    ``payloads`` a device-coded entry's payload or a dense entry's bytes (uint8 both)."""
 
     payloads: dict[int, torch.Tensor] = field(default_factory=dict)
-    offsets: dict[int, torch.Tensor] = field(default_factory=dict)
     extra: list[torch.Tensor] = field(default_factory=list)  # the ``extra`` arrays, on their devices, in order
 
 
@@ -51,8 +47,8 @@ def transfer_part(
     extra: Sequence[tuple[torch.device, np.ndarray]] = (),
 ) -> Moved:
     """Move what of ``entries`` is bound for a device ``pool`` stages (any but the CPU):
-    device-coded payloads and their groups' offsets, and dense entries' values (their bytes:
-    ``dense_bytes``), with one ``pool.stage`` a device: one host-to-device copy a message.
+    device-coded payloads and dense entries' values (their bytes: ``dense_bytes``), with
+    one ``pool.stage`` a device: one host-to-device copy a message.
     Every entry moved is checked against its target first (``dense_spec``, ``blocks_payload``,
     with ``exact_dtype`` as ``decode_entry`` takes it): a ``ProtocolError`` before its bytes
     are decompressed, and before anything is copied; a compressed dense frame that does not
@@ -82,23 +78,19 @@ def transfer_part(
     for i, spec in dense.items():
         if i not in pieces:
             pieces[i] = dense_bytes(entries[i].key, spec, frames, placements[i].dtype)
-    by_device: dict[torch.device, list[tuple[int, bool, np.ndarray]]] = {}
+    by_device: dict[torch.device, list[tuple[int, np.ndarray]]] = {}
     for i in sorted(pieces):
-        where = placements[i]
-        mine = by_device.setdefault(where.device, [])
-        mine.append((i, False, pieces[i]))
-        if i not in dense and where.offsets is not None:  # a device-coded group's cut points are read there
-            mine.append((i, True, where.offsets))
+        by_device.setdefault(placements[i].device, []).append((i, pieces[i]))
     for j, (device, array) in enumerate(extra):
-        by_device.setdefault(device, []).append((-1 - j, False, array))
+        by_device.setdefault(device, []).append((-1 - j, array))
     moved = Moved()
     extras: dict[int, torch.Tensor] = {}
     for device, mine in by_device.items():
-        views = pool.stage(device, [array for _, _, array in mine])
-        for (i, is_offsets, _), view in zip(mine, views):
+        views = pool.stage(device, [array for _, array in mine])
+        for (i, _), view in zip(mine, views):
             if i < 0:
                 extras[-1 - i] = view
             else:
-                (moved.offsets if is_offsets else moved.payloads)[i] = view
+                moved.payloads[i] = view
     moved.extra = [extras[j] for j in range(len(extra))]
     return moved
