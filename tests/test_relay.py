@@ -205,20 +205,24 @@ async def test_a_leaf_unlike_the_relay_is_refused_naming_the_key():
         assert isinstance(raised.value.__cause__, MetadataMismatchError)
 
 
-async def test_relay_serves_only_versions_it_applied():
-    """While the relay is paused, the trainer moves on but its leaves stay at the relay's
-    version; after resume they get there too. Each WELCOME / PATCH the leaves see is
-    stamped by the trainer's lineage (upstream session)."""
+async def test_a_relay_forwards_a_patch_before_it_applies_it():
+    """While the relay is paused, the trainer moves on: the relay stages the version and
+    keeps its own, and its leaf gets the version anyway, each part forwarded once it passed
+    the relay's checks (a tree's latency does not grow by one apply a level); after resume
+    the relay has it too. Each message the leaf sees is stamped by the trainer's lineage
+    (upstream session)."""
     async with tree("patch") as t:
         sender, relay = await t.start_relay()
         leaf = await t.start_receiver(relay.relay_endpoint, "leaf")
         await relay.pause()
         version = await t.trainer.step_and_sync(sender)
-        await asyncio.sleep(0.5)
-        assert relay.version == 0 and leaf.version == 0
-        await relay.resume()
         await leaf.wait_for_version(version, timeout=T)
         await assert_matches(leaf, t.trainer, version)
+        assert relay.version == 0 and relay.pending_version == version and relay.relay.server.version == 0
+        await relay.resume()
+        await relay.wait_for_version(version, timeout=T)
+        await assert_matches(relay, t.trainer, version)
+        assert relay.relay.server.version == version
         assert relay.relay.server.session == sender.session
         entry = relay.relay.server._ring.newest
         assert entry is not None and entry.complete and all(decode_message(m).type is MessageType.PATCH for m in entry.messages)

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 from daemon_helpers import CONFIGS, DAEMON_KW, HEARTBEAT, PEER_TIMEOUT, T, Trainer, assert_matches, receiver_model, wait_until
-from proxy import Proxy, Tamper, Wire
+from proxy import Corrupt, Proxy, Tamper, Wire
 
 from protocol.errors import ConfigError, LagTimeoutError, ProtocolError, WeightSyncTimeout
+from protocol.wire.checksum import state_digest
 from protocol.wire.framing import MessageType
 from protocol.wire.messages import Beat, DigestReply
 from receiver import Receiver
@@ -28,16 +29,18 @@ from receiver.session.lag import LagWatch, Latest
 from sender import Sender
 from sender.serve.status import status_of
 
+PARTS = {"type": "patch", "patch": {"part_bytes": 512, "init_sync": {"bucket_size": 96 << 10}}}  # a patch in several parts
+
 
 @dataclass
 class Rig:
     trainer: Trainer
     sender: Sender
-    mode: str
+    config: dict[str, Any]
     receivers: list[Receiver]
 
     async def receiver(self, identity: str, endpoint: str | None = None, **kw: Any) -> Receiver:
-        r = Receiver(receiver_model(), endpoint or self.sender.endpoint, CONFIGS[self.mode], identity=identity, **{**DAEMON_KW, **kw})
+        r = Receiver(receiver_model(), endpoint or self.sender.endpoint, self.config, identity=identity, **{**DAEMON_KW, **kw})
         self.receivers.append(r)
         await r.start(timeout=T)
         if endpoint is None:  # the sender has its ACK: the next sync does not find it behind by chance
@@ -58,11 +61,12 @@ class Rig:
 async def rig() -> AsyncIterator[Rig]:
     made: list[Rig] = []
 
-    async def make(mode: str = "patch", **sender_kw: Any) -> Rig:
+    async def make(mode: str | dict[str, Any] = "patch", **sender_kw: Any) -> Rig:
         trainer = Trainer()
-        sender = Sender("tcp://127.0.0.1:0", CONFIGS[mode], **{**DAEMON_KW, **sender_kw})
+        config = CONFIGS[mode] if isinstance(mode, str) else mode
+        sender = Sender("tcp://127.0.0.1:0", config, **{**DAEMON_KW, **sender_kw})
         await sender.start(trainer.model, version=trainer.version)
-        made.append(Rig(trainer, sender, mode, []))
+        made.append(Rig(trainer, sender, config, []))
         return made[-1]
 
     yield make  # type: ignore[misc]
@@ -181,32 +185,60 @@ async def test_reading_refuses_a_bad_bound(rig: Any) -> None:
             r.reading(max_lag=bad)
 
 
-# -- through a relay: the trainer's latest, not the relay's ------------------------------------
-async def test_a_relays_children_hear_the_trainers_latest_and_the_sender_waits_for_them(rig: Any) -> None:
-    r_ = await rig(max_lag=1, lag_policy="wait", lag_timeout=0.6)
+# -- through a relay: parts forwarded before the relay commits, the trainer's latest heard ----------
+async def test_a_relay_forwards_a_patch_before_it_commits_and_its_children_hear_the_trainers_latest(rig: Any) -> None:
+    r_ = await rig(PARTS, max_lag=1, lag_policy="wait", lag_timeout=0.6)
     relay = await r_.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
-    assert relay.relay_endpoint is not None
+    assert relay.relay_endpoint is not None and relay.relay is not None
     child = await r_.receiver("child", relay.relay_endpoint)
     await wait_until(lambda: relay.relay is not None and relay.relay.server.subtree() == (1, 0))
     await r_.step("relay")
     await child.wait_for_version(1, timeout=T)
-    await relay.pause()  # the relay holds v1: its own heartbeats say v1
-    await r_.step()  # v2: floor v1, held by both
-    await wait_until(lambda: child.latest_version == 2)
-    assert child.version == 1 and relay.relay is not None and relay.relay.server.version == 1
-    with pytest.raises(WeightSyncTimeout):
-        async with child.reading(max_lag=0, timeout=0.5):
-            pass
+    await relay.pause()  # the relay stages v2 and holds v1: its own version, and heartbeats, say v1
+    await r_.step()
+    await child.wait_for_version(2, timeout=T)  # its parts went on as they passed the relay's checks
+    await assert_matches(child, r_.trainer, 2)
+    assert r_.sender.stats[2].messages > 1  # a patch of several parts
+    assert relay.version == 1 and relay.relay.server.version == 1 and relay.pending_version == 2
+    beat = relay.relay.server.beat()
+    assert beat.version == 1 and Beat.from_body(beat.body).latest == 2  # what the child hears: the trainer's latest
+    assert child.latest_version == 2
     r_.trainer.step()
-    with pytest.raises(LagTimeoutError) as failed:  # v3 needs v2 applied everywhere
+    with pytest.raises(LagTimeoutError) as failed:  # v3 needs v2 applied everywhere: the relay has not
         await r_.sender.sync(r_.trainer.model, 3)
     assert set(failed.value.receivers) == {"relay"} and "relay at v1" in str(failed.value)
     assert r_.sender.version == 2 and r_.sender.lag.counts.timeouts == 1
     await relay.resume()
     stats = await asyncio.wait_for(r_.sender.sync(r_.trainer.model, 3), T)  # the same version, now within the bound
-    assert stats.lag_wait_seconds >= 0 and stats.lag_dropped == ()
-    await child.wait_for_version(3, timeout=T)
-    await assert_matches(child, r_.trainer, 3)
+    assert stats.lag_dropped == ()
+    for r in (relay, child):
+        await r.wait_for_version(3, timeout=T)
+        await assert_matches(r, r_.trainer, 3)
+
+
+async def test_a_patch_the_relay_refuses_midway_is_abandoned_below_it(rig: Any) -> None:
+    """Part 1 of v2 reaches the relay damaged: part 0 went on to the child already. The relay
+    NACKs and is resynced; the child never commits the half it holds, and is resynced too."""
+    r_ = await rig(PARTS)
+    host, port = r_.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    corrupt = Corrupt(lambda w: w.type == MessageType.PATCH and w.version == 2 and w.header is not None and w.header.get("part") == 1
+                      and len(w.frames) > 1)
+    async with Proxy((host, int(port)), tamper=corrupt) as proxy:
+        relay = await r_.receiver("relay", proxy.endpoint, relay_endpoint="tcp://127.0.0.1:0")
+        assert relay.relay_endpoint is not None
+        child = await r_.receiver("child", relay.relay_endpoint)
+        seen: list[tuple[int | None, bool]] = []
+        child.on_update(lambda v: seen.append((v, v is not None and state_digest(child.model.state_dict()) == r_.trainer.digests[v])))
+        await r_.step()
+        await child.wait_for_version(1, timeout=T)
+        await r_.step()
+        for r in (relay, child):
+            await r.wait_for_version(2, timeout=T)
+            await assert_matches(r, r_.trainer, 2)
+        assert corrupt.hits == 1 and all(ok for _, ok in seen), seen  # every version the child published was whole
+        assert relay.relay is not None and relay.relay.server.counts.resyncs >= 1  # the child's half was dropped for a resync
+        await child.close()
+        await relay.close()
 
 
 # -- the trainer's bound ---------------------------------------------------------------------

@@ -124,8 +124,8 @@ class Pump:
             for entry in self._ring:  # from the current version too: a patch whose first parts are out
                 if entry.base == peer.sent:
                     return entry.version, entry
-            if peer.sent == server.version:
-                return None
+            if peer.sent == server.version or (peer.sent is not None and server.version is not None and peer.sent > server.version):
+                return None  # it has all there is (a relay's patch goes on before the relay commits it)
             if self._ring.pending(peer.sent):
                 return None  # its next patch is being prepared; publish_patch wakes it
             buckets = server.buckets

@@ -3,8 +3,13 @@
 A tree of relays keeps the trainer's uplink flat as the fleet grows: the trainer sends
 each update once per first-level child, and each relay forwards it, with the same
 protocol, to its own children. A relay forwards exactly the frames it received (patch
-or bucket payloads are not decoded twice nor re-encoded), re-stamped, and only after it
-has applied them itself, so a version a relay serves is one it holds.
+or bucket payloads are not decoded twice nor re-encoded), re-stamped. A patch's parts go
+on as each passes the relay's own checks, before the relay has the whole version, let
+alone commits it, so a tree's latency does not grow by one apply a level (a paused relay
+still feeds its children); each child commits only whole versions it checked itself. A
+patch the relay could not take whole (a part refused, a resync instead) is abandoned
+below it too: its children hold the parts unwritten until their own resync. Bucket
+versions and bootstraps go on once the relay has committed them.
 
 Forwarded messages keep the upstream session id: every relay below one trainer speaks
 for the same lineage of versions, so a child that moves to another relay (its parent
@@ -66,12 +71,19 @@ class Relay:
         self.server = VersionServer(endpoint, role="relay", **server)
         self._held, self._state, self._model_lock = strategy, state, lock
         self._bucket_size = bucket_size
+        self._open: tuple[int | None, int] | None = None  # (base, version) of the patch whose parts go on as they pass
 
     def compose(self, hooks: StrategyHooks) -> StrategyHooks:
-        """``hooks`` with this relay's: commits under ``guard``, each version's messages
-        kept, and served onwards once committed, after ``hooks``' own ``on_commit``
-        (an engine's install is part of the write: a version it fails is never served)."""
-        return replace(hooks, write_guard=self.guard(hooks.write_guard), on_commit=(*hooks.on_commit, self._committed), keep_messages=True)
+        """``hooks`` with this relay's: commits under ``guard``; each patch part forwarded
+        once it passed its checks; bucket versions and bootstraps kept and served onwards
+        once committed, after ``hooks``' own ``on_commit`` (an engine's install is part of
+        the write: a bucket version it fails is never served)."""
+        if hooks.on_part is not None:
+            raise WeightSyncError("hooks.on_part is a relay's own")
+        return replace(
+            hooks, write_guard=self.guard(hooks.write_guard), on_commit=(*hooks.on_commit, self._committed), keep_messages=True,
+            on_part=self._passed,
+        )
 
     @property
     def _strategy(self) -> ReceiverBase:
@@ -99,14 +111,42 @@ class Relay:
 
         return guarded
 
-    def _committed(self, pending: PendingVersion) -> None:
-        """The receiver applied ``pending`` (called inside ``guard``): serve it onwards."""
-        messages, version, server = pending.messages, pending.version, self.server
-        pending.messages = []
-        session = self._strategy.session
-        if session is not None and session != server.stamp.session:  # a new upstream lineage
+    def _passed(self, pending: PendingVersion, msg: Message) -> None:
+        """A message passed the relay's checks: a patch's part goes to the children now."""
+        version, server = pending.version, self.server
+        if pending.type is not MessageType.PATCH or version is None:
+            return
+        pending.messages = []  # forwarded here, not kept for the commit
+        key = (pending.base_version, version)
+        if self._open != key:
+            self._abandon_open()  # a patch the relay never took whole (refused midway, superseded)
+            self._follow_lineage()
+            self._open = key
+        server.publish_patch(pending.base_version, version, server.stamp(msg), last=msg.last)
+
+    def _abandon_open(self) -> None:
+        if self._open is not None:
+            self.server.abandon_patch(*self._open)
+            self._open = None
+
+    def _follow_lineage(self) -> None:
+        """Forwarded messages keep the upstream's session: a new one starts a new lineage."""
+        session, server = self._strategy.session, self.server
+        if session is not None and session != server.stamp.session:
             server.stamp.session = session
             server.forget()
+
+    def _committed(self, pending: PendingVersion) -> None:
+        """The receiver applied ``pending`` (called inside ``guard``): it is the relay's
+        version now (a patch's parts went on as they passed), served onwards."""
+        messages, version, server = pending.messages, pending.version, self.server
+        pending.messages = []
+        if pending.type is MessageType.PATCH and version is not None and self._open == (pending.base_version, version):
+            self._open = None  # every part is out already
+            server.moved(version)
+            return
+        self._abandon_open()
+        self._follow_lineage()
         if pending.type is MessageType.PATCH and version is not None and messages:
             server.moved(version)
             for i, msg in enumerate(messages):  # every part: the relay applied them all

@@ -234,10 +234,12 @@ class ReceiverBase(WriteSide):
                     if held is None:
                         held = await self._take_write_side(pending, before_write)
                     await self._stage(msg, targets, pending)  # checked whole before any of it is written
+                    self._passed(pending, msg)
                     wrote = True
                     await self._write_staged(targets, pending)
                 elif self.decode_on_arrival:
                     await self._stage(msg, targets, pending)
+                    self._passed(pending, msg)
                 else:
                     raw.append(msg)
                 if msg.last:
@@ -256,10 +258,16 @@ class ReceiverBase(WriteSide):
             return pending
         for m in raw:
             await self._stage(m, targets, pending)
+            self._passed(pending, m)
         if self._hooks.on_staged is not None:
             await self._hooks.on_staged(pending)
         pending.stats.receive_seconds = time.perf_counter() - started
         return pending
+
+    def _passed(self, pending: PendingVersion, msg: Message) -> None:
+        """``msg`` passed its checks (``StrategyHooks.on_part``)."""
+        if self._hooks.on_part is not None:
+            self._hooks.on_part(pending, msg)
 
     @property
     def decode_on_arrival(self) -> bool:

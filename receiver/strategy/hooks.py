@@ -9,10 +9,13 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, fields
 from typing import Any
 
+from protocol.wire.framing import Message
+
 from .pending import PendingVersion
 
 WriteGuard = Callable[[], AbstractAsyncContextManager[Any]]
 OnCommit = Callable[[PendingVersion], None]
+OnPart = Callable[[PendingVersion, Message], None]
 VersionGate = Callable[[PendingVersion], Awaitable[None]]
 
 
@@ -38,6 +41,9 @@ class StrategyHooks:
     on_commit: Sequence[OnCommit] = ()
     # Keep each version's messages as received (``PendingVersion.messages``): a relay forwards them.
     keep_messages: bool = False
+    # Called with each message of a version once it has passed its checks (decoded and
+    # staged), before the version is whole: a relay forwards a patch's parts on at once.
+    on_part: OnPart | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "on_commit", tuple(self.on_commit))  # a list given stays unshared and fixed
