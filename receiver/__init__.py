@@ -19,6 +19,8 @@ _EXPORTS = {
     "ReadWriteLock": ".rwlock",
     "Receiver": ".control.service",
     "ReceiverBase": ".strategy.base",
+    "Span": ".spans",
+    "Steps": ".spans",
     "StrategyHooks": ".strategy.hooks",
     "attach": ".control.attach",
     "make_receiver": ".strategy.factory",
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from .control.attach import attach
     from .control.service import Receiver
     from .rwlock import ReadWriteLock
+    from .spans import Span, Steps
     from .stats import ApplyStats
     from .strategy.base import ReceiverBase
     from .strategy.bucket import BucketReceiver
@@ -44,6 +47,8 @@ __all__ = [
     "ReadWriteLock",
     "Receiver",
     "ReceiverBase",
+    "Span",
+    "Steps",
     "StrategyHooks",
     "attach",
     "make_receiver",

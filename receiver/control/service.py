@@ -45,6 +45,7 @@ from ..rwlock import ReadWriteLock
 from ..session.follower import Follower, Owner, Settings
 from ..session.relay import Relay
 from ..session.upstreams import Resolver, Upstreams
+from ..spans import Steps
 from ..stats import ApplyStats, LagWaits
 from ..strategy.factory import make_receiver
 from ..strategy.hooks import StrategyHooks
@@ -274,6 +275,13 @@ class Receiver(ControlCalls):
         if type(max_lag) is not int or max_lag < 0:
             raise ConfigError(f"max_lag must be an int >= 0 (versions), got {max_lag!r}")
         return self._reading_bounded(max_lag, timeout, 2 * self.heartbeat_interval if max_age is None else max_age)
+
+    def steps(self) -> Steps:
+        """A generation that lets versions in between its steps (in-flight updates) instead
+        of holding one for its whole length (``reading``): each ``step()`` (``step_sync()``
+        from a thread, or every forward inside ``each_forward(model)``) runs on one whole
+        version, and ``span`` says which versions the generation saw (``receiver/spans.py``)."""
+        return Steps(self.lock, lambda: self.version)
 
     @property
     def latest_version(self) -> int | None:

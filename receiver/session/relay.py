@@ -33,7 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 from protocol.codec.buckets import bucket_messages, plan_buckets
-from protocol.errors import StateError, WeightSyncError
+from protocol.errors import ConfigError, StateError, WeightSyncError
 from protocol.net.server import VersionServer
 from protocol.state import StateLike, state_tensors
 from protocol.wire.checksum import state_digest
@@ -79,7 +79,7 @@ class Relay:
         once committed, after ``hooks``' own ``on_commit`` (an engine's install is part of
         the write: a bucket version it fails is never served)."""
         if hooks.on_part is not None:
-            raise WeightSyncError("hooks.on_part is a relay's own")
+            raise ConfigError("hooks: on_part is a relay's own (Receiver(relay_endpoint=) forwards parts with it)")
         return replace(
             hooks, write_guard=self.guard(hooks.write_guard), on_commit=(*hooks.on_commit, self._committed), keep_messages=True,
             on_part=self._passed,
