@@ -68,16 +68,18 @@ class Rollout:
     def __init__(self, proc: asyncio.subprocess.Process, identity: str) -> None:
         self.proc, self.identity = proc, identity
         self.applied: dict[int, tuple[float, str]] = {}  # version -> (arrival, digest)
+        self.events: dict[int, dict[str, Any]] = {}  # version -> its "applied" event
         self.relay_endpoint: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.reader = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def start(cls, identity: str, upstream: str, relay: bool, netns: str | None = None) -> Rollout:
+    async def start(cls, identity: str, upstream: str, relay: bool, netns: str | None = None, extra: tuple[str, ...] = ()) -> Rollout:
         args = [
             *(["ip", "netns", "exec", netns] if netns else []),
             sys.executable, "-m", "receiver", "--endpoint", upstream, "--model", "benchmarks.fanout:rollout_model",
             "--dtype", "bfloat16", "--identity", identity, "--digest", "--peer-timeout", "60", "--log-level", "WARNING",
         ]
+        args += extra
         if relay:
             args += ["--relay-bind", "tcp://127.0.0.1:0"]
         if netns:  # the trainer's end of the veth is not loopback: a test link of this machine
@@ -92,6 +94,7 @@ class Rollout:
             event = json.loads(line)
             if event["event"] == "applied" and event.get("version") is not None:
                 self.applied[event["version"]] = (time.perf_counter(), event["digest"])
+                self.events[event["version"]] = event
             elif event["event"] == "relay" and not self.relay_endpoint.done():
                 self.relay_endpoint.set_result(event["endpoint"])
 

@@ -29,6 +29,10 @@ class SyncStats:
     # receivers before building, and the receivers it left behind to be resynced
     lag_wait_seconds: float = 0.0
     lag_dropped: tuple[str, ...] = ()
+    # commit="together": from publication to the flip, and the receivers it went without
+    # (filled in when the flip is decided: ``await sender.wait_flipped(version)``)
+    flip_seconds: float | None = None
+    flip_missing: tuple[str, ...] = ()
 
     @property
     def changed_fraction(self) -> float:

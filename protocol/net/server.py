@@ -22,6 +22,7 @@ ERROR): whole models are not sent forever to a receiver that will not take them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import types
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ import zmq.asyncio
 from protocol.errors import ConfigError, PeerGone, WeightSyncError, WeightSyncTimeout
 from protocol.net.context import shared_context
 from protocol.net.deliveries import Deliveries, ServerCounts
+from protocol.net.flips import Flip, Flips
 from protocol.net.peers import Peer
 from protocol.net.pump import Pump
 from protocol.net.ring import PatchRing
@@ -84,6 +86,7 @@ class VersionServer:
         insecure_plaintext: bool = False,
         resync_backoff: tuple[float, float] = (0.05, 2.0),
         max_resyncs: int = 8,
+        flips: Flips | None = None,
     ) -> None:
         if ring_size < 1 or max_inflight < 1:
             raise ConfigError("ring_size and max_inflight must be at least 1")
@@ -110,6 +113,9 @@ class VersionServer:
         # The trainer's newest version where this server's own can lag it (a relay: its
         # upstream's latest as last heard); told to receivers with each heartbeat.
         self.upstream_latest: Callable[[], int | None] | None = None
+        # commit="together": receivers stage each version and commit it when it flips (``flips.py``)
+        self.flips = flips
+        self.on_flip: Callable[[Flip], None] | None = None  # told of each flip decided (the Sender fills its stats)
         self._ring = PatchRing(ring_size, ring_bytes)
         self._bucket_frames: tuple[int, list[list[Buffer]]] | None = None  # bucket mode: the current version's messages
         self._resync: tuple[int | None, list[Message]] | None = None
@@ -139,9 +145,52 @@ class VersionServer:
         return upstream
 
     def beat(self) -> Message:
-        """A heartbeat to a receiver: this server's version, and the trainer's latest where that differs."""
+        """A heartbeat to a receiver: this server's version, the trainer's latest where that
+        differs, and under ``flips`` the newest version flipped."""
         latest = self.latest
-        return Message(MessageType.HEARTBEAT, version=self.version, body=Beat(None if latest == self.version else latest).to_body())
+        flipped = None if self.flips is None else self.flips.flipped
+        return Message(MessageType.HEARTBEAT, version=self.version, body=Beat(None if latest == self.version else latest, flipped).to_body())
+
+    def flipped(self, decided: list[Flip]) -> None:
+        """``decided`` flips were made: every receiver is told now (the heartbeats repeat it),
+        and the receivers a flip went without are resynced."""
+        if not decided:
+            return
+        names = {m for flip in decided for m in flip.missing}
+        for peer in list(self._peers.values()):
+            if peer.name in names:
+                self.skip(peer)
+            with contextlib.suppress(PeerGone):  # its pump finds it gone and drops it
+                self.try_send(peer, self.stamp(self.beat()))
+        for flip in decided:
+            log.log(logging.WARNING if flip.missing else logging.DEBUG, "v%s flipped after %.3fs%s", flip.version, flip.seconds or 0.0,
+                    f" without {', '.join(flip.missing)} (not staged: resynced)" if flip.missing else "",
+                    extra={"version": flip.version, "missing": list(flip.missing)})
+            if self.on_flip is not None:
+                self.on_flip(flip)
+
+    async def wait_flipped(self, version: int, timeout: float | None = None) -> Flip:
+        """Wait until ``version`` (or a later one) has flipped; its record."""
+        if self.flips is None:
+            raise WeightSyncError(f"this {self.role} does not commit versions together")
+        flips = self.flips
+
+        async def flipped() -> None:
+            while flips.flipped is None or flips.flipped < version:
+                self.check_running()
+                record = flips.record(version)
+                if record is not None:
+                    await record.done.wait()
+                else:
+                    await asyncio.sleep(self.heartbeat_interval)
+
+        try:
+            await asyncio.wait_for(flipped(), timeout)
+        except asyncio.TimeoutError:
+            raise WeightSyncTimeout(f"timed out after {timeout:.3g}s waiting for v{version} to flip") from None
+        record = flips.record(version)
+        assert record is not None or flips.flipped is not None
+        return record if record is not None else Flip(version, frozenset(), 0.0)
 
     @property
     def endpoint(self) -> str:
@@ -267,6 +316,8 @@ class VersionServer:
         self._resync = self._digest = None
         if version is not None:
             self.deliveries.published(version, self._peers)
+            if self.flips is not None and (self.flips.flipped is None or version > self.flips.flipped):
+                self.flipped(self.flips.published(version, [p.name for p in self._peers.values()]))
         self._wake_all()
         moved, self._moved = self._moved, asyncio.Event()
         moved.set()
@@ -400,6 +451,8 @@ class VersionServer:
         if self._peers.get(peer.identity) is peer:
             del self._peers[peer.identity]
             self.deliveries.left(peer.identity)
+            if self.flips is not None:
+                self.flipped(self.flips.left(peer.name))
             self.transfers.pop(peer.identity, None)
             log.info("receiver %s dropped: %s", peer.name, why, extra={"receiver": peer.name, "reason": why, "version": peer.acked})
             if peer.task is not None and peer.task is not asyncio.current_task():

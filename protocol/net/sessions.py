@@ -11,8 +11,9 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from protocol.errors import UNKNOWN_PEER, PeerGone, ProtocolError, WeightSyncError
+from protocol.errors import UNKNOWN_PEER, ConfigError, PeerGone, ProtocolError, WeightSyncError
 from protocol.net.deliveries import Deliveries, ServerCounts
+from protocol.net.flips import Flip, Flips
 from protocol.net.heartbeat import ticks
 from protocol.net.peers import Peer
 from protocol.net.pump import Pump
@@ -21,7 +22,7 @@ from protocol.net.sockets import RouterSocket
 from protocol.net.source import VersionSource
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, Stamper, decode_message
-from protocol.wire.messages import BEHIND, Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack
+from protocol.wire.messages import BEHIND, Ack, Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,11 @@ class SessionsHost(Protocol):
     @property
     def latest(self) -> int | None: ...
 
+    flips: Flips | None
+
     def beat(self) -> Message: ...
+
+    def flipped(self, decided: list[Flip]) -> None: ...
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[None]: ...
 
@@ -112,6 +117,8 @@ class Sessions:
                     server.try_send(Peer(identity), server.stamp(ErrorReport(UNKNOWN_PEER, "say HELLO").to_message()))
             elif msg.type in (MessageType.ACK, MessageType.HEARTBEAT):
                 below_changed = peer.report_below(msg.body)
+                if server.flips is not None and (staged := _staged(msg)) is not None:
+                    server.flipped(server.flips.staged(peer.name, staged))
                 # Heartbeats repeat the applied version, so a lost ACK is never waited on forever.
                 if msg.version is not None and (peer.acked is None or msg.version > peer.acked):
                     peer.ack(msg.version)
@@ -209,6 +216,9 @@ class Sessions:
         server = self._server
         identity = peer.identity
         said = Hello.from_body(hello.body)
+        if server.flips is not None and not said.flip:
+            raise ConfigError(f"this {server.role} commits versions together (commit='together'): receiver {peer.name} cannot stage "
+                              "a version and wait for the word to commit it (it predates that); upgrade it")
         async with server.lock:  # a new version must not move what is at rest mid-check
             welcome = await server.source.admit(said)
         applied, digest, session = said.applied, said.digest, said.session
@@ -220,7 +230,7 @@ class Sessions:
             greeting, version = [], applied  # already current (e.g. after a restart)
         else:
             version, greeting = await server.resync_messages()
-        welcome_message = replace(welcome, bootstrap=len(greeting)).to_message(version)
+        welcome_message = replace(welcome, bootstrap=len(greeting), together=server.flips is not None).to_message(version)
         peer.sent = version
         peer.acked = None if greeting else version
         peer.inflight = [version] if greeting else []
@@ -234,6 +244,8 @@ class Sessions:
         """Beat to every receiver, and to those whose HELLO is being answered; drop the silent."""
         server = self._server
         async for now, stalled in ticks(server.heartbeat_interval):  # a stalled tick judges no silence
+            if server.flips is not None:
+                server.flipped(server.flips.due(now))
             for peer in list(self._peers.values()):
                 if (silent := peer.silence(now, server.heartbeat_interval)) > server.peer_timeout and not stalled:
                     await server.drop(peer, f"silent for {silent:.1f}s")
@@ -247,6 +259,14 @@ class Sessions:
             # are alive, or it reconnects and its new HELLO starts the answer over.
             for identity in [i for i in self.greeting if i not in self._peers]:
                 server.try_send(Peer(identity), server.stamp(server.beat()))
+
+
+def _staged(msg: Message) -> int | None:
+    """The version a receiver reports staged (``Ack.staged``); None if none, or unreadable."""
+    try:
+        return Ack.from_body(msg.body, msg.type).staged
+    except ProtocolError:
+        return None
 
 
 def _reason(msg: Message) -> str:

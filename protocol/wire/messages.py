@@ -11,7 +11,7 @@ with the reader that has it. ``to_message(version)`` wraps a record in its ``Mes
     HELLO           receiver -> sender  Hello         metadata, who, applied version, digest, session
     WELCOME         sender -> receiver  Welcome       strategy, aliases, bootstrap size
     ACK, HEARTBEAT  receiver -> sender  Ack           a relay's receivers below it
-    HEARTBEAT       sender -> receiver  Beat          the trainer's latest version (from a relay)
+    HEARTBEAT       sender -> receiver  Beat          the trainer's latest version (from a relay), flips
     NACK            receiver -> sender  Nack          why an update was rejected, or BEHIND
     DIGEST_REQUEST  receiver -> sender  DigestRequest nonce; the digest? the metadata?
     DIGEST          sender -> receiver  DigestReply   nonce, state digest, latest
@@ -101,7 +101,8 @@ class _Body:
 class Hello(_Body):
     """A receiver's first message: its model's metadata, its identity, the version it
     holds (``applied``), that version's state digest, and the sender session it last
-    followed (to resume from that sender's ring)."""
+    followed (to resume from that sender's ring). ``flip``: it can stage a version and
+    commit it when told (``Welcome.together``); a receiver that predates it says nothing."""
 
     TYPE: ClassVar[MessageType] = MessageType.HELLO
     metadata: ModelMetadata
@@ -109,9 +110,13 @@ class Hello(_Body):
     applied: int | None = None
     digest: str | None = None
     session: str | None = None
+    flip: bool = False
 
     def to_body(self) -> dict[str, Any]:
-        return {**self.metadata.to_body(), "receiver": self.receiver, "applied": self.applied, "digest": self.digest, "session": self.session}
+        body = {**self.metadata.to_body(), "receiver": self.receiver, "applied": self.applied, "digest": self.digest, "session": self.session}
+        if self.flip:
+            body["flip"] = True
+        return body
 
     @classmethod
     def from_body(cls, body: Mapping[Any, Any]) -> Hello:
@@ -122,6 +127,7 @@ class Hello(_Body):
             applied=_field(k, body, "applied", "an int or nil", _int_or_none, optional=True),
             digest=_field(k, body, "digest", "a string or nil", _str_or_none, optional=True),
             session=_field(k, body, "session", "a string or nil", _str_or_none, optional=True),
+            flip=_field(k, body, "flip", "a bool", _bool, optional=True) or False,
         )
 
 
@@ -132,18 +138,23 @@ class Welcome(_Body):
     (ordinal, state digest) of each tensor it will never send (not tracked, not in the
     bootstrap: a frozen weight under ``init_sync`` off), in the receiver's dtype, for the
     receiver to check it holds the same. Optional on the wire: a peer without it checks
-    nothing."""
+    nothing. ``together``: versions are committed when the server says so (``Beat.flipped``),
+    each staged first and reported (``Ack.staged``); a server only says so to a receiver
+    whose HELLO said ``flip``."""
 
     TYPE: ClassVar[MessageType] = MessageType.WELCOME
     strategy: str
     aliases: tuple[tuple[int, int], ...]
     bootstrap: int
     untracked: tuple[tuple[int, str], ...] = ()
+    together: bool = False
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"strategy": self.strategy, "aliases": [[a, c] for a, c in self.aliases], "bootstrap": self.bootstrap}
         if self.untracked:
             body["untracked"] = [[o, d] for o, d in self.untracked]
+        if self.together:
+            body["together"] = True
         return body
 
     @classmethod
@@ -159,25 +170,32 @@ class Welcome(_Body):
         for pair in untracked:
             if not (isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and _str(pair[1]) and len(pair[1]) <= 64):
                 raise ProtocolError(f"{k.name} body: 'untracked' has a bad entry {pair!r:.60}")
-        return cls(strategy, tuple((a, c) for a, c in aliases), bootstrap, tuple((o, d) for o, d in untracked))
+        together = _field(k, body, "together", "a bool", _bool, optional=True) or False
+        return cls(strategy, tuple((a, c) for a, c in aliases), bootstrap, tuple((o, d) for o, d in untracked), together)
 
 
 @dataclass(frozen=True)
 class Ack(_Body):
     """The body of an ACK or a HEARTBEAT: empty, or, from a relay, ``below``: how many
     receivers it feeds and the lowest version any of them applied (None until all have
-    one). ``TYPE`` is ACK; a heartbeat is ``Message(MessageType.HEARTBEAT, body=...)``."""
+    one); under ``Welcome.together``, ``staged``: the version it holds staged, waiting for
+    the word to commit it. ``TYPE`` is ACK; a heartbeat is ``Message(MessageType.HEARTBEAT, body=...)``."""
 
     TYPE: ClassVar[MessageType] = MessageType.ACK
     below: tuple[int, int | None] | None = None
+    staged: int | None = None
 
     def to_body(self) -> dict[str, Any]:
-        return {} if self.below is None else {"below": list(self.below)}
+        body: dict[str, Any] = {} if self.below is None else {"below": list(self.below)}
+        if self.staged is not None:
+            body["staged"] = self.staged
+        return body
 
     @classmethod
     def from_body(cls, body: Mapping[Any, Any], kind: MessageType = MessageType.ACK) -> Ack:
         below = _field(kind, body, "below", "[receivers >= 0, lowest applied version >= 0 or nil]", _below, optional=True)
-        return cls(None if below is None else (below[0], below[1]))
+        staged = _field(kind, body, "staged", "an int >= 0 or nil", _count_or_none, optional=True)
+        return cls(None if below is None else (below[0], below[1]), staged)
 
 
 def _below(v: object) -> bool:
@@ -189,17 +207,27 @@ class Beat(_Body):
     """The body of a server's HEARTBEAT (the message's version is the server's own):
     ``latest``, the newest version the trainer published as this server last heard it,
     where that is not the server's own (a relay a version behind its upstream). Absent on
-    the wire: the heartbeat's version is the latest. A peer that predates it ignores it."""
+    the wire: the heartbeat's version is the latest. A peer that predates it ignores it.
+    ``flipped`` (under ``Welcome.together``): the newest version every receiver may commit
+    now; sent at once when it moves, and repeated by every heartbeat, so one lost is not waited on."""
 
     TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
     latest: int | None = None
+    flipped: int | None = None
 
     def to_body(self) -> dict[str, Any]:
-        return {} if self.latest is None else {"latest": self.latest}
+        body: dict[str, Any] = {} if self.latest is None else {"latest": self.latest}
+        if self.flipped is not None:
+            body["flipped"] = self.flipped
+        return body
 
     @classmethod
     def from_body(cls, body: Mapping[Any, Any]) -> Beat:
-        return cls(_field(cls.TYPE, body, "latest", "an int >= 0 or nil", _count_or_none, optional=True))
+        k = cls.TYPE
+        return cls(
+            _field(k, body, "latest", "an int >= 0 or nil", _count_or_none, optional=True),
+            _field(k, body, "flipped", "an int >= 0 or nil", _count_or_none, optional=True),
+        )
 
 
 @dataclass(frozen=True)

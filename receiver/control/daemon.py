@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     )
 
     async def on_update(version: int | None) -> None:
-        fields: dict[str, object] = {"version": version, "identity": receiver.identity}
+        # ``at``: the wall clock right after the commit (before the digest below): comparable
+        # across the processes of one machine (benchmarks/flip.py: the spread of a fleet's commits)
+        fields: dict[str, object] = {"version": version, "identity": receiver.identity, "at": time.time()}
         stats = receiver.stats.get(version) if version is not None else None
         if stats is not None:
             fields.update(stats.as_dict())

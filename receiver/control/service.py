@@ -211,7 +211,8 @@ class Receiver(ControlCalls):
         self._task.add_done_callback(self._run_done)
         await self._wait(lambda: self._follower.ready.is_set(), timeout, what="the first handshake")
         if self.relay is not None:
-            self.relay.start()
+            link = self._follower.link
+            self.relay.start(together=link is not None and link.together)
             log.info("receiver %s relays at %s", self.identity, self.relay.server.endpoint)
         return self
 

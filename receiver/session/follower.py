@@ -15,7 +15,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import zmq.asyncio
@@ -122,6 +122,7 @@ class Follower:
         self.lag = LagWatch(settings.heartbeat_interval, settings.peer_timeout)
         self._receiving = False  # a version's messages are arriving, or it is being decoded
         self._awaiting_resync = False  # a NACK was sent: the resync it asked for is coming
+        self._staged: int | None = None  # commit="together": the version staged, waiting for its flip
 
     @property
     def version(self) -> int | None:
@@ -173,7 +174,7 @@ class Follower:
         # From here on, leave_session can end this session.
         self.latest.reset()  # another upstream, or a restarted one, may number its versions anew
         link = self.link = Session(
-            s.identity, heartbeat=lambda: (self.version, self._below()),
+            s.identity, heartbeat=lambda: (self.version, self._report()),
             heartbeat_interval=s.heartbeat_interval, peer_timeout=s.peer_timeout,
             latest=self.latest, news=self._owner.notify, tick=self._tick,
         )
@@ -264,7 +265,7 @@ class Follower:
 
         held = self.version
         try:
-            version = await strategy.init_receiver(owner.state(), recv, link.send, receiver_id=identity, digest=digest)
+            version = await strategy.init_receiver(owner.state(), recv, link.send, receiver_id=identity, digest=digest, flip=True)
         except MetadataMismatchError as e:
             if owner.names is None:
                 raise
@@ -314,10 +315,27 @@ class Follower:
             return frames
 
         async def gate(pending: PendingVersion) -> None:
-            self.pending_version = pending.version
-            self.latest.saw(pending.version)
+            self.pending_version = version = pending.version
+            self.latest.saw(version)
             await owner.notify()
-            await owner.wait(lambda: self.lifecycle.may_commit(pending.version, self.version), None, fail=False)  # paused: wait here, staged
+            # commit="together": staged, reported, and committed once the upstream flips it (a resync commits on arrival)
+            together = link.together and version is not None and pending.type is not MessageType.BOOTSTRAP
+            if together:
+                self._staged = version
+                link.try_send(self._report().to_message(self.version))
+
+            def may() -> bool:  # paused: wait here, staged; together: until flipped, or the session ends (staged copy dropped)
+                if link.broken is not None:
+                    return True
+                flipped = not together or (link.flipped is not None and version is not None and link.flipped >= version)
+                return flipped and self.lifecycle.may_commit(version, self.version)
+
+            try:
+                await owner.wait(may, None, fail=False)
+            finally:
+                self._staged = None
+            if link.broken is not None:
+                raise link.broken
             if self.lifecycle.leaving:
                 raise Leave("asked to leave")
 
@@ -376,6 +394,10 @@ class Follower:
         """A relay tells its parent about the receivers below it (see ``Sender.wait_acked(tree=True)``)."""
         relay = self._owner.relay
         return Ack(None if relay is None else relay.server.subtree())
+
+    def _report(self) -> Ack:
+        """What ACKs and heartbeats say: ``_below``, and the version staged for a flip."""
+        return replace(self._below(), staged=self._staged)
 
     def _record(self, stats: ApplyStats) -> None:
         self._owner.metrics().applied(stats)

@@ -34,6 +34,7 @@ from typing import Any
 
 from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.errors import ConfigError, StateError, WeightSyncError
+from protocol.net.flips import Flips
 from protocol.net.server import VersionServer
 from protocol.state import StateLike, state_tensors
 from protocol.wire.checksum import state_digest
@@ -89,10 +90,16 @@ class Relay:
     def _strategy(self) -> ReceiverBase:
         return self._held()
 
-    def start(self) -> None:
-        """Bind and serve; the receiver has completed its first handshake."""
-        server = self.server
-        server.moved(self._strategy.version)
+    def start(self, together: bool = False) -> None:
+        """Bind and serve; the receiver has completed its first handshake. ``together``: its
+        upstream flips versions (``commit="together"``): so does this relay, for its children,
+        once it has committed each itself."""
+        server, version = self.server, self._strategy.version
+        if together:
+            server.flips = Flips(follow=True)
+        server.moved(version)
+        if server.flips is not None and version is not None:  # what it holds is flipped already
+            server.flips.decide(version)
         if self._strategy.session is not None:
             server.stamp.session = self._strategy.session
         server.start(self, Limits.for_control(state_tensors(self._state())))
@@ -144,19 +151,21 @@ class Relay:
         if pending.type is MessageType.PATCH and version is not None and self._open == (pending.base_version, version):
             self._open = None  # every part is out already
             server.moved(version)
-            return
-        self._abandon_open()
-        self._follow_lineage()
-        if pending.type is MessageType.PATCH and version is not None and messages:
-            server.moved(version)
-            for i, msg in enumerate(messages):  # every part: the relay applied them all
-                server.publish_patch(pending.base_version, version, server.stamp(msg), last=i + 1 == len(messages))
-        elif pending.type is MessageType.BUCKET and version is not None:
-            server.moved(version)
-            server.publish_buckets(version, [server.stamp(m) for m in messages])
-        else:  # a bootstrap (a resync from upstream): children behind it are resynced too
-            server.forget()
-            server.moved(version)
+        else:
+            self._abandon_open()
+            self._follow_lineage()
+            if pending.type is MessageType.PATCH and version is not None and messages:
+                server.moved(version)
+                for i, msg in enumerate(messages):  # every part: the relay applied them all
+                    server.publish_patch(pending.base_version, version, server.stamp(msg), last=i + 1 == len(messages))
+            elif pending.type is MessageType.BUCKET and version is not None:
+                server.moved(version)
+                server.publish_buckets(version, [server.stamp(m) for m in messages])
+            else:  # a bootstrap (a resync from upstream): children behind it are resynced too
+                server.forget()
+                server.moved(version)
+        if server.flips is not None and version is not None:  # the relay flipped: its children commit now
+            server.flipped(server.flips.decide(version))
 
     # -- VersionSource: what the server asks ----------------------------------------------
     async def admit(self, hello: Hello) -> Welcome:

@@ -31,7 +31,7 @@ from protocol.net.sockets import DealerSocket
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type
 from protocol.wire.limits import Limits
-from protocol.wire.messages import Ack, Beat, DigestReply, DigestRequest, ErrorReport
+from protocol.wire.messages import Ack, Beat, DigestReply, DigestRequest, ErrorReport, Welcome
 
 from .lag import Latest
 
@@ -94,6 +94,9 @@ class Session:
         self._last_seen = time.monotonic()
         self.data_at = self._last_seen  # when a message other than a heartbeat last arrived (or its bytes did)
         self.sender_version: int | None = None  # the version the upstream's last heartbeat named (its own)
+        self.together = False  # its WELCOME said versions commit when it flips them
+        self.flipped: int | None = None  # the newest version it flipped (its heartbeats say)
+        self.broken: BaseException | None = None  # what ends this session, once queued (a waiter not reading the inbox sees it)
 
     @property
     def is_open(self) -> bool:
@@ -179,7 +182,17 @@ class Session:
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled():  # a reader that dies must end the session, not hang it
-            self._inbox.put_nowait(Reconnect(f"socket task failed: {task.exception()!r}"))
+            self.broken = Reconnect(f"socket task failed: {task.exception()!r}")
+            self._inbox.put_nowait(self.broken)
+            if self._news is not None:  # owned by the session: close() ends it with the others
+                self._tasks.append(asyncio.ensure_future(self._news()))
+
+    async def _end(self, why: BaseException) -> None:
+        """``why`` ends this session: queued for the reader, and told to whoever waits elsewhere."""
+        self.broken = why
+        self._inbox.put_nowait(why)
+        if self._news is not None:
+            await self._news()
 
     async def _read(self, sock: DealerSocket) -> None:
         """Route what arrives: heartbeats and DIGEST replies here, the end of the session
@@ -197,7 +210,11 @@ class Session:
                 with contextlib.suppress(WeightSyncError):  # a bad one is skipped: the next says the same
                     beat = decode_message(frames)
                     self.sender_version = beat.version
-                    if self.latest.beat(_newest(beat.version, Beat.from_body(beat.body).latest), now) and self._news is not None:
+                    said = Beat.from_body(beat.body)
+                    flipped = said.flipped is not None and (self.flipped is None or said.flipped > self.flipped)
+                    if flipped:
+                        self.flipped = said.flipped
+                    if (self.latest.beat(_newest(beat.version, said.latest), now) or flipped) and self._news is not None:
                         await self._news()
                 continue
             if kind is MessageType.DIGEST:
@@ -210,11 +227,17 @@ class Session:
                 # connection's patch still on its way): this session starts at WELCOME.
                 log.info("receiver %s: dropped a %s sent before this session's WELCOME", self.identity, kind.name)
                 continue
+            if kind is MessageType.WELCOME:
+                with contextlib.suppress(WeightSyncError):  # the strategy reads it again, and refuses a bad one
+                    self.together = Welcome.from_body(decode_message(frames).body).together
             welcomed = welcomed or kind is MessageType.WELCOME
             ends = Reconnect("the sender said goodbye") if kind is MessageType.BYE else None
             if kind is MessageType.ERROR:
                 ends = _ending(frames)
-            inbox.put_nowait(frames if ends is None else ends)
+            if ends is None:
+                inbox.put_nowait(frames)
+            else:
+                await self._end(ends)
 
     async def _beat(self, sock: DealerSocket) -> None:
         received = sock.bytes_received()
@@ -229,7 +252,7 @@ class Session:
                 self._tick(now)
             silent = now - self._last_seen
             if silent > self.peer_timeout and not stalled:
-                self._inbox.put_nowait(Reconnect(f"no message from the sender for {silent:.1f}s"))
+                await self._end(Reconnect(f"no message from the sender for {silent:.1f}s"))
 
     def _answer(self, frames: Sequence[Buffer]) -> bool:
         """A DIGEST reply: resolves the ``ask`` waiting for its nonce; True if it named a

@@ -97,16 +97,19 @@ class ReceiverBase(WriteSide):
         *,
         receiver_id: str = "",
         digest: str | None = None,
+        flip: bool = False,
     ) -> int | None:
         """Send HELLO with this model's metadata, then take WELCOME and apply the bootstrap.
 
         Returns the version the receiver is at afterwards (None when the sender has none).
+        ``flip``: the caller stages versions and commits each when its server flips it
+        (a ``Receiver`` does; a sender with ``commit="together"`` refuses the others).
         """
         tensors = state_tensors(model)
         self.metadata = ModelMetadata.of(tensors)
         self._own_ties = find_aliases(tensors)
         # session: the sender session it last followed, to resume from its ring
-        hello = Hello(self.metadata, receiver=receiver_id, applied=self.version, digest=digest, session=self.session)
+        hello = Hello(self.metadata, receiver=receiver_id, applied=self.version, digest=digest, session=self.session, flip=flip)
         await send(encode_message(hello.to_message(self.version)))
         self.session = None  # WELCOME may come from a new sender session
         await self.prepare()  # while the sender builds the bootstrap

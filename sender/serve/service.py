@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, WeightSyncError
+from protocol.net.flips import Flip, Flips
 from protocol.net.peers import Peer
 from protocol.net.security import CurveServer
 from protocol.net.server import VersionServer
@@ -62,6 +63,13 @@ class Sender:
     (the default) only counts them. ``SyncStats.lag_wait_seconds`` and ``lag_dropped``, the
     metrics and ``python -m sender status`` report it.
 
+    ``commit="together"`` flips the fleet at once (``protocol/net/flips.py``): every
+    receiver stages each version and reports it; when all the receivers connected at its
+    publication have staged it (or ``quorum`` of them, or ``stage_timeout`` passed: the
+    others are resynced and named in ``SyncStats.flip_missing``), every receiver is told to
+    commit it from its staged copy. ``wait_flipped`` waits for that. A receiver that cannot
+    (of an older protocol) is refused at HELLO.
+
     A receiver that NACKs its resyncs one after another is resynced later each time
     (``resync_backoff``: first and largest delay, doubling) and, after ``max_resyncs`` in a
     row with no ACK between, dropped with a ``ResyncLimitError`` sent to it and logged.
@@ -98,12 +106,19 @@ class Sender:
         max_lag: int | None = None,
         lag_policy: str = "off",
         lag_timeout: float = 60.0,
+        commit: str = "independent",
+        quorum: int | None = None,
+        stage_timeout: float = 30.0,
     ) -> None:
+        if commit not in ("independent", "together"):
+            raise ConfigError(f"commit must be 'independent' or 'together', got {commit!r}")
+        self.commit = commit
         self.server = VersionServer(
             endpoint, ring_size=ring_size, ring_bytes=ring_bytes, max_inflight=max_inflight, heartbeat_interval=heartbeat_interval,
             peer_timeout=peer_timeout, context=context, curve=curve, insecure_plaintext=insecure_plaintext,
-            resync_backoff=resync_backoff, max_resyncs=max_resyncs,
+            resync_backoff=resync_backoff, max_resyncs=max_resyncs, flips=Flips(quorum, stage_timeout) if commit == "together" else None,
         )
+        self.server.on_flip = self._flipped
         self._limits = limits
         self.lag = LagBound(max_lag, lag_policy, lag_timeout)  # checked before anything starts
         self.config = load_config(config)
@@ -201,6 +216,8 @@ class Sender:
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
+        if self.server.flips is not None and (flip := self.server.flips.record(version)) is not None and flip.decided_at is not None:
+            self._flipped(flip)  # decided at publication (no receiver to wait for)
         return stats
 
     async def publish(
@@ -269,7 +286,20 @@ class Sender:
         self.stats[version] = stats
         while len(self.stats) > self._stats_history:
             self.stats.popitem(last=False)
+        if self.server.flips is not None and (flip := self.server.flips.record(version)) is not None and flip.decided_at is not None:
+            self._flipped(flip)  # decided at publication (no receiver to wait for)
         return stats
+
+    def _flipped(self, flip: Flip) -> None:
+        stats = self.stats.get(flip.version)
+        if stats is not None:
+            stats.flip_seconds, stats.flip_missing = flip.seconds, flip.missing
+
+    async def wait_flipped(self, version: int, timeout: float | None = None) -> Flip:
+        """Under ``commit="together"``: wait until ``version`` has flipped (every receiver
+        connected at its publication staged it, or ``quorum`` did, or ``stage_timeout``
+        passed); its record (``missing``: the receivers it went without, resynced)."""
+        return await self.server.wait_flipped(version, timeout)
 
     async def _bound_lag(self, version: int) -> tuple[float, list[Peer]]:
         """The staleness bound ahead of ``version`` (``sender/serve/lag.py``), outside the
