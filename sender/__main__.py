@@ -72,6 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; loopback unless --metrics-token)")
     p.add_argument("--metrics-token", default=os.environ.get(METRICS_TOKEN_ENV),
                    help=f"bearer token the metrics endpoint requires (needed off loopback; default ${METRICS_TOKEN_ENV})")
+    p.add_argument("--max-lag", type=int, help="staleness bound in versions (Sender(max_lag=)): see --lag-policy")
+    p.add_argument("--lag-policy", choices=("off", "wait", "drop"), default="off",
+                   help="receivers more than --max-lag behind at a new version: wait for them, drop (resync) them, or only count them")
+    p.add_argument("--lag-timeout", type=float, default=60.0, help="seconds --lag-policy wait waits before the version fails")
+    p.add_argument("--commit", choices=("independent", "together"), default="independent",
+                   help="together: every receiver commits each version at once, when all staged it (one flip for the fleet)")
+    p.add_argument("--quorum", type=int, help="--commit together: flip once this many receivers staged (default: all)")
+    p.add_argument("--stage-timeout", type=float, default=30.0, help="--commit together: flip without the rest after this many seconds")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--verbose", action="store_true", help="a fatal error's whole traceback, not one line")
     p.add_argument("--log-format", choices=FORMATS, default="text", help="text, or json: one object a line with the fields as keys")
@@ -84,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.curve = None if args.curve_secret is None else CurveServer.from_files(args.curve_secret, args.curve_allow)
     except ConfigError as e:
         p.error(str(e))
+    # the Sender's staleness bound and commit mode, checked by it (a bad value is a ConfigError, exit 2)
+    args.policy = {"max_lag": args.max_lag, "lag_policy": args.lag_policy, "lag_timeout": args.lag_timeout,
+                   "commit": args.commit, "quorum": args.quorum, "stage_timeout": args.stage_timeout}
     args.load_strategy = args.load_strategy or ("ipc" if args.shm else "ipc_snapshot")
     if args.load_strategy == "ipc" and not args.shm:
         p.error("--load-strategy ipc needs --shm NAME")
@@ -181,7 +192,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.endpoint, args.config, ring_size=args.ring_size, ring_bytes=args.ring_bytes, max_inflight=args.max_inflight,
         heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout,
         curve=args.curve, insecure_plaintext=args.insecure_plaintext, context=shared_context(args.io_threads),
-        metrics_address=args.metrics_address, metrics_token=args.metrics_token,
+        metrics_address=args.metrics_address, metrics_token=args.metrics_token, **args.policy,
     )
     async with sender:
         await sender.start(model, version=version)

@@ -237,3 +237,16 @@ async def test_a_held_receiver_commits_a_flipped_version_when_asked(fleet: Any) 
     assert held.version == 0 and held.pending_version == v  # flipped, staged, not asked yet
     assert await held.update_weights(version=v, timeout=T) == v
     await assert_matches(held, f.trainer, v)
+
+
+def test_the_sender_cli_passes_the_commit_mode_and_the_staleness_bound() -> None:
+    from sender.__main__ import parse_args
+
+    args = parse_args(["--watch", "/tmp", "--commit", "together", "--quorum", "3", "--stage-timeout", "5",
+                       "--max-lag", "2", "--lag-policy", "wait", "--lag-timeout", "9"])
+    assert args.policy == {"max_lag": 2, "lag_policy": "wait", "lag_timeout": 9.0, "commit": "together", "quorum": 3, "stage_timeout": 5.0}
+    sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **args.policy)
+    assert sender.commit == "together" and sender.server.flips is not None and sender.server.flips.quorum == 3
+    assert (sender.lag.max_lag, sender.lag.policy, sender.lag.timeout) == (2, "wait", 9.0)
+    with pytest.raises(ConfigError, match="max_lag"):
+        Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **parse_args(["--watch", "/tmp", "--lag-policy", "drop"]).policy)

@@ -125,6 +125,7 @@ class ShmSidecar:
             heartbeat_interval=a.heartbeat, peer_timeout=a.peer_timeout,
             curve=getattr(a, "curve", None), insecure_plaintext=getattr(a, "insecure_plaintext", False), context=self._context,
             metrics_address=getattr(a, "metrics_address", None), metrics_token=getattr(a, "metrics_token", None),
+            **getattr(a, "policy", {}),
         )
         await self.sender.start(self.views, version=version)
         report("listening", endpoint=self.sender.endpoint, version=version, session=self.sender.session, shm=a.shm,
