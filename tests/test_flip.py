@@ -4,6 +4,7 @@ receivers over TCP loopback, real AdamW steps; failures through the impairing pr
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -250,3 +251,24 @@ def test_the_sender_cli_passes_the_commit_mode_and_the_staleness_bound() -> None
     assert (sender.lag.max_lag, sender.lag.policy, sender.lag.timeout) == (2, "wait", 9.0)
     with pytest.raises(ConfigError, match="max_lag"):
         Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **parse_args(["--watch", "/tmp", "--lag-policy", "drop"]).policy)
+
+
+async def test_sleep_while_a_version_waits_for_its_flip_does_not_hang(fleet: Any) -> None:
+    """A receiver staged and waiting for a flip that is held up (a peer never stages) is put
+    to sleep: it leaves at once, never committing the staged version (its weights released:
+    it holds none); woken, it rejoins and ends on what flipped."""
+    f = await fleet(commit="together", stage_timeout=2.0)
+    host, port = f.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    stall = Stall(lambda w: w.type == MessageType.PATCH and w.version == 1, fraction=0.5, finish=False)
+    async with Proxy((host, int(port)), tamper=stall) as slow_path:
+        await f.receiver("slow", slow_path.endpoint, peer_timeout=20.0)
+        r = await f.receiver("r")
+        v = await f.trainer.step_and_sync(f.sender)
+        await wait_until(lambda: r.pending_version == v)
+        await asyncio.wait_for(r.sleep(), 5)
+        assert r.version is None and 1 not in f.commits  # asleep: no weights, and v1 never committed
+        await f.sender.wait_flipped(v, timeout=T)
+        await r.wakeup(timeout=T)
+        await r.wait_for_version(v, timeout=T)
+        await assert_matches(r, f.trainer, v)
+        stall.release()

@@ -325,7 +325,7 @@ class Follower:
                 link.try_send(self._report().to_message(self.version))
 
             def may() -> bool:  # paused: wait here, staged; together: until flipped, or the session ends (staged copy dropped)
-                if link.broken is not None:
+                if link.broken is not None or self.lifecycle.leaving:
                     return True
                 flipped = not together or (link.flipped is not None and version is not None and link.flipped >= version)
                 return flipped and self.lifecycle.may_commit(version, self.version)
