@@ -185,7 +185,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._names: dict[str, str] = {}  # trainer name -> this engine's checkpoint name
         self.last_timing: dict[str, float] = {}  # the last update: commit and re-pack seconds (benchmarks/vllm_hold.py)
         self.prepack = False
-        self.totals = {"updates": 0, "layers_installed": 0, "layers_repacked": 0, "layers_reloaded": 0}  # since init
+        self.totals = {"updates": 0, "layers_installed": 0, "layers_repacked": 0, "layers_reloaded": 0, "layers_shadowed": 0}  # since init
         # The staged version's layers, re-packed ahead on copies; installed inside its commit.
         self._ahead: _Ahead | None = None
         self._installed = 0  # layers installed by the commits of the update in progress
@@ -216,6 +216,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._keys, self._names = trainer.keys, names
             self.check_writes = init_info.check_writes
             self.prepack = init_info.prepack and bool(layout.shadows)
+            # layers vLLM re-packs into kernel copies here (0 where this CPU's vLLM keeps the
+            # loaded weights, e.g. oneDNN linear unavailable): only those can be re-packed ahead
+            self.totals["layers_shadowed"] = len(layout.shadows)
             receiver = Receiver(
                 state, init_info.endpoints, init_info.config, hold=True, identity=self._identity(),
                 curve=curve, insecure_plaintext=init_info.insecure_plaintext,
@@ -259,7 +262,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         layers = self.layout.repack(stale)
         (checked_s, checked), self._checked = self._checked, (0.0, 0)
         self.last_timing = {"commit_s": committed - started, "repack_s": time.perf_counter() - committed,
-                            "check_s": checked_s, "checked_tensors": checked, "layers_installed": installed, "layers_repacked": layers}
+                            "check_s": checked_s, "checked_tensors": checked, "layers_installed": installed, "layers_repacked": layers,
+                            "layers_shadowed": len(self.layout.shadows)}
         self.totals["updates"] += 1
         self.totals["layers_installed"] += installed
         self.totals["layers_repacked"] += layers
