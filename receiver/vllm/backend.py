@@ -55,6 +55,7 @@ from ..strategy.base import PendingVersion, StrategyHooks
 from .kinds import How
 from .layout import Layout, Prepack, derive_layout
 from .reload import reload
+from .steps import StepVersions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -193,6 +194,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.check_writes = 0
         self._checked = (0.0, 0)  # reading back the update in progress's writes: seconds (of its commit), tensors
         self._check_rng = random.Random()
+        self.step_versions: StepVersions | None = None  # which version each engine step ran with (steps.py)
+        self._step_hook: torch.utils.hooks.RemovableHandle | None = None
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -225,6 +228,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 hooks=StrategyHooks(on_commit=(self._committed,), on_staged=self._prepack if layout.shadows else None),
             )
             self.receiver = receiver
+            self.step_versions = StepVersions(lambda: receiver.version)
+            self._step_hook = self.model.register_forward_pre_hook(self.step_versions.forward)
             self._log_kinds(layout)
             thread.run(receiver.start(init_info.timeout), init_info.timeout + 5, "the handshake and bootstrap")
             layers = layout.repack(layout.layers_of(names.values()))
@@ -276,6 +281,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def shutdown(self) -> None:
         receiver, thread = self.receiver, self._thread
         self.receiver = self._thread = None
+        if self._step_hook is not None:  # step_versions stays readable: what ran, up to here
+            self._step_hook.remove()
+            self._step_hook = None
         if thread is None:
             return
         try:
