@@ -40,9 +40,9 @@ def run_example(*args: str, env: dict[str, str] | None = None, timeout: float = 
 
 
 def check(summary: dict[str, Any], steps: int) -> None:
-    # AdapterMismatchError in the worker; vLLM's RPC re-raises its message
-    assert summary["refused"] and "has shape (8, 128)" in summary["refused"], summary["refused"]
-    assert all(r == [] for r in summary["registered_after_refusal"]), summary["registered_after_refusal"]
+    if summary["tp"] == 1:  # AdapterMismatchError in the worker; vLLM's RPC re-raises its message
+        assert summary["refused"] and "has shape (8, 128)" in summary["refused"], summary["refused"]
+        assert summary["registered_after_refusal"] == [[]], summary["registered_after_refusal"]
     versions = summary["versions"]
     assert [v["version"] for v in versions] == list(range(1, steps + 1))
     for v in versions:
