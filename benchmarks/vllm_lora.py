@@ -10,9 +10,9 @@ the ``weightsync`` backend with ``init_info.lora``. Per version:
 * ``adapter_wire_bytes``: what the Sender tracking the adapters sent (every frame);
 * ``merged_wire_bytes``: what a second Sender, tracking the same model with adapter
   ``default`` merged into its base weights (W + B A alpha / r, the merged reload), sends as a
-  weightsync patch of that version (measured: a low-rank update changes nearly every
-  element of a merged matrix, so its tensors travel dense); ``dense_bytes`` the whole bf16
-  checkpoint a dense reload sends;
+  weightsync patch of that version to a bf16 ``Receiver`` of its own (measured: a low-rank
+  update changes nearly every element of a merged matrix, so its tensors travel dense);
+  ``dense_bytes`` the whole bf16 checkpoint a dense reload sends;
 * ``hold_s``: ``start_weight_update`` .. ``finish_weight_update`` through the ``LLM`` API,
   as a caller sees it (vLLM drops and weightsync re-registers the adapters inside
   ``finish``); ``commit_s`` / ``check_s``: the worker's commit, and its read-back within it.
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from examples.vllm_lora import CONFIG, Trainer, engine_state, make_engine
     from examples.vllm_rollout import tiny_config
+    from receiver import Receiver
     from sender import Sender
 
     config = tiny_config(True, args.layers, args.hidden, args.heads, args.kv_heads)
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     merged = Sender("tcp://127.0.0.1:0", CONFIG)
     trainer.run(merged.__aenter__())
     trainer.run(merged.start(trainer.merged_state(), version=0))
+    rollout = Receiver({k: v.to(torch.bfloat16) for k, v in trainer.merged_state().items()}, merged.endpoint, CONFIG, identity="merged")
+    trainer.run(rollout.__aenter__())
+    trainer.run(rollout.start(timeout=120))
     workdir = tempfile.mkdtemp(prefix="weightsync-lora-bench-")
     trainer.base.config.save_pretrained(workdir)
     save_file(trainer.base_state, f"{workdir}/model.safetensors")
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         step = trainer.step()
         stats = trainer.run(merged.sync(trainer.merged_state(), version=trainer.version))
         trainer.run(merged.flush())
+        trainer.run(rollout.wait_for_version(trainer.version, timeout=60))
         started = time.perf_counter()
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": trainer.version, "timeout": 60}})
@@ -100,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                   "adapters": 2, "adapter_bytes": trainer.adapter_bytes(), "merged_target_bytes": trainer.merged_bytes()[0]},
         "init_s": round(init_s, 3), "rows": rows, "medians": medians,
     }
+    trainer.run(rollout.__aexit__(None, None, None))
     trainer.run(merged.__aexit__(None, None, None))
     trainer.close()
     args.json.parent.mkdir(parents=True, exist_ok=True)
