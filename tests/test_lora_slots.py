@@ -91,3 +91,129 @@ def test_the_read_back_finds_what_set_lora_wrote(kind: str, tp: int) -> None:
         assert set(seen_a[s]) == set(range(R * n_in)) and set(seen_b[s]) == set(range(n_out * R))
         assert set(seen_a[s].values()) == ({1} if sharded_a or tp == 1 else {tp})
         assert set(seen_b[s].values()) == ({1} if sharded_b or tp == 1 else {tp})
+
+
+def _manager(tp: int, rank: int) -> tuple[nn.Module, object]:
+    """A vLLM LRU LoRA manager over two layers (a packed q/k/v and a row-parallel down_proj)
+    of one TP rank: vLLM's own registration, activation and ``set_lora``, no engine."""
+    from types import SimpleNamespace
+
+    from vllm.lora.model_manager import AdapterLRUCache, LRUCacheLoRAModelManager
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    built = layers(tp, rank)
+    qkv, down = built["qkv_proj"][0], built["down_proj"][0]
+    qkv_base = object.__new__(QKVParallelLinear)
+    nn.Module.__init__(qkv_base)
+    for k, v in {"input_size": HIDDEN, "total_num_heads": 4, "total_num_kv_heads": 2, "head_size": HEAD,
+                 "output_sizes": [HIDDEN, 2 * HEAD, 2 * HEAD]}.items():
+        setattr(qkv_base, k, v)
+    qkv_base.weight = nn.Parameter(torch.randn(HIDDEN + 4 * HEAD, HIDDEN).to(torch.bfloat16), requires_grad=False)
+    down_base = nn.Linear(2 * HIDDEN, HIDDEN, bias=False).to(torch.bfloat16)
+    down_base.input_size, down_base.output_size = 2 * HIDDEN, HIDDEN
+    qkv.base_layer, down.base_layer = qkv_base, down_base
+    manager = object.__new__(LRUCacheLoRAModelManager)
+    model = nn.Module()
+    model.lora_manager = manager
+    names = {"model.layers.0.self_attn.qkv_proj": qkv, "model.layers.0.mlp.down_proj": down}
+    attrs = {
+        "lora_config": SimpleNamespace(fully_sharded_loras=False, max_lora_rank=MAX_RANK, max_loras=SLOTS, max_cpu_loras=4,
+                                       lora_dtype=torch.bfloat16),
+        "modules": names, "model": model, "lora_index_to_id": [None] * SLOTS,
+        "packed_modules_mapping": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]},
+        "packed_modules": {"model.layers.0.self_attn.qkv_proj": [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]},
+        "is_pooling_model": False, "_enable_mixed_moe_lora_format": False, "_enable_moe_shared_loras": False, "_is_non_gated_moe": False,
+    }
+    for k, v in attrs.items():
+        setattr(manager, k, v)
+    manager._registered_adapters = AdapterLRUCache(4, manager.deactivate_adapter)
+    manager._active_adapters = AdapterLRUCache(SLOTS, manager._deactivate_adapter)
+    return model, manager
+
+
+def _trainer(r: int = R) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for parent, leaf, n_in, n_out in [("self_attn", "q_proj", HIDDEN, HIDDEN), ("self_attn", "k_proj", HIDDEN, 2 * HEAD),
+                                      ("self_attn", "v_proj", HIDDEN, 2 * HEAD), ("mlp", "down_proj", 2 * HIDDEN, HIDDEN)]:
+        stem = f"base_model.model.model.layers.0.{parent}.{leaf}"
+        out += [(f"{stem}.lora_A.default.weight", (r, n_in)), (f"{stem}.lora_B.default.weight", (n_out, r))]
+    return out
+
+
+LORA = {"default": {"id": 7, "name": "policy", "r": R, "lora_alpha": 12, "target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}}
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 0), (2, 1)])
+def test_a_commit_lands_in_place_equals_vllms_own_build_and_is_read_back(tp: int, rank: int) -> None:
+    """The first commit registers and pins the adapter; a later one writes the registered
+    copy in place (same tensors) and the slot; the result equals what vLLM's own build of
+    the same matrices (from_lora_tensors, packing, B scaled by 12 / 4) puts in the slot,
+    after vLLM drops every adapter at the end of a weight update; the read-back passes,
+    and fails on a slot element, a registered element or a base weight written behind it."""
+    import random
+
+    from protocol.errors import WriteCheckError
+    from receiver.apply.commit import StagedUpdate
+    from receiver.vllm.adapters import parse_specs
+    from receiver.vllm.lora import AdapterSlots
+
+    model, manager = _manager(tp, rank)
+    slots = AdapterSlots(model, _trainer(), parse_specs(LORA))
+    torch.manual_seed(0)
+    for t in slots.buffers.values():
+        t.copy_(torch.randn(t.shape))
+    slots.commit(list(slots.buffers))
+    assert set(manager.list_adapters()) == {7} and 7 in manager.lora_index_to_id
+    index = manager.lora_index_to_id.index(7)
+    registered = manager.get_adapter(7)
+    before = {id(t) for w in registered.loras.values() for t in (w.lora_a if isinstance(w.lora_a, list) else [w.lora_a])}
+    changed = [n for n in slots.buffers if "k_proj.lora_B" in n or "down_proj.lora_A" in n]
+    for n in changed:
+        slots.buffers[n].reshape(-1)[::3] += 1.0
+    slots.commit(changed)
+    assert manager.get_adapter(7) is registered
+    assert before == {id(t) for w in registered.loras.values() for t in (w.lora_a if isinstance(w.lora_a, list) else [w.lora_a])}
+    stacked = {name: [t[index].clone() for t in (m.lora_a_stacked + m.lora_b_stacked)] for name, m in manager.modules.items()}
+    manager.remove_all_adapters()  # what finish_weight_update does: vLLM drops it, weightsync builds it again as vLLM would
+    assert 7 in manager.lora_index_to_id and manager.get_adapter(7) is not registered
+    index = manager.lora_index_to_id.index(7)
+    for name, m in manager.modules.items():
+        for got, want in zip([t[index] for t in (m.lora_a_stacked + m.lora_b_stacked)], stacked[name]):
+            assert torch.equal(got, want), name
+    writes = [(n, StagedUpdate(i, None, t.clone())) for i, (n, t) in enumerate(slots.buffers.items())]
+    rng = random.Random(0)
+    assert slots.check(writes, 64, rng) == 2 * len(writes)  # each in its registered copy and its slot
+    for behind in ("a slot element", "a registered element", "a base weight"):
+        model, manager = _manager(tp, rank)
+        slots = AdapterSlots(model, _trainer(), parse_specs(LORA))
+        for t in slots.buffers.values():
+            t.copy_(torch.randn(t.shape))
+        slots.commit(list(slots.buffers))
+        index = manager.lora_index_to_id.index(7)
+        qkv = manager.modules["model.layers.0.self_attn.qkv_proj"]
+        writes = [(n, StagedUpdate(i, None, t.clone())) for i, (n, t) in enumerate(slots.buffers.items())]
+        if behind == "a slot element":
+            qkv.lora_b_stacked[1][index].add_(1.0)
+        elif behind == "a registered element":
+            manager.get_adapter(7).loras["model.layers.0.mlp.down_proj"].lora_a.add_(1.0)
+        else:
+            qkv.base_layer.weight.data.add_(1.0)
+        with pytest.raises(WriteCheckError):
+            slots.check(writes, 10_000, rng)  # every element: the corrupted ones are among them
+
+
+def test_an_adapter_that_does_not_fit_leaves_the_manager_untouched() -> None:
+    from protocol.errors import AdapterMismatchError
+    from receiver.vllm.adapters import parse_specs
+    from receiver.vllm.lora import AdapterSlots
+
+    model, manager = _manager(1, 0)
+    slots_before = [t.clone() for m in manager.modules.values() for t in m.lora_a_stacked + m.lora_b_stacked]
+    for lora, tensors in (({"default": {**LORA["default"], "r": 2}}, _trainer()),  # rank other than the trainer's
+                          ({"default": {**LORA["default"], "target_modules": ["q_proj", "k_proj", "v_proj"]}}, _trainer())):
+        with pytest.raises(AdapterMismatchError):
+            AdapterSlots(model, tensors, parse_specs(lora))
+    assert manager.list_adapters() == {} and manager.lora_index_to_id == [None] * SLOTS
+    assert "remove_all_adapters" not in vars(manager)  # not wrapped
+    after = [t for m in manager.modules.values() for t in m.lora_a_stacked + m.lora_b_stacked]
+    assert all(torch.equal(a, b) for a, b in zip(slots_before, after))
