@@ -112,7 +112,13 @@ class SlotView(Placed):
 class AdapterSlots:
     """The adapters ``init_info.lora`` declares, on one worker: their buffers (the
     receiver's state), where each lands, and the writes into vLLM's copies. Built (and
-    every check made) before the receiver starts, so a refused adapter writes nothing."""
+    every check made) before the receiver starts, so a refused adapter writes nothing.
+
+    Not locked: ``commit`` and ``check`` run in the receiver's commit (its event-loop
+    thread), the wrapped ``remove_all_adapters`` on vLLM's worker thread. They never
+    overlap: the receiver is held (``hold=True``), so it commits only while the worker
+    thread waits in ``init_weight_transfer_engine`` or ``update_weights``, never during
+    ``finish_weight_update`` or a forward pass."""
 
     def __init__(self, model: torch.nn.Module, tensors: Sequence[tuple[str, tuple[int, ...]]], specs: dict[str, AdapterSpec]) -> None:
         manager = getattr(model, "lora_manager", None)
