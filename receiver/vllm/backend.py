@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -56,6 +56,9 @@ from .adapters import parse_specs
 from .kinds import How
 from .layout import Layout, Prepack, derive_layout
 from .reload import reload
+
+if TYPE_CHECKING:
+    from .lora import AdapterSlots
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -200,7 +203,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.check_writes = 0
         self._checked = (0.0, 0)  # reading back the update in progress's writes: seconds (of its commit), tensors
         self._check_rng = random.Random()
-        self.adapters: Any = None  # init_info.lora: the adapters' slots (receiver/vllm/lora.py), else None
+        self.adapters: AdapterSlots | None = None  # init_info.lora: the adapters' slots (receiver/vllm/lora.py)
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -293,6 +296,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.receiver = self._thread = None
         if self.adapters is not None:
             self.adapters.close()
+            self.adapters = None
         if thread is None:
             return
         try:
