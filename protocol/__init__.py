@@ -12,6 +12,7 @@ keeps these boundaries.
 from protocol.codec.compress import Codec
 from protocol.config import BucketConfig, InitSyncConfig, PatchConfig, SyncConfig, load_config
 from protocol.errors import (
+    AdapterMismatchError,
     CheckpointError,
     ConfigError,
     GatherOrderError,
@@ -49,6 +50,7 @@ from protocol.wire.metadata import ModelMetadata
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AdapterMismatchError",
     "BucketConfig",
     "BufferSpec",
     "Codec",

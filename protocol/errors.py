@@ -84,6 +84,13 @@ class WriteCheckError(PlacementError):
     The version is not published; names the tensor and the element."""
 
 
+class AdapterMismatchError(ConfigError):
+    """A trainer's LoRA adapter does not fit the engine's adapter slots (a rank above the
+    engine's ``max_lora_rank`` or other than declared, a module the engine has no LoRA layer
+    for or that is not a declared target, a shape other than the module's, too many
+    adapters for its slots). Raised before anything is written; names the first problem."""
+
+
 class GatherOrderError(WeightSyncError):
     """A gather the other ranks are not making: out of order, twice, or outside a sync.
     Raised before the collective, on the rank that would have made it."""

@@ -2,7 +2,8 @@
 
 ``Sender`` is the daemon; ``PatchSender`` / ``BucketSender`` are the transport-free
 strategies, usable over any transport; ``ShardedSync`` drives them from every rank of an
-FSDP2 trainer (loaded on first use: ``torch.distributed``); ``SidecarClient`` hands a trainer's weights to a
+FSDP2 trainer (loaded on first use: ``torch.distributed``); ``adapter_state`` is a LoRA model's adapters
+alone, to track; ``SidecarClient`` hands a trainer's weights to a
 ``python -m sender`` sidecar (``write_snapshot``: to one watching a folder).
 """
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from protocol.config import load_config
 
+from .adapters import adapter_state
 from .base import SenderBase
 from .serve.client import SidecarClient, write_snapshot
 from .serve.service import Sender
@@ -32,4 +34,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sender' has no attribute {name!r}")
 
 
-__all__ = ["BucketSender", "PatchSender", "Sender", "SenderBase", "ShardedSync", "SidecarClient", "SyncStats", "make_sender", "write_snapshot"]
+__all__ = [
+    "BucketSender", "PatchSender", "Sender", "SenderBase", "ShardedSync", "SidecarClient", "SyncStats", "adapter_state", "make_sender",
+    "write_snapshot",
+]

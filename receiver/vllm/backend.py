@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -52,10 +52,14 @@ from ..describe import ask_metadata
 from ..engine import parse_version
 from ..naming import AGENT_PREFIX
 from ..strategy.base import PendingVersion, StrategyHooks
+from .adapters import parse_specs
 from .kinds import How
 from .layout import Layout, Prepack, derive_layout
 from .reload import reload
 from .steps import StepVersions
+
+if TYPE_CHECKING:
+    from .lora import AdapterSlots
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,7 +81,10 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     ``update_weights`` only swaps them in (one more copy of those layers' weights).
     ``check_writes``: after each commit, read back this many of the elements written into
     each tensor and compare them with the staged values (``receiver.apply.readback``); a map
-    that wrote elsewhere fails the update with ``WriteCheckError`` instead of serving. 0: off."""
+    that wrote elsewhere fails the update with ``WriteCheckError`` instead of serving. 0: off.
+    ``lora``: the trainer sends LoRA adapters only (PEFT names), written into the engine's
+    adapter slots in place, the base weights untouched: ``{adapter name: {"id", "name", "r",
+    "lora_alpha", "target_modules"}}`` (``receiver/vllm/adapters.py``, ``lora.py``)."""
 
     endpoint: str | list[str]
     config: dict[str, Any] | str | None = None
@@ -87,6 +94,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     insecure_plaintext: bool = False
     prepack: bool = True
     check_writes: int = CHECK_WRITES
+    lora: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         endpoints = [self.endpoint] if isinstance(self.endpoint, str) else self.endpoint
@@ -104,6 +112,8 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
             raise ConfigError(f"init_info.prepack must be true or false, got {self.prepack!r}")
         if type(self.check_writes) is not int or self.check_writes < 0:
             raise ConfigError(f"init_info.check_writes must be an int >= 0 (elements a tensor; 0: off), got {self.check_writes!r}")
+        if self.lora is not None:
+            parse_specs(self.lora)  # a ConfigError unless every adapter has its id, name and config
 
     @property
     def endpoints(self) -> list[str]:
@@ -196,6 +206,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._check_rng = random.Random()
         self.step_versions: StepVersions | None = None  # which version each engine step ran with (steps.py)
         self._step_hook: torch.utils.hooks.RemovableHandle | None = None
+        self.adapters: AdapterSlots | None = None  # init_info.lora: the adapters' slots (receiver/vllm/lora.py)
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -214,7 +225,14 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             if not isinstance(dtype, torch.dtype):
                 raise ConfigError(f"the engine's model dtype is {dtype!r}, not a torch dtype")
             declared = [(names[k], shape, dtype if d.is_floating_point else d) for k, shape, d in zip(trainer.keys, trainer.shapes, trainer.dtypes)]
-            layout = self.layout = derive_layout(self.model, declared)
+            if init_info.lora is not None:  # the adapters only, into vLLM's LoRA slots; refused before any write
+                from .lora import AdapterSlots
+
+                shapes = [(names[k], tuple(shape)) for k, shape in zip(trainer.keys, trainer.shapes)]
+                self.adapters = AdapterSlots(self.model, shapes, parse_specs(init_info.lora))
+                layout = self.layout = self.adapters.layout
+            else:
+                layout = self.layout = derive_layout(self.model, declared)
             state = {k: layout.tensors[names[k]] for k in trainer.keys}  # under the trainer's names
             self._keys, self._names = trainer.keys, names
             self.check_writes = init_info.check_writes
@@ -284,6 +302,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if self._step_hook is not None:  # step_versions stays readable: what ran, up to here
             self._step_hook.remove()
             self._step_hook = None
+        if self.adapters is not None:
+            self.adapters.close()
+            self.adapters = None
         if thread is None:
             return
         try:
@@ -315,6 +336,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         names = {name for name, _ in writes}
         self._reload(self.layout.reloads.weights_for(names))
         seconds, count = self._check(writes, self.layout.tensors)
+        if self.adapters is not None:  # into the registered adapters and their slots, then read back
+            self.adapters.commit(names)
+            started = time.perf_counter()
+            count += self.adapters.check(writes, self.check_writes, self._check_rng)
+            seconds += time.perf_counter() - started
         self._checked = (self._checked[0] + seconds, self._checked[1] + count)
         for layer in self.layout.layers_of(names):
             if layer not in installed:
