@@ -177,6 +177,42 @@ async def test_stale_knowledge_is_asked_once_for_all_readers(rig: Any) -> None:
     assert asks == 1
 
 
+@pytest.mark.parametrize("cut", ["sender closed", "link cut"])
+async def test_reading_while_disconnected_times_out_and_never_vouches_for_old_knowledge(rig: Any, cut: str) -> None:
+    """Cut off from its upstream (the sender closed, or the path to it gone), a receiver
+    cannot know the trainer's latest once what it heard is older than ``max_age``:
+    ``reading(max_lag=k, timeout=...)`` asks, waits for a session, and raises
+    ``WeightSyncTimeout`` at its timeout, even with a bound that the version it holds met
+    by what it last heard, never yielding. (It raised asyncio's bare ``TimeoutError``,
+    uncounted, when the deadline ended the wait for that session.)"""
+    r_ = await rig()
+    upstream = r_.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    async with Proxy((upstream[0], int(upstream[1]))) as proxy:
+        r = await r_.receiver("r", proxy.endpoint)
+        await r_.step()
+        await r.wait_for_version(1, timeout=T)
+        async with r.reading(max_lag=0, timeout=T) as version:  # connected: current, and vouched for
+            assert version == 1 and r.latest_version == 1
+        if cut == "sender closed":
+            await r_.sender.close()
+        else:
+            proxy.sever()
+    await wait_until(lambda: not r.connected)
+    # what it heard last is the latest for max_age (two heartbeat intervals), connected or not; no longer after
+    await wait_until(lambda: r._follower.latest.age() > 2 * HEARTBEAT)
+    yielded: list[int | None] = []
+    for max_lag, timeout in ((0, 0.5), (5, 1.0)):  # 5: v1 would be within it, if v1 were still known to be the latest
+        began = time.monotonic()
+        with pytest.raises(WeightSyncTimeout, match=f"max_lag={max_lag}"):
+            async with r.reading(max_lag=max_lag, timeout=timeout) as version:
+                yielded.append(version)
+        took = time.monotonic() - began
+        assert timeout <= took < timeout + 2.0, (max_lag, took)
+    assert yielded == [] and r.lag_waits.timeouts == 2
+    async with r.reading() as version:  # unbounded: the weights held, as ever
+        assert version == 1
+
+
 async def test_reading_refuses_a_bad_bound(rig: Any) -> None:
     r_ = await rig()
     r = await r_.receiver("r")
@@ -284,9 +320,12 @@ async def test_wait_times_out_naming_the_receiver_then_waits_for_it(rig: Any, mo
     assert status["lag"]["wait_seconds"] > 0.6
 
 
-async def test_drop_goes_on_and_resyncs_the_receiver_behind(rig: Any) -> None:
-    r_ = await rig(max_lag=1, lag_policy="drop")
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+async def test_drop_goes_on_and_resyncs_the_receiver_behind(rig: Any, mode: str) -> None:
+    r_ = await rig(mode, max_lag=1, lag_policy="drop")
     slow = await r_.receiver("slow")
+    whole: list[bool] = []  # each version slow published was the trainer's, bit for bit
+    slow.on_update(lambda v: whole.append(v is not None and state_digest(slow.model.state_dict()) == r_.trainer.digests[v]))
     await r_.step("slow")
     await slow.pause()
     assert (await r_.step()) == 2  # floor v1: held
@@ -298,6 +337,7 @@ async def test_drop_goes_on_and_resyncs_the_receiver_behind(rig: Any) -> None:
     await slow.wait_for_version(3, timeout=T)
     await assert_matches(slow, r_.trainer, 3)
     assert int(r_.sender.receivers["slow"]["resyncs"]) >= 1  # type: ignore[call-overload]
+    assert whole and all(whole), whole
 
 
 async def test_off_only_counts(rig: Any) -> None:
@@ -323,9 +363,39 @@ class Drop(Tamper):
         return []
 
 
-@pytest.mark.parametrize("through", ["sender", "relay"])
-async def test_a_lost_patch_is_asked_for_at_once_and_served_from_the_ring(rig: Any, through: str) -> None:
-    r_ = await rig()
+def first_sending(kind: int, version: int, parts: str) -> Any:
+    """Select the first sending of ``version``'s messages of ``kind``: every part
+    (``parts="all"``) or only its last (``"last"``: a version left half received); a part
+    sent again passes."""
+    seen: set[int] = set()
+
+    def select(w: Wire) -> bool:
+        if w.type != kind or w.version != version or w.header is None:
+            return False
+        part = int(w.header.get("part", 0))
+        if part in seen or (parts == "last" and not w.header.get("last")):
+            return False
+        seen.add(part)
+        return True
+
+    return select
+
+
+@pytest.mark.parametrize("mode, through, parts", [
+    ("patch", "sender", "all"),
+    ("patch", "relay", "all"),
+    ("bucket", "sender", "all"),
+    ("bucket", "relay", "all"),
+    ("bucket", "sender", "last"),
+    ("parts", "sender", "last"),
+])
+async def test_a_lost_version_is_asked_for_at_once_and_sent_again(rig: Any, mode: str, through: str, parts: str) -> None:
+    """v2 never reaches ``r`` whole, and no v3 comes to show the gap: ``r`` asks (NACK
+    ``BEHIND``) and is sent v2 again, a patch from the ring, a bucket version as it is, not a
+    resync; it ends on v2 bit for bit. With only the last part lost, ``r`` holds half a
+    version: a bucket version written on arrival (``load_instant``) used to count as in hand,
+    so ``r`` never asked, stayed torn (readers kept out) and waited forever."""
+    r_ = await rig(PARTS if mode == "parts" else mode)
     upstream = r_.sender.endpoint
     relay = None
     if through == "relay":
@@ -333,19 +403,27 @@ async def test_a_lost_patch_is_asked_for_at_once_and_served_from_the_ring(rig: A
         assert relay.relay_endpoint is not None
         upstream = relay.relay_endpoint
     host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
-    drop = Drop(lambda w: w.type == MessageType.PATCH and w.version == 2)
+    kind = MessageType.BUCKET if mode == "bucket" else MessageType.PATCH
+    drop = Drop(first_sending(kind, 2, parts), limit=None)
     async with Proxy((host, int(port)), tamper=drop) as proxy:
         r = await r_.receiver("r", proxy.endpoint)
         await r_.step()
         await r.wait_for_version(1, timeout=T)
         began = time.monotonic()
-        await r_.step()  # v2 never reaches r; no v3 comes to show the gap
-        await r.wait_for_version(2, timeout=PEER_TIMEOUT * 2)
+        await r_.step()  # v2 never reaches r whole; no v3 comes to show the gap
+        await r.wait_for_version(2, timeout=T)
         took = time.monotonic() - began
-        assert drop.hits == 1
+        assert drop.hits >= 1
+        if mode == "bucket" and parts == "all":
+            assert drop.hits == r_.sender.stats[2].messages > 1  # every part of a bucket version of several
         await assert_matches(r, r_.trainer, 2)
         server = r_.sender.server if relay is None else relay.relay.server  # type: ignore[union-attr]
-        assert server.counts.behind >= 1 and server.counts.resyncs == 0  # the ring, not a whole model
-        assert r._follower.lag.asks >= 1
-        assert took < 20 * HEARTBEAT + 1.0, took
+        assert server.counts.behind >= 1 and r._follower.lag.asks >= 1
+        if parts == "all":
+            assert server.counts.resyncs == 0  # sent again, not a whole model
+            assert took < 20 * HEARTBEAT + 1.0, took
+        else:  # asked once nothing arrived for peer_timeout; v2 sent again from its first part, which the
+            # half in hand refuses: that half is dropped for a resync (bucket.load_instant: it was written, torn)
+            assert server.counts.resyncs >= 1 and server.counts.nacks.get("ProtocolError", 0) >= 1
+            assert took < PEER_TIMEOUT + 40 * HEARTBEAT + 2.0, took
         await r.close()

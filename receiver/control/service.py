@@ -337,7 +337,9 @@ class Receiver(ControlCalls):
         if self._asking is None or self._asking.done():
             self._asking = asyncio.ensure_future(self._ask_once(timeout if timeout is None else min(timeout, self.peer_timeout)))
             self._asking.add_done_callback(lambda f: f.cancelled() or f.exception())  # each reader raises what it sees
-        with contextlib.suppress(WeightSyncError):
+        # the caller's deadline ending this wait is a TimeoutError of asyncio's, not the question's:
+        # the caller raises its own (WeightSyncTimeout), as when the question fails
+        with contextlib.suppress(WeightSyncError, asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._asking), timeout)
 
     async def _ask_once(self, timeout: float | None) -> None:

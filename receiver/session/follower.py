@@ -121,6 +121,7 @@ class Follower:
         self.latest = Latest(settings.heartbeat_interval)
         self.lag = LagWatch(settings.heartbeat_interval, settings.peer_timeout)
         self._receiving = False  # a version's messages are arriving, or it is being decoded
+        self._arriving = False  # a version written on arrival passed its gate; its later parts are still to come
         self._awaiting_resync = False  # a NACK was sent: the resync it asked for is coming
         self._staged: int | None = None  # commit="together": the version staged, waiting for its flip
 
@@ -339,11 +340,16 @@ class Follower:
             if self.lifecycle.leaving:
                 raise Leave("asked to leave")
 
+        async def arriving(pending: PendingVersion) -> None:
+            await gate(pending)
+            self._arriving = True  # pending, yet not in hand: a part lost on the way must not silence ``_tick``
+
         while True:
             try:
                 try:
                     # Written on arrival (bucket.load_instant), a version passes the gate before its first write.
-                    pending = await strategy.receive(owner.state(), seen, before_write=gate)
+                    pending = await strategy.receive(owner.state(), seen, before_write=arriving)
+                    self._arriving = False
                 finally:  # its transfer is over, whole or not: before the commit, so that nothing
                     if incoming:  # suspends between the commit and its record and publication
                         await incoming.pop().close()
@@ -365,7 +371,7 @@ class Follower:
                 continue
             finally:
                 self.pending_version = None
-                self._receiving = False
+                self._receiving = self._arriving = False
             self._awaiting_resync = False
             self._record(pending.stats)
             await self._publish(pending.version, link)
@@ -383,7 +389,10 @@ class Follower:
         if link is None or self.handshaking:
             return
         quiet = now - link.data_at
-        busy = self.pending_version is not None or self._awaiting_resync or (self._receiving and quiet < self.settings.peer_timeout)
+        # A version in hand is busy; one written on arrival is in hand only once its last part is:
+        # before, it is a version still arriving, and a part lost on the way shows as quiet.
+        in_hand = self.pending_version is not None and not self._arriving
+        busy = in_hand or self._awaiting_resync or (self._receiving and quiet < self.settings.peer_timeout)
         if self.lag.due(now, link.sender_version, self.version, busy=busy, quiet=quiet):
             log.warning("receiver %s is at v%s, its upstream at v%s, and nothing arrived for %.1fs: asking for what follows",
                         self.settings.identity, self.version, link.sender_version, quiet,
