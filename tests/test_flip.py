@@ -5,6 +5,7 @@ receivers over TCP loopback, real AdamW steps; failures through the impairing pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -17,9 +18,9 @@ from proxy import Proxy, Stall, Tamper, Wire
 
 from protocol.errors import ConfigError, WeightSyncError
 from protocol.net.flips import Flips
-from protocol.wire.framing import MessageType, decode_message
+from protocol.wire.framing import Encoding, Message, MessageType, decode_message
 from protocol.wire.messages import Beat
-from receiver import Receiver
+from receiver import Receiver, StrategyHooks
 from sender import Sender
 
 
@@ -37,6 +38,28 @@ class Fleet:
         self.receivers.append(r)
         await r.start(timeout=T)
         return r
+
+    @property
+    def upstream(self) -> tuple[str, int]:
+        """The sender's host and port, for a proxy in front of it."""
+        host, port = self.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        return host, int(port)
+
+    @contextlib.asynccontextmanager
+    async def stalled(self, identity: str = "slow", version: int = 1, *, part: int = 0, finish: bool = False,
+                      **kw: Any) -> AsyncIterator[tuple[Receiver, Stall]]:
+        """A receiver whose connection stalls halfway through ``version``'s message ``part``,
+        so it never stages it, until ``stall.release()``: then the rest comes (``finish``)
+        or the connection is reset. ``kw``: the receiver's (``peer_timeout=20.0``: it stays
+        stalled rather than reconnect)."""
+        kind = MessageType.PATCH if self.config["type"] == "patch" else MessageType.BUCKET
+
+        def select(w: Wire) -> bool:
+            return w.type == kind and w.version == version and w.header is not None and w.header.get("part", 0) == part
+
+        stall = Stall(select, fraction=0.5, finish=finish)
+        async with Proxy(self.upstream, tamper=stall) as path:
+            yield await self.receiver(identity, path.endpoint, **kw), stall
 
     def spread(self, version: int) -> float:
         times = self.commits[version].values()
@@ -84,10 +107,20 @@ def test_flips_decide_on_all_a_quorum_or_the_timeout() -> None:
             Flips(**bad)
 
 
-@pytest.mark.parametrize("mode", ["patch", "bucket"])
+@pytest.mark.parametrize("mode", ["patch", "bucket", "patch-device"])
 async def test_four_receivers_commit_each_version_together(fleet: Any, mode: str) -> None:
+    """Each version staged by all four, then committed by all at the flip. ``patch-device``:
+    the trainer's patches coded by the device codec (``Encoding.BLOCKS``, forced on CPU)."""
     f = await fleet(mode, commit="together")
-    rs = [await f.receiver(f"r{i}") for i in range(4)]
+    coded: dict[str, set[Encoding]] = {}  # receiver -> the encodings of the patch parts it staged
+
+    def record(name: str) -> StrategyHooks:
+        def on_part(_: Any, msg: Message) -> None:
+            if msg.type is MessageType.PATCH:
+                coded.setdefault(name, set()).update(e.encoding for e in msg.tensors)
+        return StrategyHooks(on_part=on_part)
+
+    rs = [await f.receiver(f"r{i}", hooks=record(f"r{i}")) for i in range(4)]
     spreads = []
     for _ in range(4):
         v = await f.trainer.step_and_sync(f.sender)
@@ -96,9 +129,13 @@ async def test_four_receivers_commit_each_version_together(fleet: Any, mode: str
         for r in rs:
             await r.wait_for_version(v, timeout=T)
             await assert_matches(r, f.trainer, v)
+            assert r.stats[v].kind == CONFIGS[mode]["type"]  # committed from what it staged, not a resync
         spreads.append(f.spread(v))
         assert f.sender.stats[v].flip_seconds is not None and f.sender.stats[v].flip_missing == ()
     assert statistics.median(spreads) < 0.25, spreads  # generous here (a loaded CI machine); benchmarks/flip.py measures it
+    if mode != "bucket":
+        assert sorted(coded) == ["r0", "r1", "r2", "r3"]
+        assert all((Encoding.BLOCKS in c) == (mode == "patch-device") for c in coded.values()), coded
 
 
 @dataclass
@@ -117,9 +154,8 @@ def _flips(w: Wire) -> bool:
 
 async def test_a_lost_flip_is_taken_from_the_next_heartbeat(fleet: Any) -> None:
     f = await fleet(commit="together")
-    host, port = f.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
     drop = DropFlip(_flips, limit=1)
-    async with Proxy((host, int(port)), tamper=drop) as proxy:
+    async with Proxy(f.upstream, tamper=drop) as proxy:
         r = await f.receiver("r", proxy.endpoint)
         v = await f.trainer.step_and_sync(f.sender)
         await r.wait_for_version(v, timeout=T)
@@ -128,13 +164,13 @@ async def test_a_lost_flip_is_taken_from_the_next_heartbeat(fleet: Any) -> None:
         await r.close()
 
 
-async def test_a_receiver_that_never_stages_is_left_out_named_and_resynced(fleet: Any) -> None:
-    f = await fleet(commit="together", stage_timeout=1.0)
+@pytest.mark.parametrize("mode, part", [("patch", 0), ("bucket", 1)])
+async def test_a_receiver_that_never_stages_is_left_out_named_and_resynced(fleet: Any, mode: str, part: int) -> None:
+    """``bucket``, part 1: the stalled receiver has checked the version's first part; a
+    bucket version written on arrival (``load_instant``) is still not staged before its last."""
+    f = await fleet(mode, commit="together", stage_timeout=1.0)
     fast = await f.receiver("fast")
-    host, port = f.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    stall = Stall(lambda w: w.type == MessageType.PATCH and w.version == 1, fraction=0.5, finish=False)
-    async with Proxy((host, int(port)), tamper=stall) as proxy:
-        slow = await f.receiver("slow", proxy.endpoint)
+    async with f.stalled(part=part) as (slow, stall):
         v = await f.trainer.step_and_sync(f.sender)
         flip = await f.sender.wait_flipped(v, timeout=T)
         assert flip.missing == ("slow",) and flip.seconds is not None and flip.seconds >= 1.0
@@ -146,15 +182,42 @@ async def test_a_receiver_that_never_stages_is_left_out_named_and_resynced(fleet
         await slow.close()
 
 
+@pytest.mark.parametrize("finish", [False, True])
+async def test_a_quorum_flips_without_the_one_that_never_stages_which_then_catches_up(fleet: Any, finish: bool) -> None:
+    """quorum=2 of three: the two that staged v1 flip at once, not at ``stage_timeout``;
+    the stalled one is named and left on v0. Released, it reaches v1 (``finish=False``:
+    its connection reset, it reconnects at v0 and is sent v1; ``True``: the rest of v1
+    arrives late and it commits what flipped already), then flips v2 with its peers."""
+    f = await fleet(commit="together", quorum=2, stage_timeout=60.0)
+    fast = [await f.receiver(f"r{i}") for i in range(2)]
+    async with f.stalled(peer_timeout=20.0, finish=finish) as (slow, stall):
+        v = await f.trainer.step_and_sync(f.sender)
+        flip = await f.sender.wait_flipped(v, timeout=T)  # T < stage_timeout: the quorum decided
+        assert flip.cohort == {"r0", "r1", "slow"} and flip.missing == ("slow",) and f.sender.stats[v].flip_missing == ("slow",)
+        for r in fast:
+            await r.wait_for_version(v, timeout=T)
+            await assert_matches(r, f.trainer, v)
+        assert slow.version == 0 and slow.pending_version is None and stall.stalled.is_set()
+        stall.release()
+        await slow.wait_for_version(v, timeout=T)
+        await assert_matches(slow, f.trainer, v)
+        assert slow.reconnects == (0 if finish else 1)  # reset: it said HELLO at v0 again and was sent what follows
+        v = await f.trainer.step_and_sync(f.sender)
+        flip = await f.sender.wait_flipped(v, timeout=T)
+        assert flip.cohort == {"r0", "r1", "slow"} and len(flip.missing) <= 1  # the first two to stage flip it
+        for r in (*fast, slow):
+            await r.wait_for_version(v, timeout=T)
+            await assert_matches(r, f.trainer, v)
+        assert set(f.commits) == {0, 1, 2}
+        await slow.close()
+
+
 async def test_a_receiver_cut_off_between_staged_and_flip_keeps_its_version_then_rejoins(fleet: Any) -> None:
     """``slow`` never stages v1, so the flip waits; ``cut`` stages v1 and loses its connection
     before the flip: it drops its staged copy, keeps v0 (never a half or another version than
     its peers), reconnects, and ends on v1 with the others."""
     f = await fleet(commit="together", stage_timeout=3.0)
-    host, port = f.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    stall = Stall(lambda w: w.type == MessageType.PATCH and w.version == 1, fraction=0.5, finish=False)
-    async with Proxy((host, int(port)), tamper=stall) as slow_path, Proxy((host, int(port))) as cut_path:
-        slow = await f.receiver("slow", slow_path.endpoint, peer_timeout=20.0)  # stays stalled, not reconnecting
+    async with f.stalled(peer_timeout=20.0) as (slow, stall), Proxy(f.upstream) as cut_path:
         cut = await f.receiver("cut", cut_path.endpoint)
         v = await f.trainer.step_and_sync(f.sender)
         await wait_until(lambda: cut.pending_version == v)  # staged, waiting for the flip
@@ -174,10 +237,7 @@ async def test_a_receiver_cut_off_between_staged_and_flip_keeps_its_version_then
 
 async def test_a_sender_gone_before_the_flip_leaves_every_receiver_on_its_version(fleet: Any) -> None:
     f = await fleet(commit="together", stage_timeout=60.0)
-    host, port = f.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    stall = Stall(lambda w: w.type == MessageType.PATCH and w.version == 1, fraction=0.5, finish=False)
-    async with Proxy((host, int(port)), tamper=stall) as slow_path:
-        await f.receiver("slow", slow_path.endpoint, peer_timeout=20.0)
+    async with f.stalled(peer_timeout=20.0) as (_, stall):
         staged = await f.receiver("staged")
         await f.trainer.step_and_sync(f.sender)
         await wait_until(lambda: staged.pending_version == 1)
@@ -258,10 +318,7 @@ async def test_sleep_while_a_version_waits_for_its_flip_does_not_hang(fleet: Any
     to sleep: it leaves at once, never committing the staged version (its weights released:
     it holds none); woken, it rejoins and ends on what flipped."""
     f = await fleet(commit="together", stage_timeout=2.0)
-    host, port = f.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    stall = Stall(lambda w: w.type == MessageType.PATCH and w.version == 1, fraction=0.5, finish=False)
-    async with Proxy((host, int(port)), tamper=stall) as slow_path:
-        await f.receiver("slow", slow_path.endpoint, peer_timeout=20.0)
+    async with f.stalled(peer_timeout=20.0) as (_, stall):
         r = await f.receiver("r")
         v = await f.trainer.step_and_sync(f.sender)
         await wait_until(lambda: r.pending_version == v)

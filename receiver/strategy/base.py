@@ -69,6 +69,7 @@ class ReceiverBase(WriteSide):
         self.session: str | None = None
         self.metadata: ModelMetadata | None = None
         self.aliases: dict[int, list[int]] = {}
+        self.together = False  # the session's WELCOME: versions commit when flipped, so each is staged whole first
         self._own_ties: dict[str, str] = {}  # this model's tied names (alias -> canonical), checked against WELCOME's
         self.last_stats: ApplyStats | None = None
         self._turn = asyncio.Lock()  # one apply() at a time, in the order they were called
@@ -162,6 +163,7 @@ class ReceiverBase(WriteSide):
                     "tensors: untie them on the rollout or tie them on the trainer"
                 )
         self.session = msg.session
+        self.together = welcome.together
         return welcome
 
     # -- applying versions ------------------------------------------------------------
@@ -209,7 +211,10 @@ class ReceiverBase(WriteSide):
         seen_keys: dict[int, int] = {}  # ordinal -> WHOLE, or the end of its last span so far (``checks.claim``)
         raw: list[Message] = []
         msg = first
-        instant = self.writes_on_arrival and self._hooks.commit_gate is None  # a held receiver stages, to commit when asked
+        # A held receiver stages, to commit when asked; so does one whose versions commit at a flip
+        # (reported staged only once whole: no transfer inside the flip's window); a resync commits on arrival.
+        flips = self.together and first.type is not MessageType.BOOTSTRAP
+        instant = self.writes_on_arrival and self._hooks.commit_gate is None and not flips
         held: AbstractAsyncContextManager[Any] | None = None
         wrote = False
         try:
