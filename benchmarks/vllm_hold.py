@@ -86,7 +86,7 @@ def _patches(path: str, shapes: dict[str, list[int]]) -> list[tuple[str, tuple[i
     return [(name, tuple(shape), flat[name + ":indices"], flat[name + ":values"]) for name, shape in shapes.items()]
 
 
-def _time_dense_reload(worker: Any, path: str) -> float:
+def time_dense_reload(worker: Any, path: str) -> float:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     weights = _load(path)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         llm.update_weights({"update_info": {"version": version}})
         llm.finish_weight_update(str(version))
         api_empty = time.perf_counter() - api_started
-        dense = max(llm.collective_rpc(_time_dense_reload, args=(ckpt_path,)))
+        dense = max(llm.collective_rpc(time_dense_reload, args=(ckpt_path,)))
         if supported is None:
             supported = llm.collective_rpc(_sparse_supported, args=(patch_path, _save_patches(patches, patch_path)))[0]
         sparse_patches = [x for x in patches if x[0] in supported]

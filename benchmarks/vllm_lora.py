@@ -15,7 +15,12 @@ the ``weightsync`` backend with ``init_info.lora``. Per version:
   ``dense_bytes`` the whole bf16 checkpoint a dense reload sends;
 * ``hold_s``: ``start_weight_update`` .. ``finish_weight_update`` through the ``LLM`` API,
   as a caller sees it (vLLM drops and weightsync re-registers the adapters inside
-  ``finish``); ``commit_s`` / ``check_s``: the worker's commit, and its read-back within it.
+  ``finish``); ``commit_s`` / ``check_s``: the worker's commit, and its read-back within it;
+* ``dense_reload_s``: vLLM's own checkpoint-format reload of the whole model in the same
+  engine (``benchmarks/vllm_hold.py``'s ``dense_reload``: what the ``nccl`` / ``ipc``
+  backends run between start and finish for merged weights; the transfer not included, so
+  a floor of a merged reload's hold). It reloads the base checkpoint (the same bytes as a
+  merged one), and the engine's tensors are put back after.
 
 Medians over ``--steps`` versions on this machine.
 """
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from safetensors.torch import save_file
 
+    from benchmarks.vllm_hold import time_dense_reload
     from examples.vllm_lora import CONFIG, Trainer, engine_state, make_engine
     from examples.vllm_rollout import tiny_config
     from receiver import Receiver
@@ -89,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         llm.finish_weight_update(str(trainer.version))
         hold = time.perf_counter() - started
         timing = llm.collective_rpc(engine_state)[0]["timing"]
+        dense_reload = max(llm.collective_rpc(time_dense_reload, args=(f"{workdir}/model.safetensors",)))
         rows.append({
             "version": trainer.version, "adapter_wire_bytes": step["wire_bytes"], "adapter_changed_fraction": step["changed_fraction"],
             "merged_wire_bytes": int(stats.wire_bytes), "merged_changed_fraction": round(stats.changed_fraction, 4),
             "dense_bytes": trainer.merged_bytes()[1], "hold_s": round(hold, 4), "commit_s": round(timing.get("commit_s", 0.0), 4),
-            "check_s": round(timing.get("check_s", 0.0), 4),
+            "check_s": round(timing.get("check_s", 0.0), 4), "dense_reload_s": round(dense_reload, 4),
         })
         print(json.dumps(rows[-1]), flush=True)
     keys = [k for k in rows[0] if k != "version"]
