@@ -84,6 +84,19 @@ def reliability(request: pytest.FixtureRequest) -> Reliability:
     return Reliability(request.node.nodeid.removeprefix("tests/"))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker: hand this worker's figures to the controller, which prints
+    and merges them (``pytest_testnodedown``)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["reliability"] = json.dumps(_FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the controller, as each worker ends
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _FIGURES.update(json.loads(getattr(node, "workeroutput", {}).get("reliability", "{}")))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _FIGURES:
         return
