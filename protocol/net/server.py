@@ -144,12 +144,26 @@ class VersionServer:
             return self.version
         return upstream
 
-    def beat(self) -> Message:
+    def beat(self, news: bool = False) -> Message:
         """A heartbeat to a receiver: this server's version, the trainer's latest where that
-        differs, and under ``flips`` the newest version flipped."""
+        differs, and under ``flips`` the newest version flipped; ``news``: sent at once, off
+        the heartbeats' pace (``announce``)."""
         latest = self.latest
         flipped = None if self.flips is None else self.flips.flipped
-        return Message(MessageType.HEARTBEAT, version=self.version, body=Beat(None if latest == self.version else latest, flipped).to_body())
+        body = Beat(None if latest == self.version else latest, flipped, news)
+        return Message(MessageType.HEARTBEAT, version=self.version, body=body.to_body())
+
+    def announce(self) -> None:
+        """Tell every receiver now what is latest (a heartbeat marked ``news``): a version was
+        published or flipped, or, for a relay, its upstream named a newer one. A receiver
+        waiting for credit (``max_inflight``), or busy, learns of it before its bytes come,
+        so that ``Receiver.reading(max_lag=)`` never counts on what it has not heard of."""
+        if self._socket is None:
+            return
+        beat = self.beat(news=True)
+        for peer in list(self._peers.values()):
+            with contextlib.suppress(PeerGone):  # its pump finds it gone and drops it
+                self.try_send(peer, self.stamp(beat))
 
     def flipped(self, decided: list[Flip]) -> None:
         """``decided`` flips were made: every receiver is told now (the heartbeats repeat it),
@@ -160,8 +174,7 @@ class VersionServer:
         for peer in list(self._peers.values()):
             if peer.name in names:
                 self.skip(peer)
-            with contextlib.suppress(PeerGone):  # its pump finds it gone and drops it
-                self.try_send(peer, self.stamp(self.beat()))
+        self.announce()
         for flip in decided:
             log.log(logging.WARNING if flip.missing else logging.DEBUG, "v%s flipped after %.3fs%s", flip.version, flip.seconds or 0.0,
                     f" without {', '.join(flip.missing)} (not staged: resynced)" if flip.missing else "",
@@ -318,6 +331,7 @@ class VersionServer:
             self.deliveries.published(version, self._peers)
             if self.flips is not None and (self.flips.flipped is None or version > self.flips.flipped):
                 self.flipped(self.flips.published(version, [p.name for p in self._peers.values()]))
+        self.announce()
         self._wake_all()
         moved, self._moved = self._moved, asyncio.Event()
         moved.set()

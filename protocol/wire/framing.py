@@ -426,6 +426,43 @@ def peek_type(frames: Sequence[Buffer]) -> MessageType | None:
 
 
 PEEK_BYTES = 32  # a map header, the key "type" and an int: at most 5 + 5 + 9 bytes
+_VERSION_AT = 5  # ``encode_message`` writes type, proto, session, seq, version first
+
+
+def peek_version(frames: Sequence[Buffer], newer_than: int | None = None) -> int | None:
+    """The message's ``version``, once its header's checksum holds; None if it has none, the
+    header is damaged, or (cheaply, without the checksum) it is not above ``newer_than``.
+
+    For what arrives ahead of its decode (a receiver hears of a version from its first
+    part): the header alone is checked, not the payload. The first fields are read as a
+    stream first, so a message of a version already known costs a few bytes' parse; only a
+    newer one's header is parsed whole and its checksum verified, so a damaged header never
+    names a version.
+    """
+    try:
+        head = frames[0]
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(1, len(head)))
+        unpacker.feed(memoryview(head)[:PEEK_BYTES * 4])
+        pairs = unpacker.read_map_header()
+        for _ in range(min(pairs, _VERSION_AT)):
+            key, value = unpacker.unpack(), unpacker.unpack()
+            if key == "version":
+                if type(value) is not int or (newer_than is not None and value <= newer_than):
+                    return None
+                break
+    except Exception:
+        pass  # laid out otherwise, or longer than read: parsed whole below
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+        hsum = header.pop("hsum")
+        if type(hsum) is not int or checksum(msgpack.packb(header, use_bin_type=True)) != hsum:
+            return None
+        version = header["version"]
+    except Exception:
+        return None
+    if type(version) is not int or version < 0 or (newer_than is not None and version <= newer_than):
+        return None
+    return version
 
 
 class Stamper:

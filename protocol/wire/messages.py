@@ -209,16 +209,23 @@ class Beat(_Body):
     where that is not the server's own (a relay a version behind its upstream). Absent on
     the wire: the heartbeat's version is the latest. A peer that predates it ignores it.
     ``flipped`` (under ``Welcome.together``): the newest version every receiver may commit
-    now; sent at once when it moves, and repeated by every heartbeat, so one lost is not waited on."""
+    now; sent at once when it moves, and repeated by every heartbeat, so one lost is not waited on.
+    ``news``: sent at once, off the heartbeats' pace, because the version or the latest moved
+    (a version published, a flip): it says what is latest, but is no sample of the pace a
+    receiver judges the freshness of its knowledge by (``receiver/session/lag.py``). A peer
+    that predates it takes it as a heartbeat."""
 
     TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
     latest: int | None = None
     flipped: int | None = None
+    news: bool = False
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {} if self.latest is None else {"latest": self.latest}
         if self.flipped is not None:
             body["flipped"] = self.flipped
+        if self.news:
+            body["news"] = True
         return body
 
     @classmethod
@@ -227,6 +234,7 @@ class Beat(_Body):
         return cls(
             _field(k, body, "latest", "an int >= 0 or nil", _count_or_none, optional=True),
             _field(k, body, "flipped", "an int >= 0 or nil", _count_or_none, optional=True),
+            _field(k, body, "news", "a bool", _bool, optional=True) or False,
         )
 
 

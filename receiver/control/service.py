@@ -44,6 +44,7 @@ from ..naming import NameMapping, NameMappingSpec
 from ..rwlock import ReadWriteLock
 from ..session.follower import Follower, Owner, Settings
 from ..session.relay import Relay
+from ..session.updates import HookCounts
 from ..session.upstreams import Resolver, Upstreams
 from ..spans import Steps
 from ..stats import ApplyStats, LagWaits
@@ -168,8 +169,10 @@ class Receiver(ControlCalls):
             self._upstreams, self._lifecycle, owner,
         )
         self.strategy = make_receiver(self.config, self._strategy_hooks(caller, wrap_write))
-        if self.relay is not None:  # its receivers hear the trainer's latest, not only the relay's own version
-            self.relay.server.upstream_latest = lambda: self._follower.latest.version
+        if self.relay is not None:  # its receivers hear the trainer's latest, not only the relay's own version, and at once
+            relayed = self.relay.server
+            relayed.upstream_latest = lambda: self._follower.latest.version
+            self._follower.latest.listen(lambda _: relayed.announce())
         controlled = ControlledFollower(self._follower, owner, model, lambda: self.healthy)
         self._controller = Controller(self._lifecycle, controlled, identity=self.identity, writes_wrapped=wrap_write is not None)
         self.metrics = ReceiverMetrics(self._metric_state)  # after both: registering it reads their state
@@ -348,9 +351,26 @@ class Receiver(ControlCalls):
         if link is not None:
             await link.ask(self.version, False, timeout)
 
-    def on_update(self, hook: Callable[[int | None], Any]) -> None:
-        """Call ``hook(version)`` after each version is committed (async hooks are awaited)."""
-        self._follower.hooks.append(hook)
+    def on_update(self, hook: Callable[[int | None], Any], *, timeout: float | None = None) -> None:
+        """Call ``hook(version)`` after each version is committed and published, in order, one
+        version at a time, in a task of the receiver's own (``receiver/session/updates.py``):
+        the session goes on receiving and committing meanwhile, so ``version`` may already
+        be newer when the hook runs (read the weights under ``reading()``). Async hooks are
+        awaited and cancelled after ``timeout`` seconds (default 60); a sync hook runs on
+        the event loop (keep it short). A hook that fails or times out is logged and counted
+        (``hook_counts``); the others and the next versions go on. May be called at any
+        time, also while hooks run: the new hook is told of the versions from then on."""
+        self._follower.updates.add(hook, timeout)
+
+    @property
+    def hook_counts(self) -> HookCounts:
+        """What the ``on_update`` hooks did: calls, failures, timeouts, versions skipped."""
+        return self._follower.updates.counts
+
+    async def hooks_idle(self, timeout: float | None = None) -> None:
+        """Wait until every version published so far has been told to every ``on_update``
+        hook (``asyncio.TimeoutError`` after ``timeout``)."""
+        await self._follower.updates.idle(timeout)
 
     async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Wait until ``version`` (or a later one) is applied; returns the applied version."""
@@ -378,6 +398,7 @@ class Receiver(ControlCalls):
         if self._task is not None:
             self._task.cancel()  # before the relay: no version commits into a closed relay
         await asyncio.gather(*(t for t in (self._task, *self._notifying) if t is not None), return_exceptions=True)
+        await self._follower.updates.close()  # the hook running is cancelled; versions not yet told are dropped
         if self.relay is not None:
             await self.relay.close()
         if self.strategy.torn:
@@ -408,6 +429,7 @@ class Receiver(ControlCalls):
             "version": self.version,
             "latest_version": self.latest_version,
             "lag_waits": self.lag_waits.count,
+            "hooks": self.hook_counts.as_dict() | {"waiting": self._follower.updates.waiting},
             "pending_version": self.pending_version,
             "is_paused": self._lifecycle.paused,
             "asleep": sorted(self._lifecycle.asleep),

@@ -49,6 +49,7 @@ from .incoming import WHOLE_MODEL, Incoming, model_bytes
 from .lag import LagWatch, Latest
 from .relay import Relay
 from .session import Foreign, Leave, Reconnect, Session
+from .updates import UpdateHooks
 from .upstreams import Upstreams
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class Follower:
     def __init__(self, settings: Settings, upstreams: Upstreams, lifecycle: ControlState, owner: Owner) -> None:
         self.settings, self.upstreams, self.lifecycle, self._owner = settings, upstreams, lifecycle, owner
         self.stats: collections.OrderedDict[int, ApplyStats] = collections.OrderedDict()
-        self.hooks: list[Callable[[int | None], Any]] = []  # on_update's
+        self.updates = UpdateHooks(settings.identity)  # on_update's, told in their own task: the session never waits for them
         self.pending_version: int | None = None  # being received or applied now
         self.connected = False
         self.reconnects = 0
@@ -416,17 +417,13 @@ class Follower:
                 self.stats.popitem(last=False)
 
     async def _publish(self, version: int | None, link: Session) -> None:
-        """``version`` is committed (the strategy holds it): tell the sender, the hooks and the waiters."""
+        """``version`` is committed (the strategy holds it): tell the sender and the waiters,
+        and queue it for the hooks, which run in their own task (``updates.py``): the
+        session reads on, and commits the next version, while a slow hook runs."""
         self.latest.saw(version)
         link.try_send(self._below().to_message(version))
-        for hook in self.hooks:
-            try:
-                result = hook(version)
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception:
-                log.exception("on_update hook failed at v%s", version)
         await self._owner.notify()
+        self.updates.published(version)
 
     # -- for the control calls (``receiver/control/controlled.py``) and ``Receiver.close`` ------------
     def nack(self, reason: str, message: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 
 class Latest:
@@ -32,24 +33,34 @@ class Latest:
         self.interval = interval
         self.version: int | None = None
         self.current_at = -math.inf  # monotonic time as of which ``version`` is known to be the latest
-        self._beat_at = -math.inf  # arrival of the last heartbeat
+        self._beat_at = -math.inf  # arrival of the last paced heartbeat
+        self._listeners: list[Callable[[int], None]] = []
+
+    def listen(self, news: Callable[[int], None]) -> None:
+        """Call ``news(version)`` whenever a newer version is heard of (a relay tells its own receivers at once)."""
+        self._listeners.append(news)
 
     def reset(self) -> None:
         self.version, self.current_at, self._beat_at = None, -math.inf, -math.inf
 
     def saw(self, version: int | None) -> bool:
-        """A version exists (received, applied, or named by the upstream); True if it is news."""
+        """A version exists (announced, its first part arrived, received, applied, or named
+        by the upstream); True if it is news."""
         if version is None or (self.version is not None and version <= self.version):
             return False
         self.version = version
+        for news in self._listeners:
+            news(version)
         return True
 
-    def beat(self, version: int | None, now: float | None = None) -> bool:
-        """A heartbeat said ``version`` is the latest; True if it is news."""
+    def beat(self, version: int | None, now: float | None = None, *, paced: bool = True) -> bool:
+        """A heartbeat said ``version`` is the latest; True if it is news. One not ``paced``
+        (sent at once because something moved: ``Beat.news``) says the version, not the pace."""
         now = time.monotonic() if now is None else now
-        gap, self._beat_at = now - self._beat_at, now
-        if self.interval / 2 <= gap <= 2 * self.interval:
-            self.current_at = now
+        if paced:
+            gap, self._beat_at = now - self._beat_at, now
+            if self.interval / 2 <= gap <= 2 * self.interval:
+                self.current_at = now
         return self.saw(version)
 
     def answered(self, version: int | None, asked_at: float) -> bool:

@@ -29,7 +29,7 @@ from protocol.net.heartbeat import ticks
 from protocol.net.security import CurveClient
 from protocol.net.sockets import DealerSocket
 from protocol.wire.buffers import Buffer
-from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type
+from protocol.wire.framing import Message, MessageType, decode_message, encode_message, peek_type, peek_version
 from protocol.wire.limits import Limits
 from protocol.wire.messages import Ack, Beat, DigestReply, DigestRequest, ErrorReport, Welcome
 
@@ -214,7 +214,7 @@ class Session:
                     flipped = said.flipped is not None and (self.flipped is None or said.flipped > self.flipped)
                     if flipped:
                         self.flipped = said.flipped
-                    if (self.latest.beat(_newest(beat.version, said.latest), now) or flipped) and self._news is not None:
+                    if (self.latest.beat(_newest(beat.version, said.latest), now, paced=not said.news) or flipped) and self._news is not None:
                         await self._news()
                 continue
             if kind is MessageType.DIGEST:
@@ -227,6 +227,10 @@ class Session:
                 # connection's patch still on its way): this session starts at WELCOME.
                 log.info("receiver %s: dropped a %s sent before this session's WELCOME", self.identity, kind.name)
                 continue
+            if kind in _EARLIER_CONNECTION and self.latest.saw(peek_version(frames, self.latest.version)) and self._news is not None:
+                # a version is announced by its first part's arrival, before the receiver (busy
+                # committing, or staging the one before) reads it: ``reading(max_lag=)`` counts it
+                await self._news()
             if kind is MessageType.WELCOME:
                 with contextlib.suppress(WeightSyncError):  # the strategy reads it again, and refuses a bad one
                     self.together = Welcome.from_body(decode_message(frames).body).together
