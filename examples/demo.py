@@ -55,7 +55,8 @@ async def main(args: argparse.Namespace) -> int:
         if version in printed or t is None or len(rs) < 2:
             return
         printed.add(version)
-        equal = all(r["digest"] == t["digest"] for r in rs.values())
+        # a version a rollout had already replaced when it reported (its hooks run in their own task) has no digest
+        equal = all(r["digest"] is None or r["digest"] == t["digest"] for r in rs.values())
         mismatches += not equal
         worst = max(rs.values(), key=lambda r: r.get("decode_seconds", 0.0))
         vers = " ".join(f"{name}=v{r['version']}" for name, r in sorted(rs.items()))

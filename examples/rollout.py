@@ -37,8 +37,8 @@ async def main(args: argparse.Namespace) -> None:
             await asyncio.sleep(0)
 
     async def on_update(version: int | None) -> None:
-        async with receiver.reading():
-            digest = await asyncio.to_thread(state_digest, model.state_dict())
+        async with receiver.reading() as held:  # hooks run in their own task: a newer version may be in by now
+            digest = await asyncio.to_thread(state_digest, model.state_dict()) if held == version else None
         stats = receiver.stats.get(version) if version is not None else None
         fields = stats.as_dict() if stats else {}
         fields.update(identity=receiver.identity, version=version, digest=digest, generations=generations)

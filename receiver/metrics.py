@@ -26,6 +26,10 @@ class ReceiverState:
     asleep: frozenset[str]
     reconnects: int
     sender_version: int | None = None  # the trainer's latest, as last heard (``Receiver.latest_version``)
+    hook_failures: int = 0  # on_update hooks that raised
+    hook_timeouts: int = 0  # ... that ran past their timeout
+    hook_skipped: int = 0  # versions dropped from the hooks' full backlog
+    hooks_waiting: int = 0  # versions published and not yet told to every hook
 
 
 class _StateCollector(Collector):
@@ -50,6 +54,12 @@ class _StateCollector(Collector):
             "weightsync_receiver_sender_version", "The trainer's latest version, as last heard (through relays too) (-1: none heard)",
             -1 if s.sender_version is None else s.sender_version,
         )
+        hooks = CounterMetricFamily("weightsync_receiver_hook_failures", "on_update hook calls that failed", labels=["reason"])
+        hooks.add_metric(["error"], s.hook_failures)
+        hooks.add_metric(["timeout"], s.hook_timeouts)
+        yield hooks
+        yield CounterMetricFamily("weightsync_receiver_hook_skipped", "Versions never told to the on_update hooks (a full backlog)", s.hook_skipped)
+        yield GaugeMetricFamily("weightsync_receiver_hooks_waiting", "Versions published and not yet told to every on_update hook", s.hooks_waiting)
         behind = 0 if s.sender_version is None else s.sender_version - (-1 if s.version is None else s.version)
         yield GaugeMetricFamily("weightsync_receiver_lag_versions", "The trainer's latest version less the applied one (0: current)", max(0, behind))
         phases = GaugeMetricFamily("weightsync_receiver_last_phase_seconds", "The last applied version's phase times", labels=["phase"])

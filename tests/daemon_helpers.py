@@ -227,3 +227,18 @@ class Processes:
     async def cleanup(self) -> None:
         for proc in self.procs:
             await proc.kill()
+
+
+def record_whole(r: Any, trainer: Trainer) -> list[tuple[int | None, bool]]:
+    """``r.on_update``: each version ``r`` publishes, and whether the weights it holds then,
+    read under its read lock, are the trainer's image of the version held (that one, or a
+    newer one already in: hooks run in their own task), bit for bit."""
+    seen: list[tuple[int | None, bool]] = []
+
+    async def check(version: int | None) -> None:
+        async with r.reading() as held:
+            whole = held is not None and version is not None and held >= version and state_digest(r.model.state_dict()) == trainer.digests[held]
+        seen.append((version, whole))
+
+    r.on_update(check)
+    return seen

@@ -71,9 +71,10 @@ TIMING = ["--heartbeat", str(HEARTBEAT), "--peer-timeout", str(PEER_TIMEOUT)]
 
 # -- figures ----------------------------------------------------------------------------------
 class Applied:
-    """Every version an in-process receiver commits, checked against the trainer on the spot:
-    the hook runs right after the commit, before the next one can start, so a digest that
-    matches no version of the trainer's would be a half-applied (or wrongly applied) one."""
+    """Every version an in-process receiver publishes, in order, and the weights it holds
+    then, read under its read lock and checked against the trainer's image of the version
+    held: a digest that is not that version's would be a half-applied (or wrongly applied) one.
+    (Its hook runs in the hooks' own task: a newer version may be in by then, and is checked.)"""
 
     def __init__(self, receiver: Receiver, trainer: Trainer) -> None:
         self.receiver, self.trainer = receiver, trainer
@@ -81,11 +82,12 @@ class Applied:
         self.wrong: list[int | None] = []
         receiver.on_update(self._seen)
 
-    def _seen(self, version: int | None) -> None:
+    async def _seen(self, version: int | None) -> None:
         stats = self.receiver.stats.get(version) if version is not None else None
         self.log.append((version, stats.kind if stats else "resumed"))
-        digest = state_digest(self.receiver.model.state_dict())
-        if version is None or digest != self.trainer.digests.get(version):
+        async with self.receiver.reading() as held:
+            digest = state_digest(self.receiver.model.state_dict())
+        if version is None or held is None or held < version or digest != self.trainer.digests.get(held):
             self.wrong.append(version)
 
     @property
@@ -129,7 +131,9 @@ def process_figures(trainer: Trainer, procs: dict[str, Proc]) -> dict[str, Any]:
     return {
         "applied": {name: len(p.applied()) for name, p in procs.items()},
         "bootstraps": {name: sum(e.get("kind") == "bootstrap" for e in p.applied()) for name, p in procs.items()},
-        "wrong_versions_published": sum(e["digest"] != trainer.digests[e["version"]] for p in procs.values() for e in p.applied()),
+        "wrong_versions_published": sum(
+            e["digest"] != trainer.digests[e["version"]] for p in procs.values() for e in p.applied() if "superseded_by" not in e
+        ),
     }
 
 
@@ -197,6 +201,7 @@ class Rig:
                 assert r.version == version, f"{r.identity} at v{r.version}, expected v{version}"
                 bad = mismatches(self.trainer.expected[version], r.model.state_dict())
                 assert not bad, f"{r.identity} differs from the trainer's v{version} at {bad[:5]}"
+            await r.hooks_idle(T)  # its watch has seen every version published so far
 
     async def close(self) -> None:
         await self.procs.cleanup()

@@ -54,13 +54,16 @@ async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
 
 
 def published_versions_are_whole(r: Receiver, trainer: Trainer) -> list[int | None]:
-    """Record every version ``r`` publishes, checking at that moment that its model is
-    exactly the trainer's image of it (a version published before its last part was
-    written would differ)."""
+    """Record every version ``r`` publishes, checking then, under its read lock, that its
+    model is exactly the trainer's image of the version it holds (a version published
+    before its last part was written would differ; hooks run in their own task, so a newer
+    version may be in by then)."""
     seen: list[int | None] = []
 
-    def check(version: int | None) -> None:
-        assert version is not None and state_digest(r.model.state_dict()) == trainer.digests[version], version
+    async def check(version: int | None) -> None:
+        async with r.reading() as held:
+            whole = held is not None and version is not None and held >= version and state_digest(r.model.state_dict()) == trainer.digests[held]
+        assert whole, (version, held)
         seen.append(version)
 
     r.on_update(check)
@@ -85,6 +88,8 @@ async def test_parts_are_bit_exact_through_a_relay(fleet: Fleet) -> None:
             assert r.stats[version].kind == "patch" and r.stats[version].messages == s.stats[version].messages
     sparse = {e.encoding for frames in s.server._ring.newest.messages for e in decode_message(frames).tensors} - {Encoding.DENSE}
     assert sparse and (sparse == {Encoding.BLOCKS}) == (fleet.codec == "device"), sparse  # v3's sparse entries
+    for r in (relay, *leaves):
+        await r.hooks_idle(T)
     assert all(v == [1, 2, 3] for v in seen), seen  # each version once, none resynced
     assert all(info["resyncs"] == 0 for info in s.receivers.values())
 
@@ -114,6 +119,7 @@ async def test_a_part_is_served_before_the_next_is_encoded(fleet: Fleet, monkeyp
     release.set()
     await r.wait_for_version(version, timeout=T)
     await assert_matches(r, trainer, version)
+    await r.hooks_idle(T)
     assert seen == [version] and s.stats[version].messages > 2
 
 
@@ -165,6 +171,7 @@ async def test_a_damaged_part_publishes_nothing_and_is_resynced(fleet: Fleet, mo
         version = await trainer.step_and_sync(s)
         await r.wait_for_version(version, timeout=T)
         await assert_matches(r, trainer, version)
+    await r.hooks_idle(T)
     assert seen == [1, 2, 3]  # v2 came by resync, whole; its damaged parts were never published
     assert damaged == ([2] if fleet.codec == "device" else [])
     assert r.stats[2].kind == "bootstrap" and s.receivers["r0"]["resyncs"] == 1
@@ -217,6 +224,7 @@ async def test_parts_travel_while_the_compare_goes_on(fleet: Fleet, monkeypatch:
     await asyncio.wait_for(sync, T)
     await r.wait_for_version(version, timeout=T)
     await assert_matches(r, trainer, version)
+    await r.hooks_idle(T)
     assert seen == [version] and s.stats[version].messages > 2
 
 
@@ -254,6 +262,8 @@ async def test_a_compare_failing_after_parts_went_out_resyncs(fleet: Fleet, monk
         await r.wait_for_version(version, timeout=T)
         await assert_matches(r, trainer, version)
         assert r.stats[version].kind == "patch"
+    for r in rs:
+        await r.hooks_idle(T)
     assert seen == [[2, 3], [2, 3]] and s.failure is None
     assert all(info["resyncs"] == 1 for info in s.receivers.values()), s.receivers
 

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from daemon_helpers import CONFIGS, DAEMON_KW, HEARTBEAT, PEER_TIMEOUT, T, Trainer, assert_matches, receiver_model, wait_until
+from daemon_helpers import CONFIGS, DAEMON_KW, HEARTBEAT, PEER_TIMEOUT, T, Trainer, assert_matches, receiver_model, record_whole, wait_until
 from proxy import Corrupt, Proxy, Tamper, Wire
 
 from protocol.errors import ConfigError, LagTimeoutError, ProtocolError, WeightSyncTimeout
-from protocol.wire.checksum import state_digest
 from protocol.wire.framing import MessageType
 from protocol.wire.messages import Beat, DigestReply
 from receiver import Receiver
@@ -263,15 +262,15 @@ async def test_a_patch_the_relay_refuses_midway_is_abandoned_below_it(rig: Any) 
         relay = await r_.receiver("relay", proxy.endpoint, relay_endpoint="tcp://127.0.0.1:0")
         assert relay.relay_endpoint is not None
         child = await r_.receiver("child", relay.relay_endpoint)
-        seen: list[tuple[int | None, bool]] = []
-        child.on_update(lambda v: seen.append((v, v is not None and state_digest(child.model.state_dict()) == r_.trainer.digests[v])))
+        seen = record_whole(child, r_.trainer)
         await r_.step()
         await child.wait_for_version(1, timeout=T)
         await r_.step()
         for r in (relay, child):
             await r.wait_for_version(2, timeout=T)
             await assert_matches(r, r_.trainer, 2)
-        assert corrupt.hits == 1 and all(ok for _, ok in seen), seen  # every version the child published was whole
+        await child.hooks_idle(T)
+        assert corrupt.hits == 1 and seen and all(ok for _, ok in seen), seen  # every version the child published was whole
         assert relay.relay is not None and relay.relay.server.counts.resyncs >= 1  # the child's half was dropped for a resync
         await child.close()
         await relay.close()
@@ -324,8 +323,7 @@ async def test_wait_times_out_naming_the_receiver_then_waits_for_it(rig: Any, mo
 async def test_drop_goes_on_and_resyncs_the_receiver_behind(rig: Any, mode: str) -> None:
     r_ = await rig(mode, max_lag=1, lag_policy="drop")
     slow = await r_.receiver("slow")
-    whole: list[bool] = []  # each version slow published was the trainer's, bit for bit
-    slow.on_update(lambda v: whole.append(v is not None and state_digest(slow.model.state_dict()) == r_.trainer.digests[v]))
+    published = record_whole(slow, r_.trainer)  # each version slow published was the trainer's, bit for bit
     await r_.step("slow")
     await slow.pause()
     assert (await r_.step()) == 2  # floor v1: held
@@ -337,7 +335,8 @@ async def test_drop_goes_on_and_resyncs_the_receiver_behind(rig: Any, mode: str)
     await slow.wait_for_version(3, timeout=T)
     await assert_matches(slow, r_.trainer, 3)
     assert int(r_.sender.receivers["slow"]["resyncs"]) >= 1  # type: ignore[call-overload]
-    assert whole and all(whole), whole
+    await slow.hooks_idle(T)
+    assert published and all(ok for _, ok in published), published
 
 
 async def test_off_only_counts(rig: Any) -> None:

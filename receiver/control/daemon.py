@@ -2,7 +2,8 @@
 
 Builds the rollout's model locally (``--model module:factory``, cast to ``--dtype``),
 follows a sender, and reports each applied version as a JSON line on stdout (with the
-state digest, so a script can check it against the trainer's).
+state digest, so a script can check it against the trainer's; a version already replaced
+by a newer one when its report is written says ``superseded_by`` instead).
 
 ``--shm NAME`` puts the model in a shared-memory region this process creates and owns
 (unlinked on exit): a rollout engine maps its model onto it with
@@ -145,9 +146,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         stats = receiver.stats.get(version) if version is not None else None
         if stats is not None:
             fields.update(stats.as_dict())
-        if args.digest:
-            async with receiver.reading():
-                fields["digest"] = await asyncio.to_thread(state_digest, model.state_dict())
+        if args.digest:  # of this version only: hooks run in their own task, and a newer one may be in by now
+            async with receiver.reading() as held:
+                if held == version:
+                    fields["digest"] = await asyncio.to_thread(state_digest, model.state_dict())
+                else:
+                    fields["superseded_by"] = held
         report("applied", **fields)
 
     receiver.on_update(on_update)

@@ -446,9 +446,10 @@ class Receiver(ControlCalls):
         return self._names.rename(state_tensors(self.model))
 
     def _metric_state(self) -> ReceiverState:
-        state = self._lifecycle
+        state, hooks = self._lifecycle, self._follower.updates
         return ReceiverState(
-            self.version, self.pending_version, state.paused, self.connected, frozenset(state.asleep), self.reconnects, self.latest_version
+            self.version, self.pending_version, state.paused, self.connected, frozenset(state.asleep), self.reconnects, self.latest_version,
+            hooks.counts.failures, hooks.counts.timeouts, hooks.counts.skipped, hooks.waiting,
         )
 
     async def __aenter__(self) -> Receiver:
