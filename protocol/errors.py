@@ -49,9 +49,10 @@ class MetadataMismatchError(WeightSyncError):
 
 
 class CheckpointError(WeightSyncError):
-    """A checkpoint file a sender was to serve is unreadable, or its keys or shapes differ
-    from the model's; names the file and the first offending key. The sender refuses it and
-    keeps serving the version it has."""
+    """A checkpoint file a sender was to serve is torn or still being written, unreadable,
+    named without a version, or its keys, shapes or dtypes differ from the model's; names the
+    file, the first offending key and the fix. The sender refuses it and keeps serving the
+    version it has."""
 
 
 class StaleVersionError(WeightSyncError):

@@ -3,9 +3,11 @@
 Two ways to get the trainer's weights (``--load-strategy``):
 
 * ``ipc_snapshot`` (``--watch DIR``): the daemon serves the newest checkpoint of a trainer:
-  the trainer saves each version as ``<watch>/step_<version>.pt`` (a state dict) or
-  ``step_<version>.safetensors`` (``sender.write_snapshot``), written to a
-  temporary name and renamed, and the daemon syncs every new one to its receivers.
+  the trainer saves each version's state dict as ``<watch>/step_<version>.safetensors`` or
+  ``step_<version>.pt`` (``safetensors.torch.save_file``, ``torch.save``, a renamed
+  ``save_pretrained`` ``model.safetensors``, ``sender.write_snapshot``), written under a
+  temporary name that is not ``step_<version>.*`` and renamed into place; the daemon syncs
+  every new one to its receivers and refuses, naming the fix, a file it cannot serve.
 * ``ipc`` (``--shm NAME --handoff ENDPOINT``): the trainer calls
   ``sender.SidecarClient(ENDPOINT, NAME).publish(model, version)``, which copies
   its weights into shared memory the trainer owns; the daemon syncs them from there.
@@ -21,29 +23,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from protocol import progress
-from protocol.errors import CheckpointError, ConfigError
+from protocol.errors import ConfigError
 from protocol.host.cli import load_object, report, run, setup_logging
 from protocol.host.logs import FORMATS
-from protocol.host.snapfile import read_snapshot
 from protocol.net.context import IO_THREADS, shared_context
 from protocol.net.security import CurveServer, write_keypair
 
+from .checkpoints import Checkpoints
 from .serve.metrics import TOKEN_ENV as METRICS_TOKEN_ENV
 from .serve.service import Sender
 from .serve.sidecar import serve_shm
-
-log = logging.getLogger("sender")
-STEP = re.compile(r"^step_(\d+)\.(pt|safetensors)$")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,74 +100,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def newest(watch: Path, after: int | None) -> tuple[int, Path] | None:
-    steps = candidates(watch, after)
-    return steps[0] if steps else None
-
-
-def candidates(watch: Path, after: int | None) -> list[tuple[int, Path]]:
-    """The checkpoints in ``watch`` newer than ``after``, newest first."""
-    steps = sorted(((int(m.group(1)), f) for f in watch.iterdir() if (m := STEP.search(f.name))), reverse=True)
-    return [s for s in steps if after is None or s[0] > after]
-
-
-def load(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        return read_snapshot(path)[1]
-    state: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
-    return state
-
-
-def read_checkpoint(path: Path, reference: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """``path``'s state dict, checked against ``reference`` (the model's, or the first
-    checkpoint's): ``CheckpointError`` naming the file and the first key missing, unexpected
-    or of another shape, or why it could not be read."""
-    try:
-        state = load(path)
-    except Exception as e:  # the file's bytes are input: torch.load's, pickle's and safetensors' refusals alike
-        raise CheckpointError(f"{path}: cannot be read: {type(e).__name__}: {e}") from e
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise CheckpointError(f"{path}: not a state dict of named tensors")
-    if reference is None:
-        return state
-    for key, want in reference.items():
-        if key not in state:
-            raise CheckpointError(f"{path}: no {key!r}, which the model has")
-        if tuple(state[key].shape) != tuple(want.shape):
-            raise CheckpointError(f"{path}: {key!r} has shape {tuple(state[key].shape)}, the model's is {tuple(want.shape)}")
-    extra = next((k for k in state if k not in reference), None)
-    if extra is not None:
-        raise CheckpointError(f"{path}: {extra!r} is not one of the model's keys")
-    return state
-
-
-class Checkpoints:
-    """The watched directory's next good checkpoint: a bad one is refused once (logged and
-    reported), skipped while its file stays as it is, and read again once rewritten."""
-
-    def __init__(self, watch: Path) -> None:
-        self.watch = watch
-        self._refused: dict[Path, tuple[int, int, int]] = {}  # path -> (mtime_ns, size, inode) it was refused at
-
-    def next(self, after: int | None, reference: dict[str, torch.Tensor] | None) -> tuple[int, Path, dict[str, torch.Tensor]] | None:
-        """The newest readable checkpoint newer than ``after`` that fits ``reference``."""
-        for step, path in candidates(self.watch, after):
-            try:
-                st = path.stat()
-            except FileNotFoundError:  # replaced or removed meanwhile
-                continue
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)  # a file renamed over it is another inode
-            if self._refused.get(path) == stamp:
-                continue
-            try:
-                return step, path, read_checkpoint(path, reference)
-            except CheckpointError as e:
-                self._refused[path] = stamp
-                log.error("%s: %s; still serving the version before it", type(e).__name__, e, extra={"path": str(path), "version": step})
-                report("refused", version=step, path=str(path), error=str(e))
-        return None
-
-
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     args.watch.mkdir(parents=True, exist_ok=True)
     checkpoints = Checkpoints(args.watch)
@@ -199,7 +126,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         report("listening", endpoint=sender.endpoint, version=version, session=sender.session, metrics=sender.metrics_url)
         reference = dict(model) if isinstance(model, dict) else dict(model.state_dict())
         while not stop.is_set():
-            found = await asyncio.to_thread(checkpoints.next, sender.version, reference)
+            found = await asyncio.to_thread(checkpoints.next, sender.version, reference, not isinstance(model, dict))
             if found is None:
                 try:
                     await asyncio.wait_for(stop.wait(), args.poll)

@@ -227,14 +227,14 @@ def test_ipc_snapshot_files_are_atomic_and_checked(tmp_path: Path, prefix: str) 
 
 
 def test_sender_watch_mode_serves_safetensors_snapshots(tmp_path: Path) -> None:
-    import sender.__main__ as smain
+    from sender.checkpoints import candidates, load
 
     model = build(seed=7)
     torch.save(model.state_dict(), tmp_path / "step_1.pt")
     write_snapshot(model.state_dict(), tmp_path, 2)
-    found = smain.newest(tmp_path, 1)
-    assert found is not None and found[0] == 2
-    assert state_digest(smain.load(found[1])) == state_digest(model.state_dict())
+    found = candidates(tmp_path.iterdir(), 1)
+    assert [v for v, _ in found] == [2]
+    assert state_digest(load(found[0][1])) == state_digest(model.state_dict())
 
 
 # -- the client / sidecar handshake, in one process ---------------------------------------------------
