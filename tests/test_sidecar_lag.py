@@ -152,6 +152,37 @@ def test_an_adopted_leftover_publishes_what_its_new_owner_says(prefix: str) -> N
         r.close()
 
 
+@pytest.mark.timeout(120)
+async def test_the_sidecar_stops_with_its_publishers_failure(tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The publisher is the daemon's task: if it fails, the sidecar stops with its error
+    (and unlinks its region) rather than go on with engines' bounds left to go stale."""
+    import receiver.control.daemon as daemon
+    from receiver.control.sidecar_lag import LatestPublisher
+
+    config = tmp_path / "patch.yaml"
+    config.write_text(YAML["patch"])
+    trainer = Trainer(seed=7)
+    sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **DAEMON_KW)
+    await sender.start(trainer.model, version=trainer.version)
+    args = daemon.parse_args(["--endpoint", sender.endpoint, "--model", "examples.tiny_model:build", "--shm", f"{prefix}-p",
+                              "--config", str(config), *TIMING])
+    real, calls = LatestPublisher.publish, 0
+
+    def breaks(self: LatestPublisher) -> int | None:
+        nonlocal calls
+        calls += 1
+        if calls > 40:
+            raise RuntimeError("the publisher broke")
+        return real(self)
+
+    monkeypatch.setattr(LatestPublisher, "publish", breaks)
+    try:
+        with pytest.raises(RuntimeError, match="the publisher broke"):
+            await asyncio.wait_for(daemon.serve(args, asyncio.Event()), T)
+    finally:
+        await sender.close()
+
+
 # -- real sidecar processes --------------------------------------------------------------------
 @dataclass
 class Rig:
