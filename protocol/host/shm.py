@@ -25,6 +25,17 @@ Consistency (why two mechanisms):
   process's flock; a writer that crashed mid-write leaves ``seq`` odd, and readers wait
   for the next complete write rather than see a torn version.
 
+The trainer's latest version (slots 11-15): a receiver sidecar's region also says what the
+sidecar last heard of the trainer's newest version and as of when (``publish_latest``,
+``latest``), so that an engine can bound how far behind the weights it reads are
+(``receiver/control/sidecar_lag.py``). These slots have their own seqlock, apart from the
+weights' (publishing never waits for readers, nor they for it), and the same reliance on
+x86-64's ordering as ``read_consistent``. Each slot is an aligned int64, stored and loaded
+whole. They were zero, and unused, in the regions of sidecars before them (the layout
+version did not change: such a region reads as one whose owner publishes no latest, and an
+older engine ignores the slots), so old and new engines and sidecars work together, and a
+bound is never checked against knowledge nobody publishes.
+
 Ownership: the process that creates a region owns it and unlinks it (``unlink()``,
 ``close()`` of an owner, or at interpreter exit); attachers only unmap. An owner killed
 with SIGKILL cannot unlink: the next ``create`` of the same name replaces the leftover.
@@ -63,9 +74,12 @@ MAX_MANIFEST = 64 << 20
 NO_VERSION = -1
 WRITER_GRACE = 0.2  # seconds new readers hold back while a writer waits for the lock
 _POLL = 0.001
+_LATEST_TRIES = 100  # reads of the latest-version slots a publication may overlap before it counts as torn
 
 # header slots (int64 each); slot 0 holds MAGIC
 _H_LAYOUT, _H_FLAGS, _H_MANIFEST, _H_DATA, _H_TOTAL, _H_SEQ, _H_VERSION, _H_WAITING, _H_GEN, _H_OWNER = range(1, 11)
+# the trainer's latest version as the owner heard it, under its own seqlock (``publish_latest``)
+_H_LSEQ, _H_LATEST, _H_LATEST_AT, _H_MAX_AGE, _H_PUBLISHER = range(11, 16)
 _CLOSED = 1  # flag: the owner has unlinked this region; a new one may exist under the name
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -216,6 +230,22 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+@dataclass(frozen=True)
+class Heard:
+    """What a region's owner last published of the trainer's latest version (``Region.latest``)."""
+
+    version: int | None  # the newest version the owner heard of (None: none yet)
+    current_at: float  # ``time.monotonic()`` as of which it was known to be the latest (-inf: never)
+    max_age: float  # seconds after which the owner's knowledge no longer counts as current, by its own rule
+    publisher: int  # the pid of the process that published it
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since ``version`` was last known to be the latest (inf: never). The
+        clock is CLOCK_MONOTONIC, one for all the processes of a host (outside time
+        namespaces, which a host's ``/dev/shm`` does not cross in practice)."""
+        return (time.monotonic() if now is None else now) - self.current_at
+
+
 # -- the region ----------------------------------------------------------------------------------
 class Region:
     """A mapped region. ``create`` (the owner) or ``attach`` (anyone else); see the module doc."""
@@ -233,14 +263,19 @@ class Region:
 
     # -- opening ----------------------------------------------------------------------------------
     @classmethod
-    def create(cls, name: str, layout: Layout, *, adopt: bool = False) -> Region:
+    def create(cls, name: str, layout: Layout, *, adopt: bool = False, latest_max_age: float | None = None) -> Region:
         """Create ``name`` laid out as ``layout``, zero-filled, owned by this process.
 
         A region already there is a leftover of a killed owner: with ``adopt`` and the same
         layout it is taken over as it is (so processes attached to it stay attached, and
         its contents and version are kept); otherwise it is marked closed and replaced.
+        ``latest_max_age``: this owner publishes the trainer's latest version with that
+        ``max_age`` (``publish_latest``), none heard yet, from before the region appears
+        or is taken over; None: it publishes none (what a leftover published is withdrawn).
         """
         path = region_path(name)
+        if latest_max_age is not None and not latest_max_age > 0:
+            raise SharedMemoryError(f"latest_max_age must be > 0 seconds, got {latest_max_age!r}")
         if path.exists():
             with contextlib.suppress(SharedMemoryError, OSError):
                 old = cls.attach(name)
@@ -249,6 +284,7 @@ class Region:
                     old._header[_H_OWNER] = os.getpid()
                     old._finalizer.detach()
                     old._finalizer = weakref.finalize(old, _release, old._fd, str(path), old._ino)
+                    old.publish_latest(None, -math.inf, latest_max_age)
                     return old
                 old._header[_H_FLAGS] = int(old._header[_H_FLAGS]) | _CLOSED
                 old.close()
@@ -265,6 +301,7 @@ class Region:
             header[_H_LAYOUT], header[_H_MANIFEST], header[_H_DATA], header[_H_TOTAL] = LAYOUT_VERSION, len(manifest), data, total
             header[_H_VERSION], header[_H_OWNER] = NO_VERSION, os.getpid()
             header[_H_GEN] = int.from_bytes(secrets.token_bytes(7), "little")
+            _publish_latest(header, None, -math.inf, latest_max_age)
             del header
             mm[0:8] = MAGIC
             os.rename(tmp, path)  # atomic: attachers see nothing or a complete region
@@ -357,6 +394,39 @@ class Region:
     def closed(self) -> bool:
         """The owner has unlinked this region; writes to it reach nobody new."""
         return bool(int(self._header[_H_FLAGS]) & _CLOSED)
+
+    @property
+    def owner_pid(self) -> int:
+        """The pid of the process that created or last adopted the region."""
+        return int(self._header[_H_OWNER])
+
+    # -- the trainer's latest version, as the owner heard it ----------------------------------------
+    def publish_latest(self, version: int | None, current_at: float, max_age: float | None) -> None:
+        """Owner: the trainer's latest version is ``version`` as of ``current_at``
+        (``time.monotonic()``; -inf: not known current), and knowledge older than
+        ``max_age`` seconds is not current. ``max_age=None``: this owner publishes no latest
+        (``latest()`` says None). One publisher at a time (the owner's one task); readers
+        never wait for it, and retry a read it overlapped."""
+        if not self.owner:
+            raise SharedMemoryError(f"region {self.name!r}: only its owner publishes the latest version")
+        _publish_latest(self._header, version, current_at, max_age)
+
+    def latest(self) -> Heard | None:
+        """What the owner last published of the trainer's latest version; None if it
+        publishes none (a region of an older sidecar, or of one that follows no trainer).
+        A read a publication overlapped is retried; if none completes (its publisher died
+        midway), the knowledge reads as never current."""
+        h = self._header
+        for _ in range(_LATEST_TRIES):
+            before = int(h[_H_LSEQ])
+            if before % 2 == 0:
+                version, at, max_age, publisher = (int(h[i]) for i in (_H_LATEST, _H_LATEST_AT, _H_MAX_AGE, _H_PUBLISHER))
+                if int(h[_H_LSEQ]) == before:
+                    if max_age <= 0:
+                        return None
+                    return Heard(None if version == NO_VERSION else version, at / 1e9 if at > 0 else -math.inf, max_age / 1e9, publisher)
+            time.sleep(_POLL / 10)
+        return Heard(None, -math.inf, max(int(h[_H_MAX_AGE]), 1) / 1e9, int(h[_H_PUBLISHER]))
 
     # -- writing ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -490,6 +560,20 @@ class Region:
 
     def __repr__(self) -> str:
         return f"Region({self.name!r}, {len(self.layout.specs)} tensors, v{self.version}, seq {self.seq}, owner={self.owner})"
+
+
+def _publish_latest(h: torch.Tensor, version: int | None, current_at: float, max_age: float | None) -> None:
+    """``Region.publish_latest`` into header ``h``: the slots between two steps of their seqlock."""
+    if max_age is not None and not max_age > 0:
+        raise SharedMemoryError(f"max_age must be > 0 seconds, got {max_age!r}")
+    seq = int(h[_H_LSEQ])
+    odd = seq + 1 if seq % 2 == 0 else seq + 2  # a publisher that crashed midway left it odd
+    h[_H_LSEQ] = odd
+    h[_H_LATEST] = NO_VERSION if version is None else version
+    h[_H_LATEST_AT] = max(1, round(current_at * 1e9)) if math.isfinite(current_at) else 0
+    h[_H_MAX_AGE] = 0 if max_age is None else max(1, round(max_age * 1e9))
+    h[_H_PUBLISHER] = os.getpid()
+    h[_H_LSEQ] = odd + 1
 
 
 def _version_of(version: int | Callable[[], int | None] | None) -> int | None:

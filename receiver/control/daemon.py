@@ -7,7 +7,9 @@ by a newer one when its report is written says ``superseded_by`` instead).
 
 ``--shm NAME`` puts the model in a shared-memory region this process creates and owns
 (unlinked on exit): a rollout engine maps its model onto it with
-``receiver.attach(model, NAME)`` and reads under the region's seqlock.
+``receiver.attach(model, NAME)`` and reads under the region's seqlock; this process also
+publishes there the trainer's latest version as it hears it, for the engine's
+``reading(max_lag=k)`` (``sidecar_lag.py``).
 ``--load-strategy rsync`` (the default) follows a sender over the network;
 ``ipc_snapshot`` reloads the trainer's ``step_<version>.safetensors`` files from ``--watch``.
 
@@ -49,6 +51,7 @@ from protocol.wire.dtypes import parse_float_dtype
 from .attach import engine_region, seqlock_writes
 from .http_api import TOKEN_ENV
 from .service import Receiver
+from .sidecar_lag import LatestPublisher
 from .snapshot_loader import serve_snapshots
 
 log = logging.getLogger("receiver")
@@ -125,7 +128,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     model = load_object(args.model)()
     if args.dtype != "keep":
         model = model.to(parse_float_dtype(args.dtype))
-    region = engine_region(model, args.shm) if args.shm else None  # owned here: unlinked on close or at exit
+    # owned here: unlinked on close or at exit. Following a trainer, it publishes the latest heard (max_age: two heartbeats)
+    max_age = None if args.load_strategy == "ipc_snapshot" else 2 * args.heartbeat
+    region = engine_region(model, args.shm, max_age) if args.shm else None
     if args.load_strategy == "ipc_snapshot":
         await serve_snapshots(args, model, region, stop)
         return
@@ -155,26 +160,38 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         report("applied", **fields)
 
     receiver.on_update(on_update)
-    async with receiver:
-        started = asyncio.ensure_future(receiver.start(timeout=None))
-        if args.control is not None:
-            while receiver.control_url is None and not started.done():
-                await asyncio.sleep(0.01)
-            if receiver.control_url is not None:
-                report("control", url=receiver.control_url, identity=receiver.identity)
-        await asyncio.wait([started, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if started.done():
-            started.result()  # surface a failed handshake (metadata mismatch, ...)
-            if receiver.relay_endpoint is not None:
-                report("relay", endpoint=receiver.relay_endpoint, identity=receiver.identity)
-            await stop.wait()
-        else:
-            started.cancel()
-        if args.save is not None:
-            async with receiver.reading():
-                torch.save(model.state_dict(), args.save)
-    if region is not None:
-        region.close()
+    # the engines' reading(max_lag=...) bound: the latest heard, published in the region (receiver/control/sidecar_lag.py)
+    publisher = None if region is None or max_age is None else asyncio.ensure_future(LatestPublisher(region, receiver, max_age).run())
+    stopping = asyncio.ensure_future(stop.wait())
+    watched = [stopping] if publisher is None else [stopping, publisher]  # the publisher never returns: only its failure ends it
+    try:
+        async with receiver:
+            started = asyncio.ensure_future(receiver.start(timeout=None))
+            if args.control is not None:
+                while receiver.control_url is None and not started.done():
+                    await asyncio.sleep(0.01)
+                if receiver.control_url is not None:
+                    report("control", url=receiver.control_url, identity=receiver.identity)
+            await asyncio.wait([started, *watched], return_when=asyncio.FIRST_COMPLETED)
+            if started.done():
+                started.result()  # surface a failed handshake (metadata mismatch, ...)
+                if receiver.relay_endpoint is not None:
+                    report("relay", endpoint=receiver.relay_endpoint, identity=receiver.identity)
+                await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                started.cancel()
+            if publisher is not None and publisher.done():
+                publisher.result()  # it failed: the sidecar stops with its error rather than publish no more
+            if args.save is not None:
+                async with receiver.reading():
+                    torch.save(model.state_dict(), args.save)
+    finally:
+        for task in (publisher, stopping):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (publisher, stopping) if t is not None), return_exceptions=True)
+        if region is not None:
+            region.close()
     report("stopped", version=receiver.version, identity=receiver.identity)
 
 

@@ -292,6 +292,27 @@ class Receiver(ControlCalls):
         """The trainer's newest version as last heard (None: none heard yet); see ``reading``."""
         return self._follower.latest.version
 
+    @property
+    def latest_age(self) -> float:
+        """Seconds since ``latest_version`` was last known to be the trainer's latest (inf:
+        never); ``reading(max_lag=...)`` treats it as current up to its ``max_age``."""
+        return self._follower.latest.age()
+
+    async def refresh_latest(self, timeout: float | None) -> None:
+        """Ask the upstream for the trainer's latest version now, as ``reading(max_lag=...)``
+        does when what it heard is older than its ``max_age``: it waits, within ``timeout``,
+        for a session and the answer. One question at a time for all callers and readers; a
+        question that fails or runs out of time leaves the latest as it was (see
+        ``latest_age``). For a sidecar publishing the latest to engines that cannot ask."""
+        await self._ask_latest(timeout, 0.0)
+
+    async def latest_news(self, seen: int | None, timeout: float | None) -> int | None:
+        """Wait, for at most ``timeout`` seconds, until ``latest_version`` is other than
+        ``seen``; returns it (unchanged, at the timeout). Any number of callers at once."""
+        with contextlib.suppress(WeightSyncTimeout):
+            await self._wait(lambda: self.latest_version != seen, timeout, fail=False, what="news of the latest version")
+        return self.latest_version
+
     @contextlib.asynccontextmanager
     async def _reading(self) -> AsyncIterator[int | None]:
         async with self.lock.reading():
