@@ -21,6 +21,7 @@ from daemon_helpers import CONFIGS, DAEMON_KW, HEARTBEAT, PEER_TIMEOUT, T, Train
 from proxy import Corrupt, Proxy, Stall, Tamper, Wire
 
 from protocol.errors import ConfigError, LagTimeoutError, ProtocolError, WeightSyncTimeout
+from protocol.net.server import VersionServer
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import MessageType
 from protocol.wire.messages import BEHIND, LOST, Beat, DigestReply
@@ -46,6 +47,14 @@ class Rig:
         if endpoint is None:  # the sender has its ACK: the next sync does not find it behind by chance
             await self.acked(self.trainer.version, identity)
         return r
+
+    async def upstream(self, through: str) -> tuple[str, VersionServer]:
+        """What a receiver connects to (``through`` the "sender", or a "relay" started here) and its server."""
+        if through == "sender":
+            return self.sender.endpoint, self.sender.server
+        relay = await self.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
+        assert relay.relay_endpoint is not None and relay.relay is not None
+        return relay.relay_endpoint, relay.relay.server
 
     async def step(self, *acked: str) -> int:
         """A version; with ``acked``, once those receivers' ACKs of it reached the sender."""
@@ -427,12 +436,7 @@ async def test_a_lost_version_is_asked_for_at_once_and_sent_again(rig: Any, mode
     resync; before that, a bucket version written on arrival counted as in hand, so ``r``
     never asked, stayed torn and waited forever.)"""
     r_ = await rig(PARTS if mode == "parts" else mode)
-    upstream = r_.sender.endpoint
-    relay = None
-    if through == "relay":
-        relay = await r_.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
-        assert relay.relay_endpoint is not None
-        upstream = relay.relay_endpoint
+    upstream, server = await r_.upstream(through)
     kind = MessageType.BUCKET if mode == "bucket" else MessageType.PATCH
     drop = Drop(first_sending(kind, 2, parts), limit=None)
     async with proxied(upstream, drop) as proxy:
@@ -447,7 +451,6 @@ async def test_a_lost_version_is_asked_for_at_once_and_sent_again(rig: Any, mode
         if parts == "all" and mode == "bucket":
             assert drop.hits == r_.sender.stats[2].messages > 1  # every part of a bucket version of several
         await assert_matches(r, r_.trainer, 2)
-        server = r_.sender.server if relay is None else relay.relay.server  # type: ignore[union-attr]
         assert server.counts.behind >= 1 and r._follower.lag.asks >= 1
         assert server.counts.resyncs == 0 and r.stats[2].kind != "bootstrap"  # sent again, not a whole model
         resent = server.counts.bucket_resends if mode == "bucket" else server.counts.ring_resends
@@ -497,12 +500,7 @@ async def test_resends_lost_too_end_in_a_resync_after_a_bounded_number_of_asks(r
     asked again at the backoff's cap for as long as v2 was the newest: four resends lost,
     then the next version, 10 s later, came as a resync.)"""
     r_ = await rig(PARTS if mode == "parts" else mode)
-    upstream = r_.sender.endpoint
-    relay = None
-    if through == "relay":
-        relay = await r_.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
-        assert relay.relay_endpoint is not None
-        upstream = relay.relay_endpoint
+    upstream, server = await r_.upstream(through)
     kind = MessageType.BUCKET if mode == "bucket" else MessageType.PATCH
     drop = Drop(every_sending(kind, 2), limit=None)
     async with proxied(upstream, drop) as proxy:
@@ -515,7 +513,6 @@ async def test_resends_lost_too_end_in_a_resync_after_a_bounded_number_of_asks(r
         took = time.monotonic() - began
         await assert_matches(r, r_.trainer, 2)
         assert r.stats[2].kind == "bootstrap"
-        server = r_.sender.server if relay is None else relay.relay.server  # type: ignore[union-attr]
         assert counted(r, "weightsync_receiver_nacks", "reason") == {"Behind": RESENDS, "Lost": 1}
         assert server.counts.behind == RESENDS and server.counts.nacks == {"Lost": 1} and server.counts.resyncs == 1
         resent = server.counts.bucket_resends if mode == "bucket" else server.counts.ring_resends
