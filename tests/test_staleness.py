@@ -423,6 +423,7 @@ def proxied(endpoint: str, tamper: Tamper) -> Proxy:
     ("bucket", "sender", "all"),
     ("bucket", "relay", "all"),
     ("bucket", "sender", "last"),
+    ("bucket", "relay", "last"),
     ("parts", "sender", "last"),
     ("parts", "relay", "last"),
 ])
@@ -492,7 +493,7 @@ def every_sending(kind: int, version: int) -> Any:
     return lambda w: w.type == kind and w.version == version
 
 
-@pytest.mark.parametrize("mode, through", [("patch", "sender"), ("patch", "relay"), ("bucket", "sender"), ("parts", "sender")])
+@pytest.mark.parametrize("mode, through", [("patch", "sender"), ("patch", "relay"), ("bucket", "sender"), ("bucket", "relay"), ("parts", "sender")])
 async def test_resends_lost_too_end_in_a_resync_after_a_bounded_number_of_asks(rig: Any, mode: str, through: str) -> None:
     """Every sending of v2 is lost (its first, and each one asked for again): ``r`` asks
     for it ``RESENDS`` times (NACK ``BEHIND``), then for a resync (NACK ``LOST``), whose
