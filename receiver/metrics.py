@@ -82,6 +82,10 @@ class ReceiverMetrics:
             "weightsync_receiver_bootstrap_bytes", "Bytes of bootstrap messages received in handshakes, counted as they arrive", registry=r
         )
         self.nacks = Counter("weightsync_receiver_nacks", "Updates rejected and resyncs requested (NACKs sent)", ["reason"], registry=r)
+        self.recoveries = Counter(
+            "weightsync_receiver_recoveries", "Versions asked for once lost on the way (NACK Behind or Lost), then applied: "
+            "sent again (by=resend: a patch from the ring, a bucket version as it was) or by a resync (by=resync)", ["by"], registry=r,
+        )
         self.apply_seconds = Histogram(
             "weightsync_receiver_apply_seconds", "Commit time of a version (write lock held)", buckets=_SECONDS, registry=r
         )
@@ -100,6 +104,10 @@ class ReceiverMetrics:
 
     def nack(self, reason: str) -> None:
         self.nacks.labels(reason).inc()
+
+    def recovered(self, by: str) -> None:
+        """A version this receiver asked for came (``LagWatch.applied``: resend or resync)."""
+        self.recoveries.labels(by).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

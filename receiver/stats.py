@@ -20,6 +20,7 @@ class ApplyStats:
     apply_seconds: float = 0.0  # the commit: writes into the model, until the device has done them
     apply_device_seconds: float = 0.0  # the commit's work on the device (CUDA events; wall time on CPU)
     staged_bytes_peak: int = 0  # most decoded bytes held at once before being written (load_instant: one message's)
+    resent_parts: int = 0  # parts it held already that came again, after a resend was asked for (skipped)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -423,6 +423,29 @@ async def test_duplicated_part(load_instant: bool) -> None:
     await pair.recover(good, 3)
 
 
+@pytest.mark.parametrize("config", ["instant", "deferred", "patch-parts"])
+async def test_parts_sent_again_after_a_resend_was_asked_for(config: str) -> None:
+    """After ``resend_asked`` (the session's NACK ``BEHIND``: parts were lost), the version in
+    progress comes again from its first part: the parts held already, the same messages
+    again (same sequence numbers), are skipped and the version completes with the rest,
+    bit for bit. A repeat that is not the same message is still refused, and so is any
+    repeat once that version is done: the ask holds for one version."""
+    parts = {"type": "patch", "patch": {"part_bytes": 2048, "group_numel": 0}}
+    pair = await make_pair(parts if config == "patch-parts" else bucket_config(config == "instant"))
+    good = await pair.capture(3)
+    assert len(good) >= 3
+    pair.r.resend_asked()
+    assert await pair.feed([good[0], good[1], good[0], good[1], *good[2:]]) == 3
+    pair.assert_synced()
+    assert pair.r.last_stats is not None and pair.r.last_stats.resent_parts == 2 and pair.r.last_stats.messages == len(good)
+    v4 = await pair.capture(4)
+    await pair.reject([v4[0], v4[0]], ProtocolError, torn=config == "instant")  # no ask: a repeat is a broken stream
+    pair.r.resend_asked()
+    again = reencode(v4[0], lambda m: setattr(m, "seq", m.seq + 10))  # the same part, another message
+    await pair.reject([v4[0], again], ProtocolError, torn=config == "instant")
+    await pair.recover(v4, 4)
+
+
 def _bucket_keys(pair: Pair, frames: Frames) -> list[str]:
     assert pair.r.metadata is not None
     return [pair.r.metadata.keys[e.key] for e in decode_message(frames).tensors]

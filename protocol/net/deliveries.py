@@ -24,6 +24,8 @@ class ServerCounts:
 
     resyncs: int = 0  # bootstraps sent to receivers that were behind the ring or NACKed
     behind: int = 0  # receivers' asks (NACK BEHIND) for the versions after theirs, acted on
+    ring_resends: int = 0  # patches sent again from the ring to receivers that asked (BEHIND)
+    bucket_resends: int = 0  # bucket versions sent again, as they were, to receivers that asked (BEHIND)
     nacks: dict[str, int] = field(default_factory=dict)  # NACKs received, by the reason they gave
 
     def nack(self, reason: str) -> None:

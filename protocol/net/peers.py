@@ -45,6 +45,7 @@ class Peer:
     acked_at: float | None = None  # monotonic time of its last ACK (or heartbeat moving its version)
     joined_at: float = field(default_factory=time.monotonic)
     behind_at: float = float("-inf")  # monotonic time of the last BEHIND acted on (one an interval at most)
+    resend_to: int | None = None  # the furthest version it had been sent when it asked (BEHIND): up to it, a resend
 
     @property
     def name(self) -> str:

@@ -22,7 +22,7 @@ from protocol.net.sockets import RouterSocket
 from protocol.net.source import VersionSource
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, Stamper, decode_message
-from protocol.wire.messages import BEHIND, Ack, Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack
+from protocol.wire.messages import BEHIND, LOST, Ack, Description, DigestReply, DigestRequest, ErrorReport, Hello, Nack
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,8 @@ class Sessions:
             elif msg.type is MessageType.NACK and _reason(msg) == BEHIND:
                 self._behind(peer, msg.version)
             elif msg.type is MessageType.NACK:
-                log.warning("receiver %s rejected an update at v%s: %s", peer.name, msg.version, _reported(Nack, msg),
+                what = "lost what was sent again, asks for a resync" if _reason(msg) == LOST else "rejected an update"
+                log.warning("receiver %s %s at v%s: %s", peer.name, what, msg.version, _reported(Nack, msg),
                             extra={"receiver": peer.name, "version": msg.version})
                 server.counts.nack(_reason(msg))
                 peer.ack(msg.version)
@@ -161,6 +162,8 @@ class Sessions:
                  self._server.role, self._server.version, extra={"receiver": peer.name, "version": version})
         self._server.counts.behind += 1
         peer.ack(version)
+        if peer.sent is not None and (peer.resend_to is None or peer.sent > peer.resend_to):
+            peer.resend_to = peer.sent  # what its pump sends again up to this version is a resend (counted there)
         peer.sent = version
         peer.inflight.clear()
         peer.wake.set()

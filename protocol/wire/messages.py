@@ -29,13 +29,17 @@ from protocol.errors import ProtocolError, WeightSyncError, error_code, error_fr
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.metadata import ModelMetadata
 
-__all__ = ["BEHIND", "Ack", "Beat", "Description", "DigestReply", "DigestRequest", "ErrorReport", "Hello", "Nack", "Welcome"]
+__all__ = ["BEHIND", "LOST", "Ack", "Beat", "Description", "DigestReply", "DigestRequest", "ErrorReport", "Hello", "Nack", "Welcome"]
 
 # A NACK's reason when nothing was rejected: the receiver heard of a version it never
 # received (a message lost on a connection ZeroMQ re-established) and asks to be sent what
 # follows the version it holds. A server of an older protocol takes it as any NACK and
 # resyncs: more bytes, the same weights.
 BEHIND = "Behind"
+# A NACK's reason when what was sent again after its asks (``BEHIND``) was lost too: the
+# receiver gives up on resends and asks for a resync of the current version, which every
+# server, of any protocol version, does for a NACK of any other reason.
+LOST = "Lost"
 
 _MISSING = object()
 

@@ -394,11 +394,17 @@ class Follower:
         # before, it is a version still arriving, and a part lost on the way shows as quiet.
         in_hand = self.pending_version is not None and not self._arriving
         busy = in_hand or self._awaiting_resync or (self._receiving and quiet < self.settings.peer_timeout)
-        if self.lag.due(now, link.sender_version, self.version, busy=busy, quiet=quiet):
-            log.warning("receiver %s is at v%s, its upstream at v%s, and nothing arrived for %.1fs: asking for what follows",
-                        self.settings.identity, self.version, link.sender_version, quiet,
+        reason = self.lag.due(now, link.sender_version, self.version, busy=busy, quiet=quiet)
+        if reason is not None:
+            what = "what follows" if reason == BEHIND else "a resync: what was sent again was lost too"
+            log.warning("receiver %s is at v%s, its upstream at v%s, and nothing arrived for %.1fs: asking for %s",
+                        self.settings.identity, self.version, link.sender_version, quiet, what,
                         extra={"receiver": self.settings.identity, "version": self.version, "upstream_version": link.sender_version})
-            self.nack(BEHIND, f"at v{self.version}; the upstream named v{link.sender_version}")
+            if reason == BEHIND:  # the version in progress may come again from its first part (``ReceiverBase.resend_asked``)
+                self._owner.strategy().resend_asked()
+            else:
+                self._awaiting_resync = True
+            self.nack(reason, f"at v{self.version}; the upstream named v{link.sender_version}")
 
     def _below(self) -> Ack:
         """A relay tells its parent about the receivers below it (see ``Sender.wait_acked(tree=True)``)."""
@@ -411,6 +417,8 @@ class Follower:
 
     def _record(self, stats: ApplyStats) -> None:
         self._owner.metrics().applied(stats)
+        if (how := self.lag.applied(stats.kind == "bootstrap")) is not None:  # it answered an ask (``_tick``)
+            self._owner.metrics().recovered(how)
         if stats.version is not None:
             self.stats[stats.version] = stats
             while len(self.stats) > self.settings.stats_history:

@@ -5,8 +5,9 @@ heartbeat of its upstream names the upstream's version and, from a relay, the tr
 (``messages.Beat``); an answer to a DIGEST_REQUEST says the same; each version this
 receiver receives is one too. ``Latest`` keeps the newest of these and how fresh that
 knowledge is, for ``Receiver.reading(max_lag=...)``; ``LagWatch`` decides when a receiver
-that heard of a version it never received asks for it (NACK ``BEHIND``) instead of waiting
-for the next version to expose the gap.
+that heard of a version it never received (or received in part) asks for it (NACK
+``BEHIND``) instead of waiting for the next version to expose the gap, and when, those
+resends lost too, it asks for a resync instead (NACK ``LOST``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+
+from protocol.wire.messages import BEHIND, LOST
+
+RESENDS = 2  # asks for a resend (``BEHIND``) at one held version before a resync is asked for (``LOST``)
+RESEND, RESYNC = "resend", "resync"  # how a version asked for came (``LagWatch.applied``): the receiver's metrics label
 
 
 class Latest:
@@ -74,35 +80,57 @@ class Latest:
 
 
 class LagWatch:
-    """When a receiver behind its upstream asks again for what follows its version.
+    """When a receiver behind its upstream asks again for what follows its version, and how.
 
     Asked on every heartbeat tick. A receiver is behind when its upstream's version is
     newer than the one it holds while it receives, stages and applies nothing. A heartbeat
     can overtake the version it names, and a version on its way shows as data arriving, so
     it asks only once it has been behind, with no data arriving, for ``2 * interval``. It
     asks again, if still behind, after twice as long each time, up to ``cap`` seconds.
+
+    The first ``resends`` asks at one held version ask for what follows it to be sent again
+    (``BEHIND``: from the upstream's ring, or its bucket version); what a path that loses
+    them loses again would be asked for forever, so the next ask at the same version is
+    for a resync (``LOST``), whose bootstrap travels as other messages. ``applied`` closes
+    an ask: the version that answered it came sent again (``RESEND``) or by a resync
+    (``RESYNC``). Called from the event loop only (``Follower._tick``, ``Follower._record``).
     """
 
-    def __init__(self, interval: float, cap: float) -> None:
-        self.interval, self.cap = interval, max(cap, 2 * interval)
+    def __init__(self, interval: float, cap: float, resends: int = RESENDS) -> None:
+        self.interval, self.cap, self.resends = interval, max(cap, 2 * interval), resends
         self.asks = 0  # asks sent, for the receiver's life
         self._since: float | None = None  # when it was first seen behind (None: it is not)
         self._next: float | None = None  # when the next ask is due while behind
         self._delay = 2 * interval
+        self._held: int | None = None  # the version held at the last ask
+        self._tries = 0  # asks made while holding ``_held``
+        self._open = False  # an ask no version applied since has answered
 
-    def due(self, now: float, upstream: int | None, applied: int | None, *, busy: bool, quiet: float) -> bool:
-        """Whether to ask now: ``upstream`` is the upstream's version, ``applied`` this
-        receiver's, ``busy`` a version in hand (received, staged or being applied), ``quiet``
-        seconds since data last arrived."""
+    def due(self, now: float, upstream: int | None, applied: int | None, *, busy: bool, quiet: float) -> str | None:
+        """The reason to ask with now (``BEHIND`` or ``LOST``), or None: ``upstream`` is the
+        upstream's version, ``applied`` this receiver's, ``busy`` a version in hand
+        (received, staged or being applied), ``quiet`` seconds since data last arrived."""
         if upstream is None or applied is None or upstream <= applied or busy:
             self._since, self._next, self._delay = None, None, 2 * self.interval
-            return False
+            return None
         if self._since is None:
             self._since = now
         wait = 2 * self.interval
         if quiet < wait or now - self._since < wait or (self._next is not None and now < self._next):
-            return False
+            return None
         self._next = now + self._delay
         self._delay = min(2 * self._delay, self.cap)
+        if applied != self._held:
+            self._held, self._tries = applied, 0
+        self._tries += 1
         self.asks += 1
-        return True
+        self._open = True
+        return BEHIND if self._tries <= self.resends else LOST
+
+    def applied(self, resync: bool) -> str | None:
+        """A version was applied (``resync``: by a bootstrap): how it answered the ask
+        still open (``RESEND`` or ``RESYNC``), or None when no ask was open."""
+        if not self._open:
+            return None
+        self._open = False
+        return RESYNC if resync else RESEND

@@ -78,6 +78,7 @@ class ReceiverBase(WriteSide):
         # device-coded payloads reach a GPU target in one copy (receiver/apply/transfer.py).
         self.staging = StagingPool()
         self._torn: AbstractAsyncContextManager[Any] | None = None  # the write side, kept: a version failed midway
+        self._resend = False  # the session asked for a resend (``resend_asked``): parts may come again
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in HOOK_NAMES:
@@ -166,6 +167,17 @@ class ReceiverBase(WriteSide):
         self.together = welcome.together
         return welcome
 
+    def resend_asked(self) -> None:
+        """The caller asked its upstream to send again what follows ``version`` (a NACK
+        ``BEHIND``: parts were lost on the way). The version in progress, if one is, then
+        comes again from its first part: each part it already holds that arrives again as
+        the same message (the same sequence number: a ring or a bucket version is sent
+        as it was framed) is skipped, and it completes with the parts it lacks. Otherwise,
+        as ever, a part out of order or repeated is a ``ProtocolError``: ZeroMQ keeps a
+        connection's order. Holds until the next version is received or refused; called
+        from the event loop, at any time, also while ``receive`` runs (that is its use)."""
+        self._resend = True
+
     # -- applying versions ------------------------------------------------------------
     async def apply(self, model: StateLike, recv: Recv) -> int:
         """Receive exactly one version, write it into ``model`` and return that version.
@@ -189,13 +201,16 @@ class ReceiverBase(WriteSide):
         the handshake's, as WELCOME announced it (nothing else is taken then)."""
         if self.metadata is None:
             raise WeightSyncError("init_receiver() must complete before apply()")
-        first = await self._next(recv)
-        while True:
-            try:
-                return await self._receive(model, recv, first, bootstrap, before_write)
-            except _Superseded as e:
-                log.warning("%s abandoned by the sender after %d parts; taking its resync", e.pending, e.parts)
-                first = e.by
+        try:
+            first = await self._next(recv)
+            while True:
+                try:
+                    return await self._receive(model, recv, first, bootstrap, before_write)
+                except _Superseded as e:
+                    log.warning("%s replaced by a resync after %d parts; taking it", e.pending, e.parts)
+                    first = e.by
+        finally:
+            self._resend = False
 
     async def _receive(
         self, model: StateLike, recv: Recv, first: Message, bootstrap: Announced | None,
@@ -208,6 +223,7 @@ class ReceiverBase(WriteSide):
         kind = "bootstrap" if first.type is MessageType.BOOTSTRAP else self.strategy
         pending = PendingVersion(first.type, first.version, first.base_version, stats=ApplyStats(first.version, kind))
         received = 0
+        seqs: list[int] = []  # each part's sequence number, as received: a resent part is the same message
         seen_keys: dict[int, int] = {}  # ordinal -> WHOLE, or the end of its last span so far (``checks.claim``)
         raw: list[Message] = []
         msg = first
@@ -220,13 +236,20 @@ class ReceiverBase(WriteSide):
         try:
             while True:
                 if msg is not first:
-                    if first.type is MessageType.PATCH and msg.type is MessageType.BOOTSTRAP and msg.part == 0:
-                        # A patch whose compare failed after its first parts went out: the
-                        # sender resyncs instead (``VersionServer.abandon_patch``); nothing of it is staged in the model.
+                    if first.type is not MessageType.BOOTSTRAP and msg.type is MessageType.BOOTSTRAP and msg.part == 0:
+                        # A resync while a version was incomplete: a patch whose compare failed after its
+                        # first parts went out (``VersionServer.abandon_patch``), or the one this receiver
+                        # asked for (NACK ``LOST``); nothing of a staged version is in the model, and one
+                        # written on arrival leaves it torn until the resync is written over it.
                         raise _Superseded(first.describe(), received, msg)
                     check_same_version(first, msg)
+                    if self._resend and msg.part < received and msg.seq == seqs[msg.part]:
+                        pending.stats.resent_parts += 1  # sent again as asked (``resend_asked``): held already
+                        msg = await self._next(recv)
+                        continue
                 if msg.part != received:  # ZeroMQ keeps order: a gap or a repeat is an error
                     raise ProtocolError(f"{msg.describe()}: expected part {received + 1}")
+                seqs.append(msg.seq)
                 if bootstrap is not None:
                     bootstrap.check(msg)
                 if not msg.last and not msg.tensors:  # each part but the last covers new tensors: a version's parts are bounded

@@ -1,5 +1,5 @@
 """A version on its way into the model: what WELCOME announced of a bootstrap, the version
-received and staged (``PendingVersion``), and the resync that replaces an incomplete patch."""
+received and staged (``PendingVersion``), and the resync that replaces an incomplete version."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..stats import ApplyStats
 
 
 class _Superseded(Exception):
-    """A resync's first message arrived while a patch was incomplete: it replaces the patch."""
+    """A resync's first message arrived while a version was incomplete: it replaces that version."""
 
     def __init__(self, pending: str, parts: int, by: Message) -> None:
         super().__init__(pending)

@@ -172,6 +172,10 @@ class _Collector(Collector):
         yield CounterMetricFamily("weightsync_sender_lag_drops", "Receivers beyond max_lag left behind, to be resynced", counts.drops)
         yield CounterMetricFamily("weightsync_sender_lag_over", "Receivers found beyond max_lag at a sync, any policy", counts.over)
         yield CounterMetricFamily("weightsync_sender_behind_asks", "Receivers' asks for versions they never received, acted on", server.counts.behind)
+        yield CounterMetricFamily("weightsync_sender_ring_resends", "Patches sent again from the ring to receivers that asked for them",
+                                  server.counts.ring_resends)
+        yield CounterMetricFamily("weightsync_sender_bucket_resends", "Bucket versions sent again to receivers that asked for them",
+                                  server.counts.bucket_resends)
         phases = GaugeMetricFamily("weightsync_sender_version_phase_seconds", "A recent version's phase times", labels=["version", "phase"])
         sizes = GaugeMetricFamily(
             "weightsync_sender_version_bytes", "A recent version's bytes on the wire and as a full copy", labels=["version", "kind"]

@@ -91,6 +91,7 @@ def status_of(text: str) -> dict[str, Any]:
         "resyncs": int(single.get("weightsync_sender_resyncs_total", 0)),
         "lag": {"policy": policy[0], "max_lag": None if policy[1] < 0 else int(policy[1]), **lag},
         "behind_asks": int(single.get("weightsync_sender_behind_asks_total", 0)),
+        "resends": {k: int(single.get(f"weightsync_sender_{k}_resends_total", 0)) for k in ("ring", "bucket")},
         "receivers": dict(sorted(receivers.items())),
         "versions": [{"version": v, **fields} for v, fields in sorted(versions.items())],
     }
