@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from daemon_helpers import CONFIGS, PEER_TIMEOUT, T, Trainer, receiver_model, wait_until
 
+from protocol.errors import ConfigError
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType, encode_message, peek_version
 from protocol.wire.messages import Beat
@@ -132,7 +133,7 @@ async def test_a_full_backlog_skips_the_oldest_and_close_cancels_the_hook_runnin
     hooks.published(8)  # closed: nothing starts again
     await hooks.idle(1)
     assert told == [1, 4, 5, 6]
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="timeout"):
         hooks.add(told.append, timeout=0)
 
 

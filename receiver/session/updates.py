@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 Hook = Callable[[int | None], Any]
@@ -61,7 +63,7 @@ class UpdateHooks:
 
     def __init__(self, identity: str, *, timeout: float = HOOK_TIMEOUT, backlog: int = HOOK_BACKLOG) -> None:
         if timeout <= 0 or backlog < 1:
-            raise ValueError("hook timeout must be > 0 and backlog >= 1")
+            raise ConfigError("hook timeout must be > 0 and backlog >= 1")
         self.identity, self.timeout, self.backlog = identity, timeout, backlog
         self.hooks: list[tuple[Hook, float]] = []
         self.counts = HookCounts()
@@ -75,7 +77,7 @@ class UpdateHooks:
 
     def add(self, hook: Hook, timeout: float | None = None) -> None:
         if timeout is not None and timeout <= 0:
-            raise ValueError(f"a hook's timeout must be > 0 seconds, got {timeout!r}")
+            raise ConfigError(f"a hook's timeout must be > 0 seconds, got {timeout!r}")
         self.hooks.append((hook, self.timeout if timeout is None else timeout))
 
     def published(self, version: int | None) -> None:
