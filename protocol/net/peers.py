@@ -45,6 +45,7 @@ class Peer:
     acked_at: float | None = None  # monotonic time of its last ACK (or heartbeat moving its version)
     joined_at: float = field(default_factory=time.monotonic)
     behind_at: float = float("-inf")  # monotonic time of the last BEHIND acted on (one an interval at most)
+    subtree: bool = False  # its HELLO said a relay's staged report waits for its receivers (``Hello.subtree``)
 
     @property
     def name(self) -> str:
