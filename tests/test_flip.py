@@ -430,6 +430,37 @@ async def test_a_leaf_that_never_stages_is_named_through_its_relay_and_resynced(
         await slow.close()
 
 
+async def test_a_leaf_two_relays_down_is_named_by_its_path_within_each_relays_share(fleet: Any) -> None:
+    """trainer -> relay-a -> relay-b -> {fast, slow}: each relay decides within half its
+    parent's deadline (the trainer's ``stage_timeout`` / 2, then / 4), so relay-b goes
+    without the stalled leaf, relay-a reports its subtree staged naming ``relay-b/slow``, and
+    the trainer flips before its own timeout, naming the leaf by its whole path."""
+    timeout = 4.0
+    f = await fleet(commit="together", stage_timeout=timeout)
+    a = await f.receiver("relay-a", relay_endpoint="tcp://127.0.0.1:0")
+    assert a.relay_endpoint is not None and a.relay is not None and a.relay.server.flips is not None
+    b = await f.receiver("relay-b", a.relay_endpoint, relay_endpoint="tcp://127.0.0.1:0")
+    assert b.relay_endpoint is not None and b.relay is not None and b.relay.server.flips is not None
+    assert (a.relay.server.flips.stage_timeout, b.relay.server.flips.stage_timeout) == (RELAY_SHARE * timeout, RELAY_SHARE**2 * timeout)
+    fast = await f.receiver("fast", b.relay_endpoint)
+    async with f.stalled(upstream=b.relay_endpoint, peer_timeout=20.0) as (slow, stall):
+        v = await f.trainer.step_and_sync(f.sender)
+        flip = await f.sender.wait_flipped(v, timeout=T)
+        assert flip.missing == ("relay-a/relay-b/slow",) and f.sender.stats[v].flip_missing == ("relay-a/relay-b/slow",)
+        assert flip.seconds is not None and flip.seconds >= RELAY_SHARE**2 * timeout
+        for r in (a, b, fast):
+            await r.wait_for_version(v, timeout=T)
+            await assert_matches(r, f.trainer, v)
+        assert slow.version == 0 and "slow" not in f.commits.get(v, {})
+        assert (a.relay.server.flips.record(v).missing, b.relay.server.flips.record(v).missing) == (("relay-b/slow",), ("slow",))
+        stall.release()
+        await slow.wait_for_version(v, timeout=T)
+        await assert_matches(slow, f.trainer, v)
+        decided = flip.decided_at
+        assert decided is not None and min(f.commits[v].values()) >= decided
+        await slow.close()
+
+
 async def test_a_relay_that_predates_flips_through_relays_is_refused(fleet: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A relay whose HELLO does not say ``subtree`` (before flips waited for the receivers
     below a relay) would report versions staged before its receivers have: a together

@@ -161,7 +161,7 @@ class Relay:
         """Under together: ``version`` goes to the receivers below; its flip here waits for them
         staged (ready, ``report``), within a share of the upstream's ``stage_timeout``."""
         flips = self.server.flips
-        if flips is not None:
+        if flips is not None and (flips.flipped is None or version > flips.flipped):  # (not a version flipped already, sent again)
             flips.stage_timeout = self._stage_timeout()
             flips.published(version, [p.name for p in self.server.peers.values()])
 
