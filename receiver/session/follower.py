@@ -415,6 +415,7 @@ class Follower:
         return replace(self._below(), staged=self._staged) if relay is None else relay.report(self._staged)
 
     def _report_staged(self) -> None:
+        """``Relay.tell_upstream``: its receivers are done staging; the version held staged goes up now, not a heartbeat later."""
         if self.link is not None and self._staged is not None:
             self.link.try_send(self._report().to_message(self.version))
 

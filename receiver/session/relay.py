@@ -177,7 +177,8 @@ class Relay:
         """What this relay's ACKs and heartbeats say upward: the receivers below it
         (``VersionServer.subtree``) and, under together, ``staged`` (the version it holds
         staged itself) once they are done staging it too: every one of them staged it, or its
-        deadline went without those named in ``Ack.missing``."""
+        deadline went without those named in ``Ack.missing``. Reads only: called from the
+        receiver's heartbeats and ACKs as often as they go."""
         below, flips = self.server.subtree(), self.server.flips
         if staged is None or flips is None:
             return Ack(below, staged)
@@ -186,7 +187,8 @@ class Relay:
 
     def flip(self, version: int) -> None:
         """Its upstream flipped ``version``, which this relay commits now: so do the receivers
-        below it, at once (those that did not stage it are resynced)."""
+        below it, at once (those that did not stage it are resynced). Again for the same
+        version (its commit also decides it) it does nothing."""
         if self.server.flips is not None:
             self.server.flipped(self.server.flips.decide(version))
 
