@@ -30,7 +30,11 @@ class SyncStats:
     lag_wait_seconds: float = 0.0
     lag_dropped: tuple[str, ...] = ()
     # commit="together": from publication to the flip, and the receivers it went without
-    # (filled in when the flip is decided: ``await sender.wait_flipped(version)``)
+    # (filled in when the flip is decided: ``await sender.wait_flipped(version)``). Through
+    # relays a flip waits for the leaves (a relay reports a version staged once its subtree
+    # has), so ``flip_seconds`` includes their staging; a receiver below a relay that the
+    # relay's deadline went without is named by its path, ``"relay-id/leaf-id"``
+    # (``"relay-a/relay-b/leaf"`` deeper); a direct receiver (or a relay, whole) by its identity.
     flip_seconds: float | None = None
     flip_missing: tuple[str, ...] = ()
 

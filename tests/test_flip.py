@@ -16,10 +16,11 @@ import pytest
 from daemon_helpers import CONFIGS, DAEMON_KW, T, Trainer, assert_matches, receiver_model, wait_until
 from proxy import Proxy, Stall, Tamper, Wire
 
+import receiver.strategy.base
 from protocol.errors import ConfigError, WeightSyncError
-from protocol.net.flips import Flips
+from protocol.net.flips import RELAY_SHARE, Flips
 from protocol.wire.framing import Encoding, Message, MessageType, decode_message
-from protocol.wire.messages import Beat
+from protocol.wire.messages import Beat, Hello
 from receiver import Receiver, StrategyHooks
 from sender import Sender
 
@@ -30,11 +31,11 @@ class Fleet:
     sender: Sender
     config: dict[str, Any]
     receivers: list[Receiver] = field(default_factory=list)
-    commits: dict[int, dict[str, float]] = field(default_factory=dict)  # version -> receiver -> perf_counter at commit
+    commits: dict[int, dict[str, float]] = field(default_factory=dict)  # version -> receiver -> time.monotonic() at commit
 
     async def receiver(self, identity: str, endpoint: str | None = None, **kw: Any) -> Receiver:
         r = Receiver(receiver_model(), endpoint or self.sender.endpoint, self.config, identity=identity, **{**DAEMON_KW, **kw})
-        r.on_update(lambda v: self.commits.setdefault(v, {}).setdefault(identity, time.perf_counter()) if v is not None else None)
+        r.on_update(lambda v: self.commits.setdefault(v, {}).setdefault(identity, time.monotonic()) if v is not None else None)
         self.receivers.append(r)
         await r.start(timeout=T)
         return r
@@ -42,28 +43,32 @@ class Fleet:
     @property
     def upstream(self) -> tuple[str, int]:
         """The sender's host and port, for a proxy in front of it."""
-        host, port = self.sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
-        return host, int(port)
+        return _host_port(self.sender.endpoint)
 
     @contextlib.asynccontextmanager
     async def stalled(self, identity: str = "slow", version: int = 1, *, part: int = 0, finish: bool = False,
-                      **kw: Any) -> AsyncIterator[tuple[Receiver, Stall]]:
+                      upstream: str | None = None, **kw: Any) -> AsyncIterator[tuple[Receiver, Stall]]:
         """A receiver whose connection stalls halfway through ``version``'s message ``part``,
         so it never stages it, until ``stall.release()``: then the rest comes (``finish``)
-        or the connection is reset. ``kw``: the receiver's (``peer_timeout=20.0``: it stays
-        stalled rather than reconnect)."""
+        or the connection is reset. ``upstream``: a relay's endpoint (default: the sender).
+        ``kw``: the receiver's (``peer_timeout=20.0``: it stays stalled rather than reconnect)."""
         kind = MessageType.PATCH if self.config["type"] == "patch" else MessageType.BUCKET
 
         def select(w: Wire) -> bool:
             return w.type == kind and w.version == version and w.header is not None and w.header.get("part", 0) == part
 
         stall = Stall(select, fraction=0.5, finish=finish)
-        async with Proxy(self.upstream, tamper=stall) as path:
+        async with Proxy(self.upstream if upstream is None else _host_port(upstream), tamper=stall) as path:
             yield await self.receiver(identity, path.endpoint, **kw), stall
 
     def spread(self, version: int) -> float:
         times = self.commits[version].values()
         return max(times) - min(times)
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)
 
 
 @pytest.fixture
@@ -105,6 +110,33 @@ def test_flips_decide_on_all_a_quorum_or_the_timeout() -> None:
     for bad in ({"quorum": 0}, {"stage_timeout": 0}):
         with pytest.raises(ConfigError):
             Flips(**bad)
+
+
+def test_a_relays_flips_are_ready_when_its_receivers_staged_and_decided_by_its_upstream() -> None:
+    """``follow`` (a relay): staging makes a flip *ready* (what the relay reports upward),
+    never decided; a timeout makes it ready without the late ones, named with those a relay
+    below went without; only ``decide`` flips it."""
+    told: list[int] = []
+    f = Flips(stage_timeout=1.0, follow=True)
+    f.on_ready = lambda flip: told.append(flip.version)
+    assert f.ready(7) is not None and f.ready(7).left_out() == ()  # nothing forwarded here: nobody to wait for
+    assert f.published(1, ["a", "sub"], now=0.0) == [] and f.ready(1) is None
+    assert f.staged("a", 1, now=0.1) == [] and f.ready(1) is None
+    assert f.staged("sub", 1, now=0.2, below=["x", "y/z"]) == [] and told == [1]
+    ready = f.ready(1)
+    assert ready is not None and ready.left_out() == ("sub/x", "sub/y/z") and f.flipped is None
+    assert f.published(1, ["a", "sub", "late"], now=0.5) == [] and f.record(1).cohort == {"a", "sub"}  # published again: the first stands
+    f.published(2, ["a", "b"], now=1.0)
+    f.staged("a", 2, now=1.1)
+    assert f.due(now=1.9) == [] and f.ready(2) is None
+    assert f.due(now=2.0) == [] and told == [1, 2] and f.ready(2).left_out() == ("b",)  # ready without b, not flipped
+    (one, two) = f.decide(2, now=2.5)
+    assert (one.missing, two.missing, f.flipped) == (("sub/x", "sub/y/z"), ("b",), 2)
+    t = Flips()  # a trainer's: the relay's names below it, under its own
+    t.published(1, ["relay", "direct"], now=0.0)
+    t.staged("direct", 1, now=0.1)
+    (flip,) = t.staged("relay", 1, now=0.2, below=["slow"])
+    assert flip.missing == ("relay/slow",) and flip.unstaged == frozenset()
 
 
 @pytest.mark.parametrize("mode", ["patch", "bucket", "patch-device"])
@@ -267,25 +299,6 @@ def test_commit_must_be_known() -> None:
         Sender("tcp://127.0.0.1:0", CONFIGS["patch"], commit="sometimes")
 
 
-async def test_a_relay_flips_its_children_once_it_has_flipped(fleet: Any) -> None:
-    """A relay under a together sender stages each version (its children get the parts as
-    they pass), commits at the trainer's flip, then flips its children: they commit after it,
-    never before, and everyone ends on each version."""
-    f = await fleet(commit="together")
-    relay = await f.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
-    assert relay.relay_endpoint is not None
-    direct = await f.receiver("direct")
-    children = [await f.receiver(f"child{i}", relay.relay_endpoint) for i in range(2)]
-    for _ in range(3):
-        v = await f.trainer.step_and_sync(f.sender)
-        flip = await f.sender.wait_flipped(v, timeout=T)
-        assert flip.cohort == {"relay", "direct"} and flip.missing == ()
-        for r in (relay, direct, *children):
-            await r.wait_for_version(v, timeout=T)
-            await assert_matches(r, f.trainer, v)
-        assert all(f.commits[v][c.identity] >= f.commits[v]["relay"] for c in children)
-
-
 async def test_a_held_receiver_commits_a_flipped_version_when_asked(fleet: Any) -> None:
     """hold=True (the vLLM backend's mode) and a flip both gate the commit: update_weights
     waits for the flip, and a flip waits for update_weights."""
@@ -329,3 +342,138 @@ async def test_sleep_while_a_version_waits_for_its_flip_does_not_hang(fleet: Any
         await r.wait_for_version(v, timeout=T)
         await assert_matches(r, f.trainer, v)
         stall.release()
+
+
+STAGING = 0.3  # seconds a leaf's staging takes past its relay's (an engine's re-pack, say): the flip must wait for it
+
+
+def _staging(staged: dict[int, dict[str, float]], name: str, delay: float = 0.0) -> StrategyHooks:
+    """Hooks of a receiver that records when it has staged each version (``time.monotonic``,
+    before it reports it), staging ``delay`` seconds longer than it would."""
+
+    async def on_staged(pending: Any) -> None:
+        await asyncio.sleep(delay)
+        if pending.version is not None:
+            staged.setdefault(pending.version, {})[name] = time.monotonic()
+
+    return StrategyHooks(on_staged=on_staged)
+
+
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+@pytest.mark.parametrize("direct", [False, True], ids=["tree", "mixed"])
+async def test_a_flip_through_a_relay_waits_for_the_leaves_below_it(fleet: Any, mode: str, direct: bool) -> None:
+    """trainer -> relay -> two leaves (``mixed``: and a receiver of the trainer's own). Each
+    leaf stages each version ``STAGING`` after the relay: the relay reports it staged only
+    once both leaves have, the trainer flips only then, and the flip comes down (the relay
+    flips its leaves as it commits): nobody commits before everybody staged."""
+    f = await fleet(mode, commit="together")
+    staged: dict[int, dict[str, float]] = {}
+    relay = await f.receiver("relay", relay_endpoint="tcp://127.0.0.1:0", hooks=_staging(staged, "relay"))
+    assert relay.relay_endpoint is not None and relay.relay is not None and relay.relay.server.flips is not None
+    others = [await f.receiver("direct", hooks=_staging(staged, "direct"))] if direct else []
+    leaves = [await f.receiver(f"leaf{i}", relay.relay_endpoint, hooks=_staging(staged, f"leaf{i}", STAGING)) for i in range(2)]
+    everyone = [relay, *others, *leaves]
+    for _ in range(3):
+        v = await f.trainer.step_and_sync(f.sender)
+        flip = await f.sender.wait_flipped(v, timeout=T)
+        assert flip.cohort == {r.identity for r in (relay, *others)} and flip.missing == ()
+        for r in everyone:
+            await r.wait_for_version(v, timeout=T)
+            await assert_matches(r, f.trainer, v)
+            assert r.stats[v].kind == mode  # committed from what it staged, at the flip: not a resync
+        below = relay.relay.server.flips.record(v)
+        assert below is not None and below.missing == () and below.staged >= {"leaf0", "leaf1"}
+        assert flip.decided_at is not None and below.ready_at is not None
+        # the order: each leaf staged, then its relay's receivers were all staged, then the trainer flipped, then the commits
+        assert max(staged[v][leaf.identity] for leaf in leaves) <= below.ready_at <= flip.decided_at
+        assert max(staged[v].values()) <= flip.decided_at <= min(f.commits[v].values())
+        assert set(staged[v]) == set(f.commits[v]) == {r.identity for r in everyone}
+        assert f.sender.stats[v].flip_missing == ()
+
+
+@pytest.mark.parametrize("mode, part", [("patch", 0), ("bucket", 1)])
+async def test_a_leaf_that_never_stages_is_named_through_its_relay_and_resynced(fleet: Any, mode: str, part: int) -> None:
+    """A leaf below a relay stalls on v1: the relay's deadline (``RELAY_SHARE`` of the
+    trainer's ``stage_timeout``) goes without it, the relay reports v1 staged naming it,
+    and the trainer flips without it (``flip_missing``: ``relay/slow``) before its own
+    timeout would have left the whole relay out. The stalled leaf never commits v1 until it
+    is resynced; then everyone flips v2 together. No version is committed before its flip."""
+    timeout = 2.0
+    f = await fleet(mode, commit="together", stage_timeout=timeout)
+    relay = await f.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
+    assert relay.relay_endpoint is not None and relay.relay is not None and relay.relay.server.flips is not None
+    direct = await f.receiver("direct")
+    fast = await f.receiver("fast", relay.relay_endpoint)
+    async with f.stalled(upstream=relay.relay_endpoint, part=part, peer_timeout=20.0) as (slow, stall):
+        v = await f.trainer.step_and_sync(f.sender)
+        flip = await f.sender.wait_flipped(v, timeout=T)
+        assert flip.cohort == {"relay", "direct"} and flip.missing == ("relay/slow",) and f.sender.stats[v].flip_missing == ("relay/slow",)
+        assert flip.seconds is not None and flip.seconds >= RELAY_SHARE * timeout  # the relay's deadline decided it
+        for r in (relay, direct, fast):
+            await r.wait_for_version(v, timeout=T)
+            await assert_matches(r, f.trainer, v)
+        below = relay.relay.server.flips.record(v)
+        assert below is not None and below.missing == ("slow",)
+        assert slow.version == 0 and slow.pending_version is None and stall.stalled.is_set()
+        stall.release()  # the connection is reset mid-message: it reconnects, behind, and catches up
+        await slow.wait_for_version(v, timeout=T)
+        await assert_matches(slow, f.trainer, v)
+        v2 = await f.trainer.step_and_sync(f.sender)
+        flip2 = await f.sender.wait_flipped(v2, timeout=T)
+        assert flip2.missing == () and relay.relay.server.flips.record(v2).missing == ()
+        for r in (relay, direct, fast, slow):
+            await r.wait_for_version(v2, timeout=T)
+            await assert_matches(r, f.trainer, v2)
+        assert set(f.commits) == {0, v, v2} and set(f.commits[v2]) == {"relay", "direct", "fast", "slow"}
+        for version, decided in ((v, flip.decided_at), (v2, flip2.decided_at)):
+            assert decided is not None and min(f.commits[version].values()) >= decided  # nothing committed unflipped
+        await slow.close()
+
+
+async def test_a_leaf_two_relays_down_is_named_by_its_path_within_each_relays_share(fleet: Any) -> None:
+    """trainer -> relay-a -> relay-b -> {fast, slow}: each relay decides within half its
+    parent's deadline (the trainer's ``stage_timeout`` / 2, then / 4), so relay-b goes
+    without the stalled leaf, relay-a reports its subtree staged naming ``relay-b/slow``, and
+    the trainer flips before its own timeout, naming the leaf by its whole path."""
+    timeout = 4.0
+    f = await fleet(commit="together", stage_timeout=timeout)
+    a = await f.receiver("relay-a", relay_endpoint="tcp://127.0.0.1:0")
+    assert a.relay_endpoint is not None and a.relay is not None and a.relay.server.flips is not None
+    b = await f.receiver("relay-b", a.relay_endpoint, relay_endpoint="tcp://127.0.0.1:0")
+    assert b.relay_endpoint is not None and b.relay is not None and b.relay.server.flips is not None
+    assert (a.relay.server.flips.stage_timeout, b.relay.server.flips.stage_timeout) == (RELAY_SHARE * timeout, RELAY_SHARE**2 * timeout)
+    fast = await f.receiver("fast", b.relay_endpoint)
+    async with f.stalled(upstream=b.relay_endpoint, peer_timeout=20.0) as (slow, stall):
+        v = await f.trainer.step_and_sync(f.sender)
+        flip = await f.sender.wait_flipped(v, timeout=T)
+        assert flip.missing == ("relay-a/relay-b/slow",) and f.sender.stats[v].flip_missing == ("relay-a/relay-b/slow",)
+        assert flip.seconds is not None and flip.seconds >= RELAY_SHARE**2 * timeout
+        for r in (a, b, fast):
+            await r.wait_for_version(v, timeout=T)
+            await assert_matches(r, f.trainer, v)
+        assert slow.version == 0 and "slow" not in f.commits.get(v, {})
+        assert (a.relay.server.flips.record(v).missing, b.relay.server.flips.record(v).missing) == (("relay-b/slow",), ("slow",))
+        stall.release()
+        await slow.wait_for_version(v, timeout=T)
+        await assert_matches(slow, f.trainer, v)
+        decided = flip.decided_at
+        assert decided is not None and min(f.commits[v].values()) >= decided
+        await slow.close()
+
+
+async def test_a_relay_that_predates_flips_through_relays_is_refused(fleet: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay whose HELLO does not say ``subtree`` (before flips waited for the receivers
+    below a relay) would report versions staged before its receivers have: a together
+    sender refuses it, clearly, at its first report; a receiver of that age that does not
+    relay is served as before."""
+    monkeypatch.setattr(receiver.strategy.base, "Hello", lambda *a, **kw: Hello(*a, **{**kw, "subtree": False}))
+    f = await fleet(commit="together")
+    with pytest.raises(WeightSyncError, match="predates"):
+        old = await f.receiver("old", relay_endpoint="tcp://127.0.0.1:0")
+        await old.wait_for_version(1, timeout=T)
+    await wait_until(lambda: "old" not in f.sender.server.receivers)
+    leaf = await f.receiver("leaf")
+    v = await f.trainer.step_and_sync(f.sender)
+    assert (await f.sender.wait_flipped(v, timeout=T)).missing == ()
+    await leaf.wait_for_version(v, timeout=T)
+    await assert_matches(leaf, f.trainer, v)

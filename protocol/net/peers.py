@@ -46,6 +46,7 @@ class Peer:
     joined_at: float = field(default_factory=time.monotonic)
     behind_at: float = float("-inf")  # monotonic time of the last BEHIND acted on (one an interval at most)
     resend_to: int | None = None  # the furthest version it had been sent when it asked (BEHIND): up to it, a resend
+    subtree: bool = False  # its HELLO said a relay's staged report waits for its receivers (``Hello.subtree``)
 
     @property
     def name(self) -> str:

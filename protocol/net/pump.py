@@ -126,15 +126,15 @@ class Pump:
                     if peer.resend_to is not None and entry.version <= peer.resend_to:
                         server.counts.ring_resends += 1  # it asked for it again (BEHIND): lost on the way
                     return entry.version, entry
+            buckets = server.buckets  # (a relay's, under commit="together", goes on before the relay commits it)
+            if buckets is not None and (peer.sent is None or peer.sent < buckets[0]):
+                if peer.resend_to is not None and buckets[0] <= peer.resend_to:
+                    server.counts.bucket_resends += 1  # it asked for it again (BEHIND): lost on the way
+                return buckets
             if peer.sent == server.version or (peer.sent is not None and server.version is not None and peer.sent > server.version):
                 return None  # it has all there is (a relay's patch goes on before the relay commits it)
             if self._ring.pending(peer.sent):
                 return None  # its next patch is being prepared; publish_patch wakes it
-            buckets = server.buckets
-            if buckets is not None and (peer.sent is None or peer.sent < buckets[0]):
-                if peer.resend_to is not None and buckets[0] <= peer.resend_to:
-                    server.counts.bucket_resends += 1
-                return buckets
         if peer.needs_resync:  # it NACKed: resync, later each time it refuses again, and not forever
             if peer.refused >= server.max_resyncs:
                 raise ResyncLimitError(

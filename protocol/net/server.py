@@ -167,10 +167,10 @@ class VersionServer:
 
     def flipped(self, decided: list[Flip]) -> None:
         """``decided`` flips were made: every receiver is told now (the heartbeats repeat it),
-        and the receivers a flip went without are resynced."""
+        and the receivers a flip went without are resynced (those below a relay, by it)."""
         if not decided:
             return
-        names = {m for flip in decided for m in flip.missing}
+        names = {m for flip in decided for m in flip.unstaged}
         for peer in list(self._peers.values()):
             if peer.name in names:
                 self.skip(peer)

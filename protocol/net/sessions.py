@@ -117,8 +117,12 @@ class Sessions:
                     server.try_send(Peer(identity), server.stamp(ErrorReport(UNKNOWN_PEER, "say HELLO").to_message()))
             elif msg.type in (MessageType.ACK, MessageType.HEARTBEAT):
                 below_changed = peer.report_below(msg.body)
-                if server.flips is not None and (staged := _staged(msg)) is not None:
-                    server.flipped(server.flips.staged(peer.name, staged))
+                if server.flips is not None and (ack := _ack(msg)) is not None:
+                    if ack.below is not None and not peer.subtree:
+                        await self._refuse_old_relay(peer)
+                        continue
+                    if ack.staged is not None:
+                        server.flipped(server.flips.staged(peer.name, ack.staged, below=ack.missing))
                 # Heartbeats repeat the applied version, so a lost ACK is never waited on forever.
                 if msg.version is not None and (peer.acked is None or msg.version > peer.acked):
                     peer.ack(msg.version)
@@ -147,6 +151,19 @@ class Sessions:
                 await server.drop(peer, "said goodbye")
             elif msg.type is MessageType.ERROR:
                 log.error("receiver %s reported: %s", peer.name, _reported(ErrorReport, msg))
+
+    async def _refuse_old_relay(self, peer: Peer) -> None:
+        """A relay that predates ``Hello.subtree`` reports a version staged before the
+        receivers below it have: a flip would go before them. Refused, and told why."""
+        server = self._server
+        error = ConfigError(f"this {server.role} commits versions together (commit='together') through relays: relay {peer.name} "
+                            "reports a version staged before its own receivers have (it predates that); upgrade it")
+        log.error("receiver %s refused: %s", peer.name, error)
+        try:
+            server.try_send(peer, server.stamp(ErrorReport.of(error).to_message()))
+        except PeerGone:
+            pass
+        await server.drop(peer, "a relay that predates flips through relays")
 
     def _behind(self, peer: Peer, version: int | None) -> None:
         """``peer`` holds ``version`` and heard of a later one it never received (a message
@@ -233,7 +250,10 @@ class Sessions:
             greeting, version = [], applied  # already current (e.g. after a restart)
         else:
             version, greeting = await server.resync_messages()
-        welcome_message = replace(welcome, bootstrap=len(greeting), together=server.flips is not None).to_message(version)
+        flips = server.flips
+        timeout = None if flips is None else flips.stage_timeout
+        welcome_message = replace(welcome, bootstrap=len(greeting), together=flips is not None, stage_timeout=timeout).to_message(version)
+        peer.subtree = said.subtree
         peer.sent = version
         peer.acked = None if greeting else version
         peer.inflight = [version] if greeting else []
@@ -264,10 +284,10 @@ class Sessions:
                 server.try_send(Peer(identity), server.stamp(server.beat()))
 
 
-def _staged(msg: Message) -> int | None:
-    """The version a receiver reports staged (``Ack.staged``); None if none, or unreadable."""
+def _ack(msg: Message) -> Ack | None:
+    """An ACK's or a receiver's HEARTBEAT's body (``Ack.staged``, ``below``); None if unreadable."""
     try:
-        return Ack.from_body(msg.body, msg.type).staged
+        return Ack.from_body(msg.body, msg.type)
     except ProtocolError:
         return None
 

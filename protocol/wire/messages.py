@@ -9,8 +9,8 @@ ignored. Checks that need the model (an alias ordinal in range, shapes that matc
 with the reader that has it. ``to_message(version)`` wraps a record in its ``Message``.
 
     HELLO           receiver -> sender  Hello         metadata, who, applied version, digest, session
-    WELCOME         sender -> receiver  Welcome       strategy, aliases, bootstrap size
-    ACK, HEARTBEAT  receiver -> sender  Ack           a relay's receivers below it
+    WELCOME         sender -> receiver  Welcome       strategy, aliases, bootstrap size, flips
+    ACK, HEARTBEAT  receiver -> sender  Ack           a relay's receivers below it, a version staged
     HEARTBEAT       sender -> receiver  Beat          the trainer's latest version (from a relay), flips
     NACK            receiver -> sender  Nack          why an update was rejected, or BEHIND
     DIGEST_REQUEST  receiver -> sender  DigestRequest nonce; the digest? the metadata?
@@ -106,7 +106,10 @@ class Hello(_Body):
     """A receiver's first message: its model's metadata, its identity, the version it
     holds (``applied``), that version's state digest, and the sender session it last
     followed (to resume from that sender's ring). ``flip``: it can stage a version and
-    commit it when told (``Welcome.together``); a receiver that predates it says nothing."""
+    commit it when told (``Welcome.together``); a receiver that predates it says nothing.
+    ``subtree``: were it to relay, its ``Ack.staged`` would wait for the receivers below it
+    too (``Ack.missing``); a server that flips refuses a relay that does not say so (its
+    staged report would let a flip go before its receivers staged)."""
 
     TYPE: ClassVar[MessageType] = MessageType.HELLO
     metadata: ModelMetadata
@@ -115,11 +118,14 @@ class Hello(_Body):
     digest: str | None = None
     session: str | None = None
     flip: bool = False
+    subtree: bool = False
 
     def to_body(self) -> dict[str, Any]:
         body = {**self.metadata.to_body(), "receiver": self.receiver, "applied": self.applied, "digest": self.digest, "session": self.session}
         if self.flip:
             body["flip"] = True
+        if self.subtree:
+            body["subtree"] = True
         return body
 
     @classmethod
@@ -132,6 +138,7 @@ class Hello(_Body):
             digest=_field(k, body, "digest", "a string or nil", _str_or_none, optional=True),
             session=_field(k, body, "session", "a string or nil", _str_or_none, optional=True),
             flip=_field(k, body, "flip", "a bool", _bool, optional=True) or False,
+            subtree=_field(k, body, "subtree", "a bool", _bool, optional=True) or False,
         )
 
 
@@ -144,7 +151,9 @@ class Welcome(_Body):
     receiver to check it holds the same. Optional on the wire: a peer without it checks
     nothing. ``together``: versions are committed when the server says so (``Beat.flipped``),
     each staged first and reported (``Ack.staged``); a server only says so to a receiver
-    whose HELLO said ``flip``."""
+    whose HELLO said ``flip``. ``stage_timeout`` (with ``together``; seconds): how long the
+    server waits for a version's cohort to stage it; a relay decides its own receivers'
+    staging within a share of it (``protocol.net.flips.RELAY_SHARE``). Absent: not said."""
 
     TYPE: ClassVar[MessageType] = MessageType.WELCOME
     strategy: str
@@ -152,6 +161,7 @@ class Welcome(_Body):
     bootstrap: int
     untracked: tuple[tuple[int, str], ...] = ()
     together: bool = False
+    stage_timeout: float | None = None
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"strategy": self.strategy, "aliases": [[a, c] for a, c in self.aliases], "bootstrap": self.bootstrap}
@@ -159,6 +169,8 @@ class Welcome(_Body):
             body["untracked"] = [[o, d] for o, d in self.untracked]
         if self.together:
             body["together"] = True
+        if self.stage_timeout is not None:
+            body["stage_timeout"] = self.stage_timeout
         return body
 
     @classmethod
@@ -175,7 +187,9 @@ class Welcome(_Body):
             if not (isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and _str(pair[1]) and len(pair[1]) <= 64):
                 raise ProtocolError(f"{k.name} body: 'untracked' has a bad entry {pair!r:.60}")
         together = _field(k, body, "together", "a bool", _bool, optional=True) or False
-        return cls(strategy, tuple((a, c) for a, c in aliases), bootstrap, tuple((o, d) for o, d in untracked), together)
+        timeout = _field(k, body, "stage_timeout", "a number of seconds > 0", _seconds, optional=True)
+        return cls(strategy, tuple((a, c) for a, c in aliases), bootstrap, tuple((o, d) for o, d in untracked), together,
+                   None if timeout is None else float(timeout))
 
 
 @dataclass(frozen=True)
@@ -183,23 +197,41 @@ class Ack(_Body):
     """The body of an ACK or a HEARTBEAT: empty, or, from a relay, ``below``: how many
     receivers it feeds and the lowest version any of them applied (None until all have
     one); under ``Welcome.together``, ``staged``: the version it holds staged, waiting for
-    the word to commit it. ``TYPE`` is ACK; a heartbeat is ``Message(MessageType.HEARTBEAT, body=...)``."""
+    the word to commit it; from a relay (``Hello.subtree``), only once the receivers below
+    it staged it too, or its own deadline went without some of them: ``missing`` names
+    those, each as its path below the relay (``"leaf"``, ``"relay2/leaf"``). ``TYPE`` is
+    ACK; a heartbeat is ``Message(MessageType.HEARTBEAT, body=...)``."""
 
     TYPE: ClassVar[MessageType] = MessageType.ACK
     below: tuple[int, int | None] | None = None
     staged: int | None = None
+    missing: tuple[str, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {} if self.below is None else {"below": list(self.below)}
         if self.staged is not None:
             body["staged"] = self.staged
+        if self.missing:
+            body["missing"] = list(self.missing)
         return body
 
     @classmethod
     def from_body(cls, body: Mapping[Any, Any], kind: MessageType = MessageType.ACK) -> Ack:
         below = _field(kind, body, "below", "[receivers >= 0, lowest applied version >= 0 or nil]", _below, optional=True)
         staged = _field(kind, body, "staged", "an int >= 0 or nil", _count_or_none, optional=True)
-        return cls(None if below is None else (below[0], below[1]), staged)
+        missing = _field(kind, body, "missing", f"a list of at most {MAX_MISSING} names", _names, optional=True) or []
+        return cls(None if below is None else (below[0], below[1]), staged, tuple(missing))
+
+
+MAX_MISSING = 4096  # names an Ack's ``missing`` may carry (a relay's whole subtree, bounded)
+
+
+def _names(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_MISSING and all(_str(n) and 0 < len(n) <= 1024 for n in v)
+
+
+def _seconds(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
 
 
 def _below(v: object) -> bool:

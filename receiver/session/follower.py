@@ -125,6 +125,8 @@ class Follower:
         self._arriving = False  # a version written on arrival passed its gate; its later parts are still to come
         self._awaiting_resync = False  # a NACK was sent: the resync it asked for is coming
         self._staged: int | None = None  # commit="together": the version staged, waiting for its flip
+        if owner.relay is not None:  # its receivers done staging: what this one holds staged is reported at once
+            owner.relay.tell_upstream = self._report_staged
 
     @property
     def version(self) -> int | None:
@@ -340,6 +342,8 @@ class Follower:
                 raise link.broken
             if self.lifecycle.leaving:
                 raise Leave("asked to leave")
+            if together and owner.relay is not None and version is not None:  # flipped: its receivers commit with it
+                owner.relay.flip(version)
 
         async def arriving(pending: PendingVersion) -> None:
             await gate(pending)
@@ -412,8 +416,15 @@ class Follower:
         return Ack(None if relay is None else relay.server.subtree())
 
     def _report(self) -> Ack:
-        """What ACKs and heartbeats say: ``_below``, and the version staged for a flip."""
-        return replace(self._below(), staged=self._staged)
+        """What ACKs and heartbeats say: ``_below``, and the version staged for a flip (a
+        relay's, once its receivers staged it too: ``Relay.report``)."""
+        relay = self._owner.relay
+        return replace(self._below(), staged=self._staged) if relay is None else relay.report(self._staged)
+
+    def _report_staged(self) -> None:
+        """``Relay.tell_upstream``: its receivers are done staging; the version held staged goes up now, not a heartbeat later."""
+        if self.link is not None and self._staged is not None:
+            self.link.try_send(self._report().to_message(self.version))
 
     def _record(self, stats: ApplyStats) -> None:
         self._owner.metrics().applied(stats)

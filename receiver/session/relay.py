@@ -9,7 +9,14 @@ alone commits it, so a tree's latency does not grow by one apply a level (a paus
 still feeds its children); each child commits only whole versions it checked itself. A
 patch the relay could not take whole (a part refused, a resync instead) is abandoned
 below it too: its children hold the parts unwritten until their own resync. Bucket
-versions and bootstraps go on once the relay has committed them.
+versions and bootstraps go on once the relay has committed them; under
+``commit="together"`` a bucket version goes on once the relay has staged it whole (its
+children commit only at the flip, which comes once the relay's upstream has it staged).
+
+Under ``commit="together"`` a relay reports a version staged upward (``report``) only once
+its own receivers have staged it too, or its own deadline went without some (named upward:
+``protocol/net/flips.py``); when the flip comes down it flips them at once (``flip``), as
+it commits.
 
 Forwarded messages keep the upstream session id: every relay below one trainer speaks
 for the same lineage of versions, so a child that moves to another relay (its parent
@@ -34,13 +41,13 @@ from typing import Any
 
 from protocol.codec.buckets import bucket_messages, plan_buckets
 from protocol.errors import ConfigError, StateError, WeightSyncError
-from protocol.net.flips import Flips
+from protocol.net.flips import RELAY_SHARE, STAGE_TIMEOUT, Flip, Flips
 from protocol.net.server import VersionServer
 from protocol.state import StateLike, state_tensors
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.limits import Limits
-from protocol.wire.messages import Hello, Welcome
+from protocol.wire.messages import Ack, Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
 from ..rwlock import ReadWriteLock
@@ -73,6 +80,9 @@ class Relay:
         self._held, self._state, self._model_lock = strategy, state, lock
         self._bucket_size = bucket_size
         self._open: tuple[int | None, int] | None = None  # (base, version) of the patch whose parts go on as they pass
+        self._forwarded: int | None = None  # under together: the bucket version that went on once staged, before its commit
+        # told when this relay's receivers are done staging a version: its receiver reports it upward now
+        self.tell_upstream: Callable[[], None] | None = None
 
     def compose(self, hooks: StrategyHooks) -> StrategyHooks:
         """``hooks`` with this relay's: commits under ``guard``; each patch part forwarded
@@ -93,10 +103,11 @@ class Relay:
     def start(self, together: bool = False) -> None:
         """Bind and serve; the receiver has completed its first handshake. ``together``: its
         upstream flips versions (``commit="together"``): so does this relay, for its children,
-        once it has committed each itself."""
+        at its upstream's word, once the receivers below it staged each (``report``)."""
         server, version = self.server, self._strategy.version
         if together:
-            server.flips = Flips(follow=True)
+            server.flips = Flips(stage_timeout=self._stage_timeout(), follow=True)
+            server.flips.on_ready = self._ready
         server.moved(version)
         if server.flips is not None and version is not None:  # what it holds is flipped already
             server.flips.decide(version)
@@ -122,6 +133,7 @@ class Relay:
         """A message passed the relay's checks: a patch's part goes to the children now."""
         version, server = pending.version, self.server
         if pending.type is not MessageType.PATCH or version is None:
+            self._forward_buckets(pending, msg)
             return
         pending.messages = []  # forwarded here, not kept for the commit
         key = (pending.base_version, version)
@@ -129,7 +141,56 @@ class Relay:
             self._abandon_open()  # a patch the relay never took whole (refused midway, superseded)
             self._follow_lineage()
             self._open = key
+            self._wait_staged(version)
         server.publish_patch(pending.base_version, version, server.stamp(msg), last=msg.last)
+
+    def _forward_buckets(self, pending: PendingVersion, msg: Message) -> None:
+        """Under together, a bucket version staged whole goes on now: the flip it waits for
+        waits for the receivers below this relay to stage it too."""
+        version, server = pending.version, self.server
+        if pending.type is not MessageType.BUCKET or version is None or server.flips is None or not msg.last:
+            return
+        self._abandon_open()
+        self._follow_lineage()
+        messages, pending.messages = pending.messages, []
+        self._wait_staged(version)
+        server.publish_buckets(version, [server.stamp(m) for m in messages])
+        self._forwarded = version
+
+    def _wait_staged(self, version: int) -> None:
+        """Under together: ``version`` goes to the receivers below; its flip here waits for them
+        staged (ready, ``report``), within a share of the upstream's ``stage_timeout``."""
+        flips = self.server.flips
+        if flips is not None and (flips.flipped is None or version > flips.flipped):  # (not a version flipped already, sent again)
+            flips.stage_timeout = self._stage_timeout()
+            flips.published(version, [p.name for p in self.server.peers.values()])
+
+    def _stage_timeout(self) -> float:
+        upstream = self._strategy.stage_timeout
+        return RELAY_SHARE * (STAGE_TIMEOUT if upstream is None else upstream)
+
+    def _ready(self, flip: Flip) -> None:
+        if self.tell_upstream is not None:
+            self.tell_upstream()
+
+    def report(self, staged: int | None) -> Ack:
+        """What this relay's ACKs and heartbeats say upward: the receivers below it
+        (``VersionServer.subtree``) and, under together, ``staged`` (the version it holds
+        staged itself) once they are done staging it too: every one of them staged it, or its
+        deadline went without those named in ``Ack.missing``. Reads only: called from the
+        receiver's heartbeats and ACKs as often as they go."""
+        below, flips = self.server.subtree(), self.server.flips
+        if staged is None or flips is None:
+            return Ack(below, staged)
+        flip = flips.ready(staged)
+        return Ack(below) if flip is None else Ack(below, staged, flip.left_out())
+
+    def flip(self, version: int) -> None:
+        """Its upstream flipped ``version``, which this relay commits now: so do the receivers
+        below it, at once (those that did not stage it are resynced). Again for the same
+        version (its commit also decides it) it does nothing."""
+        if self.server.flips is not None:
+            self.server.flipped(self.server.flips.decide(version))
 
     def _abandon_open(self) -> None:
         if self._open is not None:
@@ -160,11 +221,12 @@ class Relay:
                     server.publish_patch(pending.base_version, version, server.stamp(msg), last=i + 1 == len(messages))
             elif pending.type is MessageType.BUCKET and version is not None:
                 server.moved(version)
-                server.publish_buckets(version, [server.stamp(m) for m in messages])
+                if self._forwarded != version:  # else: out already, once staged
+                    server.publish_buckets(version, [server.stamp(m) for m in messages])
             else:  # a bootstrap (a resync from upstream): children behind it are resynced too
                 server.forget()
                 server.moved(version)
-        if server.flips is not None and version is not None:  # the relay flipped: its children commit now
+        if server.flips is not None and version is not None:  # committed: its children commit now (if ``flip`` did not say so first)
             server.flipped(server.flips.decide(version))
 
     # -- VersionSource: what the server asks ----------------------------------------------

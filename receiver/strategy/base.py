@@ -70,6 +70,7 @@ class ReceiverBase(WriteSide):
         self.metadata: ModelMetadata | None = None
         self.aliases: dict[int, list[int]] = {}
         self.together = False  # the session's WELCOME: versions commit when flipped, so each is staged whole first
+        self.stage_timeout: float | None = None  # and how long its server waits for them staged (a relay takes a share)
         self._own_ties: dict[str, str] = {}  # this model's tied names (alias -> canonical), checked against WELCOME's
         self.last_stats: ApplyStats | None = None
         self._turn = asyncio.Lock()  # one apply() at a time, in the order they were called
@@ -105,13 +106,14 @@ class ReceiverBase(WriteSide):
 
         Returns the version the receiver is at afterwards (None when the sender has none).
         ``flip``: the caller stages versions and commits each when its server flips it
-        (a ``Receiver`` does; a sender with ``commit="together"`` refuses the others).
+        (a ``Receiver`` does; a sender with ``commit="together"`` refuses the others), and,
+        if it relays, reports one staged only once its own receivers have (``Hello.subtree``).
         """
         tensors = state_tensors(model)
         self.metadata = ModelMetadata.of(tensors)
         self._own_ties = find_aliases(tensors)
         # session: the sender session it last followed, to resume from its ring
-        hello = Hello(self.metadata, receiver=receiver_id, applied=self.version, digest=digest, session=self.session, flip=flip)
+        hello = Hello(self.metadata, receiver=receiver_id, applied=self.version, digest=digest, session=self.session, flip=flip, subtree=flip)
         await send(encode_message(hello.to_message(self.version)))
         self.session = None  # WELCOME may come from a new sender session
         await self.prepare()  # while the sender builds the bootstrap
@@ -164,7 +166,7 @@ class ReceiverBase(WriteSide):
                     "tensors: untie them on the rollout or tie them on the trainer"
                 )
         self.session = msg.session
-        self.together = welcome.together
+        self.together, self.stage_timeout = welcome.together, welcome.stage_timeout
         return welcome
 
     def resend_asked(self) -> None:

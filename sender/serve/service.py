@@ -68,7 +68,9 @@ class Sender:
     publication have staged it (or ``quorum`` of them, or ``stage_timeout`` passed: the
     others are resynced and named in ``SyncStats.flip_missing``), every receiver is told to
     commit it from its staged copy. ``wait_flipped`` waits for that. A receiver that cannot
-    (of an older protocol) is refused at HELLO.
+    (of an older protocol) is refused at HELLO. Through relays, a relay counts as staged
+    once its whole subtree has staged (or its deadline, half of ``stage_timeout`` a level,
+    named the late ones: ``"relay/leaf"``), and the flip goes down at once.
 
     A receiver that NACKs its resyncs one after another is resynced later each time
     (``resync_backoff``: first and largest delay, doubling) and, after ``max_resyncs`` in a
