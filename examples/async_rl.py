@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.tiny_model import TinyLM, build
 from protocol.host.cli import report, setup_logging
 from protocol.wire.checksum import state_digest
-from receiver import Receiver
+from receiver import Receiver, StrategyHooks
 from sender import Sender
 
 VOCAB = 16
@@ -149,13 +149,13 @@ async def rollout_main(args: argparse.Namespace) -> None:
     model = build_policy(seed=1000 + args.seed)  # other weights than the trainer's: the bootstrap aligns them
     generator = torch.Generator().manual_seed(args.seed)
     link = TrainerLink(args.samples, args.identity)
-    async with Receiver(model, args.sync, args.config, identity=args.identity) as receiver:
-        if args.slow_apply > 0:  # an engine slow to load weights: the receiver falls behind the trainer
 
-            async def slow(_: int | None) -> None:
-                await asyncio.sleep(args.slow_apply)
+    async def slow(_: Any) -> None:  # an engine slow to load weights: each version waits, staged, before its commit
+        await asyncio.sleep(args.slow_apply)
 
-            receiver.on_update(slow)
+    # (not an on_update hook: those run in their own task, and the receiver commits on while they run)
+    hooks = StrategyHooks(on_staged=slow) if args.slow_apply > 0 else None
+    async with Receiver(model, args.sync, args.config, identity=args.identity, hooks=hooks) as receiver:
         await receiver.start(timeout=60)
         answer = await link.request("hello")
         k, seq, waits = answer["k"], 0, receiver.lag_waits
@@ -394,14 +394,14 @@ if __name__ == "__main__":
     p.add_argument("--rollouts", type=int, default=2)
     p.add_argument("--step-interval", type=float, default=0.1, help="seconds per trainer step (the compute of a real one)")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--slow-apply", type=float, default=0.0, help="the last rollout sleeps this long after each applied version")
+    p.add_argument("--slow-apply", type=float, default=0.0, help="the last rollout takes this long more to load each version")
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("rollout", help="one rollout worker (started by the trainer)")
     r.add_argument("--sync", required=True, help="the trainer's weightsync endpoint")
     r.add_argument("--samples", required=True, help="the trainer's sample channel")
     r.add_argument("--identity", required=True)
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--slow-apply", type=float, default=0.0, help="sleep this long after each applied version")
+    r.add_argument("--slow-apply", type=float, default=0.0, help="take this long more to load each version (before its commit)")
     r.add_argument("--max-age", type=float, default=None,
                    help="ask the trainer's latest version afresh when what was heard is older than this (s; default: 2 heartbeats)")
     r.add_argument("--no-verify", dest="verify", action="store_false", help="do not send a digest of the weights with each sample")
