@@ -217,3 +217,78 @@ def test_an_adapter_that_does_not_fit_leaves_the_manager_untouched() -> None:
     assert "remove_all_adapters" not in vars(manager)  # not wrapped
     after = [t for m in manager.modules.values() for t in m.lora_a_stacked + m.lora_b_stacked]
     assert all(torch.equal(a, b) for a, b in zip(slots_before, after))
+
+
+def _one_ulp_off(monkeypatch: pytest.MonkeyPatch, layer: str) -> list[int]:
+    """vLLM's ``LoRAModel.from_lora_tensors`` (what weightsync rebuilds an adapter with),
+    with one element of ``layer``'s B one ulp off in what it builds; returns a list that
+    counts the builds it corrupted."""
+    from vllm.lora.lora_model import LoRAModel
+
+    built = LoRAModel.from_lora_tensors.__func__  # type: ignore[attr-defined]
+    corrupted: list[int] = []
+
+    def off(cls: type, *args: object, **kwargs: object) -> object:
+        lora = built(cls, *args, **kwargs)
+        b = lora.loras[layer].lora_b
+        b.view(torch.int16).reshape(-1)[5] += 1  # the next bf16 value away from zero: one ulp
+        corrupted.append(1)
+        return lora
+
+    monkeypatch.setattr(LoRAModel, "from_lora_tensors", classmethod(off))
+    return corrupted
+
+
+def _slot(manager: object, adapter: int) -> dict[str, list[torch.Tensor]]:
+    """A copy of ``adapter``'s slot in every LoRA layer (A's and B's stacked, each sub)."""
+    index = manager.lora_index_to_id.index(adapter)  # type: ignore[attr-defined]
+    return {n: [t[index].clone() for t in (m.lora_a_stacked + m.lora_b_stacked)] for n, m in manager.modules.items()}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 1)])
+def test_a_one_ulp_error_in_the_reregistration_is_caught_and_the_last_version_kept(tp: int, rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What serves after a weight update is the copy weightsync registers again when vLLM
+    drops every adapter (``finish_weight_update``): one element of one B one ulp off in
+    that rebuild raises a ``WriteCheckError`` out of vLLM's ``remove_all_adapters``, and the
+    adapter that serves is the last version that read back whole (its slots, its
+    registered copy), not the wrong one. The next update, built right, serves again."""
+    import random
+
+    from protocol.errors import WriteCheckError
+    from receiver.apply.commit import StagedUpdate
+    from receiver.vllm.adapters import parse_specs
+    from receiver.vllm.lora import AdapterSlots
+
+    model, manager = _manager(tp, rank)
+    slots = AdapterSlots(model, _trainer(), parse_specs(LORA))
+    torch.manual_seed(0)
+    for t in slots.buffers.values():
+        t.copy_(torch.randn(t.shape))
+    rng = random.Random(0)
+    slots.commit(list(slots.buffers))  # the bootstrap: registered and read back
+    slots.check([(n, StagedUpdate(i, None, t.clone())) for i, (n, t) in enumerate(slots.buffers.items())], 64, rng)
+    manager.remove_all_adapters()  # the end of a weight update: registered again, read back
+    first, first_lora = _slot(manager, 7), manager.get_adapter(7)
+    down = "model.layers.0.mlp.down_proj"
+    changed = [n for n in slots.buffers if "down_proj.lora_B" in n]
+    for n in changed:
+        slots.buffers[n].reshape(-1)[::2] += 1.0
+    slots.commit(changed)
+    slots.check([(n, StagedUpdate(0, None, slots.buffers[n].clone())) for n in changed], 64, rng)
+    corrupted = _one_ulp_off(monkeypatch, down)
+    with pytest.raises(WriteCheckError, match="down_proj"):
+        manager.remove_all_adapters()
+    assert corrupted, "the re-registration did not go through from_lora_tensors"
+    # the last whole version serves: registered and in a slot, bit for bit
+    assert manager.get_adapter(7) is first_lora and 7 in manager.lora_index_to_id
+    after = _slot(manager, 7)
+    for name, tensors in first.items():
+        assert all(torch.equal(a, b) for a, b in zip(tensors, after[name])), name
+    monkeypatch.undo()
+    manager.remove_all_adapters()  # the next weight update's end, built right: the new version serves
+    assert manager.get_adapter(7) is not first_lora
+    index = manager.lora_index_to_id.index(7)
+    b = manager.modules[down].lora_b_stacked[0][index, 0]
+    want = slots.buffers[changed[0]].to(torch.bfloat16) * (12 / 4)
+    rows = b.shape[0]
+    assert torch.equal(b[:, :R], want[:rows] if tp == 1 else want[:rows])
