@@ -143,63 +143,82 @@ def _trainer(r: int = R) -> list[tuple[str, tuple[int, ...]]]:
 LORA = {"default": {"id": 7, "name": "policy", "r": R, "lora_alpha": 12, "target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}}
 
 
-@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 0), (2, 1)])
-def test_a_commit_lands_in_place_equals_vllms_own_build_and_is_read_back(tp: int, rank: int) -> None:
-    """The first commit registers and pins the adapter; a later one writes the registered
-    copy in place (same tensors) and the slot; the result equals what vLLM's own build of
-    the same matrices (from_lora_tensors, packing, B scaled by 12 / 4) puts in the slot,
-    after vLLM drops every adapter at the end of a weight update; the read-back passes,
-    and fails on a slot element, a registered element or a base weight written behind it."""
-    import random
-
-    from protocol.errors import WriteCheckError
+def _bootstrapped(tp: int, rank: int) -> tuple[object, object, object, list[tuple[str, object]]]:
+    """A manager of one rank, its ``AdapterSlots`` for ``LORA`` with random buffers, after
+    the first commit (which registers the adapter), and that commit's writes."""
     from receiver.apply.commit import StagedUpdate
     from receiver.vllm.adapters import parse_specs
     from receiver.vllm.lora import AdapterSlots
 
     model, manager = _manager(tp, rank)
     slots = AdapterSlots(model, _trainer(), parse_specs(LORA))
-    torch.manual_seed(0)
     for t in slots.buffers.values():
         t.copy_(torch.randn(t.shape))
     slots.commit(list(slots.buffers))
+    return model, manager, slots, [(n, StagedUpdate(i, None, t.clone())) for i, (n, t) in enumerate(slots.buffers.items())]
+
+
+def _matrices(lora: object) -> list[torch.Tensor]:
+    """Every A and B matrix of a registered ``LoRAModel`` (packed ones per sub-module)."""
+    sides = [side for w in lora.loras.values() for side in (w.lora_a, w.lora_b)]  # type: ignore[attr-defined]
+    return [t for side in sides for t in (side if isinstance(side, list) else [side]) if t is not None]
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 0), (2, 1)])
+def test_a_version_serves_from_vllms_own_build_at_the_end_of_the_update_and_is_read_back(tp: int, rank: int) -> None:
+    """The first commit registers and pins the adapter, read back whole; a later commit
+    writes only the buffers (the registered copy and its slot keep the previous version:
+    vLLM drops them at the end of the update, a copy into them would be wasted); when vLLM
+    drops every adapter (``finish_weight_update``) the version is built again as vLLM
+    builds one from disk (packing, B scaled by 12 / 4) and lands in its slot, this rank's
+    slice. The read-back fails on a slot element, a registered element or a base weight
+    written behind it, and removes an adapter it registered wrong."""
+    import random
+
+    from protocol.errors import WriteCheckError
+    from receiver.apply.commit import StagedUpdate
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    _, manager, slots, writes = _bootstrapped(tp, rank)
+    assert slots.check(writes, 64, rng) == 3 * len(writes)  # each in its buffer, its registered copy and its slot
     assert set(manager.list_adapters()) == {7} and 7 in manager.lora_index_to_id
-    index = manager.lora_index_to_id.index(7)
-    registered = manager.get_adapter(7)
-    before = {id(t) for w in registered.loras.values() for t in (w.lora_a if isinstance(w.lora_a, list) else [w.lora_a])}
+    registered, served = manager.get_adapter(7), _slot(manager, 7)
+    held = [t.clone() for t in _matrices(registered)]
     changed = [n for n in slots.buffers if "k_proj.lora_B" in n or "down_proj.lora_A" in n]
     for n in changed:
         slots.buffers[n].reshape(-1)[::3] += 1.0
     slots.commit(changed)
-    assert manager.get_adapter(7) is registered
-    assert before == {id(t) for w in registered.loras.values() for t in (w.lora_a if isinstance(w.lora_a, list) else [w.lora_a])}
-    stacked = {name: [t[index].clone() for t in (m.lora_a_stacked + m.lora_b_stacked)] for name, m in manager.modules.items()}
+    assert slots.check([(n, StagedUpdate(0, None, slots.buffers[n].clone())) for n in changed], 64, rng) == len(changed)
+    assert manager.get_adapter(7) is registered  # untouched until vLLM drops it
+    assert all(torch.equal(a, b) for a, b in zip(_matrices(registered), held, strict=True))
+    now = _slot(manager, 7)
+    assert all(torch.equal(a, b) for n in served for a, b in zip(served[n], now[n]))
     manager.remove_all_adapters()  # what finish_weight_update does: vLLM drops it, weightsync builds it again as vLLM would
     assert 7 in manager.lora_index_to_id and manager.get_adapter(7) is not registered
     index = manager.lora_index_to_id.index(7)
-    for name, m in manager.modules.items():
-        for got, want in zip([t[index] for t in (m.lora_a_stacked + m.lora_b_stacked)], stacked[name]):
-            assert torch.equal(got, want), name
-    writes = [(n, StagedUpdate(i, None, t.clone())) for i, (n, t) in enumerate(slots.buffers.items())]
-    rng = random.Random(0)
-    assert slots.check(writes, 64, rng) == 2 * len(writes)  # each in its registered copy and its slot
+    k_b = next(n for n in changed if "k_proj.lora_B" in n)
+    down_a = next(n for n in changed if "down_proj.lora_A" in n)
+    shard = 2 * HEAD // tp  # k's rows on this rank (kv heads split across ranks)
+    got_k = manager.modules["model.layers.0.self_attn.qkv_proj"].lora_b_stacked[1][index, 0]
+    assert torch.equal(got_k[:, :R], (slots.buffers[k_b] * (12 / 4)).to(torch.bfloat16)[rank * shard : (rank + 1) * shard])
+    cols = 2 * HIDDEN // tp  # down_proj's A columns on this rank
+    got_down = manager.modules["model.layers.0.mlp.down_proj"].lora_a_stacked[0][index, 0]
+    assert torch.equal(got_down[:R], slots.buffers[down_a][:, rank * cols : (rank + 1) * cols])
+    assert not got_k[:, R:].any() and not got_down[R:].any()  # the rank's padding past r
     for behind in ("a slot element", "a registered element", "a base weight"):
-        model, manager = _manager(tp, rank)
-        slots = AdapterSlots(model, _trainer(), parse_specs(LORA))
-        for t in slots.buffers.values():
-            t.copy_(torch.randn(t.shape))
-        slots.commit(list(slots.buffers))
+        _, manager, slots, writes = _bootstrapped(tp, rank)
         index = manager.lora_index_to_id.index(7)
         qkv = manager.modules["model.layers.0.self_attn.qkv_proj"]
-        writes = [(n, StagedUpdate(i, None, t.clone())) for i, (n, t) in enumerate(slots.buffers.items())]
         if behind == "a slot element":
-            qkv.lora_b_stacked[1][index].add_(1.0)
+            qkv.lora_b_stacked[1][index].view(-1)[3] += 1.0
         elif behind == "a registered element":
-            manager.get_adapter(7).loras["model.layers.0.mlp.down_proj"].lora_a.add_(1.0)
+            manager.get_adapter(7).loras["model.layers.0.mlp.down_proj"].lora_a.view(-1)[3] += 1.0
         else:
             qkv.base_layer.weight.data.add_(1.0)
         with pytest.raises(WriteCheckError):
-            slots.check(writes, 10_000, rng)  # every element: the corrupted ones are among them
+            slots.check(writes, 64, rng)
+        assert (manager.get_adapter(7) is None) == (behind != "a base weight"), behind  # registered wrong: removed
 
 
 def test_an_adapter_that_does_not_fit_leaves_the_manager_untouched() -> None:
@@ -217,3 +236,71 @@ def test_an_adapter_that_does_not_fit_leaves_the_manager_untouched() -> None:
     assert "remove_all_adapters" not in vars(manager)  # not wrapped
     after = [t for m in manager.modules.values() for t in m.lora_a_stacked + m.lora_b_stacked]
     assert all(torch.equal(a, b) for a, b in zip(slots_before, after))
+
+
+def _one_ulp_off(monkeypatch: pytest.MonkeyPatch, layer: str) -> list[int]:
+    """vLLM's ``LoRAModel.from_lora_tensors`` (what weightsync rebuilds an adapter with),
+    with one element of ``layer``'s B one ulp off in what it builds; returns a list that
+    counts the builds it corrupted."""
+    from vllm.lora.lora_model import LoRAModel
+
+    built = LoRAModel.from_lora_tensors.__func__  # type: ignore[attr-defined]
+    corrupted: list[int] = []
+
+    def off(cls: type, *args: object, **kwargs: object) -> object:
+        lora = built(cls, *args, **kwargs)
+        b = lora.loras[layer].lora_b
+        b.view(torch.int16).reshape(-1)[5] += 1  # the next bf16 value away from zero: one ulp
+        corrupted.append(1)
+        return lora
+
+    monkeypatch.setattr(LoRAModel, "from_lora_tensors", classmethod(off))
+    return corrupted
+
+
+def _slot(manager: object, adapter: int) -> dict[str, list[torch.Tensor]]:
+    """A copy of ``adapter``'s slot in every LoRA layer (A's and B's stacked, each sub)."""
+    index = manager.lora_index_to_id.index(adapter)  # type: ignore[attr-defined]
+    return {n: [t[index].clone() for t in (m.lora_a_stacked + m.lora_b_stacked)] for n, m in manager.modules.items()}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 1)])
+def test_a_one_ulp_error_in_the_reregistration_is_caught_and_the_last_version_kept(tp: int, rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What serves after a weight update is the copy weightsync registers again when vLLM
+    drops every adapter (``finish_weight_update``): one element of one B one ulp off in
+    that rebuild raises a ``WriteCheckError`` out of vLLM's ``remove_all_adapters``, and the
+    adapter that serves is the last version that read back whole (its slots, its
+    registered copy), not the wrong one. The next update, built right, serves again."""
+    import random
+
+    from protocol.errors import WriteCheckError
+    from receiver.apply.commit import StagedUpdate
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    _, manager, slots, writes = _bootstrapped(tp, rank)  # the bootstrap: registered
+    slots.check(writes, 64, rng)  # and read back
+    manager.remove_all_adapters()  # the end of a weight update: registered again, read back
+    first, first_lora = _slot(manager, 7), manager.get_adapter(7)
+    down = "model.layers.0.mlp.down_proj"
+    changed = [n for n in slots.buffers if "down_proj.lora_B" in n]
+    for n in changed:
+        slots.buffers[n].reshape(-1)[::2] += 1.0
+    slots.commit(changed)
+    slots.check([(n, StagedUpdate(0, None, slots.buffers[n].clone())) for n in changed], 64, rng)
+    corrupted = _one_ulp_off(monkeypatch, down)
+    with pytest.raises(WriteCheckError, match="down_proj"):
+        manager.remove_all_adapters()
+    assert corrupted, "the re-registration did not go through from_lora_tensors"
+    # the last whole version serves: registered and in a slot, bit for bit
+    assert manager.get_adapter(7) is first_lora and 7 in manager.lora_index_to_id
+    after = _slot(manager, 7)
+    for name, tensors in first.items():
+        assert all(torch.equal(a, b) for a, b in zip(tensors, after[name])), name
+    monkeypatch.undo()
+    manager.remove_all_adapters()  # the next weight update's end, built right: the new version serves
+    assert manager.get_adapter(7) is not first_lora
+    index = manager.lora_index_to_id.index(7)
+    b = manager.modules[down].lora_b_stacked[0][index, 0]
+    want = slots.buffers[changed[0]].to(torch.bfloat16) * (12 / 4)
+    assert torch.equal(b[:, :R], want) and not b[:, R:].any()

@@ -7,6 +7,9 @@ runs the ``weightsync`` backend with ``init_info.lora``. At every version the pa
 slots (ids 1 and 2) must generate exactly what the same engine generates with the same
 adapters loaded from disk in PEFT's format under fresh ids; the base model's outputs never
 change; an adapter declared at another rank is refused before anything is registered.
+One more test drives the example's trainer and engine from a script of its own, with a fault
+injected into the adapters' rebuild at ``finish_weight_update`` (issue 57): refused, and the
+last whole version serves.
 """
 
 from __future__ import annotations
@@ -74,3 +77,86 @@ def test_tensor_parallel_two_slices_each_rank_its_shard_of_the_adapters() -> Non
     logprobs within the example's TP tolerance (vLLM's CPU all-reduce order)."""
     summary = run_example("--steps", "2", "--tp", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     check(summary, 2)
+
+
+INJECTED = r'''
+import json, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+from examples.vllm_lora import ADAPTERS, CONFIG, Trainer, lora_outputs, make_engine, save_adapter
+from sender import adapter_state
+from vllm.lora.request import LoRARequest
+
+
+def one_ulp_off(worker, on):
+    """In the worker: vLLM's LoRAModel.from_lora_tensors (what weightsync rebuilds an adapter
+    with at finish_weight_update), one element of one B one ulp off in what it builds."""
+    from vllm.lora.lora_model import LoRAModel
+    if not on:
+        LoRAModel.from_lora_tensors = LoRAModel._weightsync_built
+        return 0
+    LoRAModel._weightsync_built = LoRAModel.from_lora_tensors
+    built = LoRAModel.from_lora_tensors.__func__
+    def off(cls, *args, **kwargs):
+        lora = built(cls, *args, **kwargs)
+        name = sorted(n for n in lora.loras if n.endswith("down_proj"))[0]
+        lora.loras[name].lora_b.view(-1).view(__import__("torch").int16)[7] += 1
+        return lora
+    LoRAModel.from_lora_tensors = classmethod(off)
+    return 1
+
+
+trainer = Trainer(8, 16.0, 2e-2)
+work = tempfile.mkdtemp(prefix="weightsync-lora-ulp-")
+trainer.base.config.save_pretrained(f"{work}/base")
+from safetensors.torch import save_file
+save_file(trainer.base_state, f"{work}/base/model.safetensors")
+llm = make_engine(f"{work}/base", 1, 8)
+llm.init_weight_transfer_engine({"init_info": {"endpoint": trainer.sender.endpoint, "config": CONFIG, "timeout": 120, "lora": trainer.lora_spec()}})
+policy = LoRARequest("policy", 1, "weightsync://policy")
+out = {}
+
+def update():
+    trainer.step()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": trainer.version, "timeout": 60}})
+    llm.finish_weight_update(str(trainer.version))
+
+update()
+out["v1"] = lora_outputs(llm, policy)
+llm.collective_rpc(one_ulp_off, args=(True,))
+try:
+    update()
+    out["raised"] = None
+except Exception as e:
+    out["raised"] = f"{type(e).__name__}: {e}"[:600]
+out["after_fault"] = lora_outputs(llm, policy)
+out["label_after_fault"] = llm.get_weight_version()
+llm.collective_rpc(one_ulp_off, args=(False,))
+update()
+out["v3"] = lora_outputs(llm, policy)
+save_adapter({k: v.detach().clone() for k, v in adapter_state(trainer.model).items()}, "default", trainer.spec, f"{work}/v3")
+out["v3_disk"] = lora_outputs(llm, LoRARequest("policy-disk-v3", 101, f"{work}/v3"))
+out["label"] = llm.get_weight_version()
+trainer.close()
+print(json.dumps({"summary": out}), flush=True)
+'''
+
+
+def test_a_one_ulp_error_in_the_rebuild_at_finish_is_refused_and_the_last_version_serves() -> None:
+    """TP=1, issue 57: vLLM drops the adapters at ``finish_weight_update`` and weightsync
+    registers them again; with vLLM's ``LoRAModel.from_lora_tensors`` made to put one
+    element of one B one ulp off (in the worker), ``finish_weight_update`` raises
+    ``WriteCheckError``, the weight version label stays at v1, and the adapter serves v1's
+    outputs bit for bit. With the fault gone, the next update serves v3, equal to v3 loaded
+    from disk."""
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    proc = subprocess.run([sys.executable, "-c", INJECTED, str(ROOT)], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=420)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"summary"')]
+    assert lines, f"no summary (exit {proc.returncode}); stderr tail:\n{proc.stderr[-4000:]}"
+    out = lines[-1]["summary"]
+    # WriteCheckError in the worker; vLLM's RPC re-raises its message
+    assert out["raised"] and "do not hold the version" in out["raised"] and "down_proj.lora_B" in out["raised"], out["raised"]
+    assert "serves the version it held before this update" in out["raised"], out["raised"]
+    assert out["after_fault"] == out["v1"]  # tokens and logprobs: the last whole version serves
+    assert out["label_after_fault"] == "1"
+    assert out["v3"] == out["v3_disk"] and out["v3"] != out["v1"] and out["label"] == "3"

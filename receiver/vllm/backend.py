@@ -229,7 +229,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 from .lora import AdapterSlots
 
                 shapes = [(names[k], tuple(shape)) for k, shape in zip(trainer.keys, trainer.shapes)]
-                self.adapters = AdapterSlots(self.model, shapes, parse_specs(init_info.lora))
+                self.adapters = AdapterSlots(self.model, shapes, parse_specs(init_info.lora), verify=init_info.check_writes > 0)
                 layout = self.layout = self.adapters.layout
             else:
                 layout = self.layout = derive_layout(self.model, declared)
@@ -336,7 +336,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         names = {name for name, _ in writes}
         self._reload(self.layout.reloads.weights_for(names))
         seconds, count = self._check(writes, self.layout.tensors)
-        if self.adapters is not None:  # into the registered adapters and their slots, then read back
+        if self.adapters is not None:  # registers an adapter vLLM lacks; finish_weight_update rebuilds and reads back the rest
             self.adapters.commit(names)
             started = time.perf_counter()
             count += self.adapters.check(writes, self.check_writes, self._check_rng)

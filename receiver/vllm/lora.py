@@ -1,32 +1,47 @@
-"""The trainer's LoRA adapters written into a vLLM worker's adapter slots, in place.
+"""The trainer's LoRA adapters registered in a vLLM worker's LoRA manager, and read back.
 
 vLLM keeps an adapter twice: registered in its LoRA manager (a ``LoRAModel``, packed and
 with B scaled by alpha / r, on the host: what it copies into a slot whenever it activates
 the adapter) and, while active, in its slot of each LoRA layer's stacked tensors
 (``lora_a_stacked`` / ``lora_b_stacked`` at the slot's index, sliced for tensor
 parallelism). The receiver writes versions into checkpoint-shaped buffers (this module's
-state, the adapters only: the base weights are never a target). Each commit then carries
-what it wrote into both copies: the registered matrices in place (B scaled by the same
-bf16 multiply vLLM applies when it loads from disk), and each touched layer's slot through
-the layer's own ``set_lora`` (its slicing for tensor parallelism), so requests naming the
-adapter's id serve the new version at once, without a disk round trip.
+state, the adapters only: the base weights are never a target).
 
-An adapter is registered at its first commit (the bootstrap) and pinned, in the manager's
-cache and in a slot, so that vLLM's LRU never evicts it and never reloads it from a path.
-A ``LoRARequest(name, id, path)`` naming its id finds it registered; ``path`` is never read.
 vLLM drops every adapter at the end of each weight update (``finish_weight_update`` calls
 ``reset_lora_state``: its base weights may have changed); here they did not, so this
-manager's ``remove_all_adapters`` is wrapped (on the instance, until ``close``) to register
-the synced adapters again from the buffers, at once. Removed by a caller
-(``remove_lora``), an adapter is registered again at the next commit.
+manager's ``remove_all_adapters`` is wrapped (on the instance, until ``close``) to build the
+synced adapters again from the buffers, as vLLM builds one read from disk
+(``LoRAModel.from_lora_tensors``), register and pin them (which activates each into a
+slot through the layers' own ``set_lora``), then read back what now serves: every element
+of each registered copy and of its slot in every layer, against the buffers (B scaled by
+the same bf16 multiply vLLM applies). That rebuild is what serves, so a commit inside
+``update_weights`` writes only the buffers: a copy of the version into the registered
+adapter and its slots there would be dropped at ``finish_weight_update`` (work in the hold
+for nothing), and until then the previous version, whole, stays registered.
 
-Everything here runs inside the receiver's commit, while vLLM's worker waits in
-``update_weights`` or ``init_weight_transfer_engine``: nothing generates meanwhile.
+A rebuild that reads back wrong raises ``WriteCheckError`` out of ``finish_weight_update``
+after putting back the adapter that served before (the same ``LoRAModel``, registered,
+pinned and activated again): the engine serves the last version that read back whole
+(its weight version label stays that one's: vLLM sets it only once ``finish`` returns),
+while the receiver holds the new one; the next update's ``finish_weight_update`` builds
+from the receiver's state again. With tensor parallelism a rank whose rebuild passed
+serves the new version: the error says the workers differ until the next update.
+
+An adapter is registered at its first commit (the bootstrap: registered and read back
+inside the commit, so a wrong build fails the handshake) and pinned, in the manager's
+cache and in a slot, so that vLLM's LRU never evicts it and never reloads it from a path.
+A ``LoRARequest(name, id, path)`` naming its id finds it registered; ``path`` is never read.
+Removed by a caller (``remove_lora``), an adapter is registered again at the next commit.
+
+The commits run inside the receiver's commit, while vLLM's worker waits in
+``update_weights`` or ``init_weight_transfer_engine``; the rebuild in vLLM's
+``finish_weight_update``: nothing generates meanwhile.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -39,7 +54,7 @@ from vllm.lora.lora_model import LoRAModel
 from vllm.lora.peft_helper import PEFTHelper
 from vllm.model_executor.layers.linear import QKVParallelLinear
 
-from protocol.errors import AdapterMismatchError, ConfigError, WriteCheckError
+from protocol.errors import ConfigError, WeightSyncError, WriteCheckError
 from protocol.state import Placed
 from protocol.wire.dtypes import bit_view
 
@@ -86,6 +101,7 @@ class SlotView(Placed):
         stacked = (layer.lora_a_stacked if a else layer.lora_b_stacked)[sub]
         self.device = stacked.device
         self.stacked = stacked.reshape(-1)  # contiguous: a view
+        self.tile = stacked[index, 0]  # the slot: (rows, cols), zero-padded past the adapter's rank
         self.rows, self.cols = int(stacked.shape[2]), int(stacked.shape[3])
         rank = int(layer.tp_rank)
         self.row0, self.col0 = 0, 0
@@ -96,6 +112,15 @@ class SlotView(Placed):
             ids = getattr(layer, "output_ids", None)
             self.row_held = int(layer.output_slices[sub]) if ids is not None else int(layer.output_size)
             self.row0 = (int(ids[sub]) if ids is not None else rank) * self.row_held
+
+    def expected(self, whole: torch.Tensor) -> torch.Tensor:
+        """What the slot holds when it holds ``whole`` (checkpoint shape, this view's
+        dtype): this rank's box of it, zeros elsewhere (vLLM resets a slot before it sets)."""
+        out = torch.zeros(self.rows, self.cols, dtype=self.dtype)
+        rows = max(0, min(self.row_held, self.shape[0] - self.row0, self.rows))
+        cols = max(0, min(self.col_held, self.shape[1] - self.col0, self.cols))
+        out[:rows, :cols] = whole[self.row0 : self.row0 + rows, self.col0 : self.col0 + cols]
+        return out
 
     def places(self, flat: Sequence[int]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
         at, offsets = [], []
@@ -111,8 +136,9 @@ class SlotView(Placed):
 
 class AdapterSlots:
     """The adapters ``init_info.lora`` declares, on one worker: their buffers (the
-    receiver's state), where each lands, and the writes into vLLM's copies. Built (and
-    every check made) before the receiver starts, so a refused adapter writes nothing.
+    receiver's state), where each lands, their registration in vLLM's manager and its
+    read-back. Built (and every check made) before the receiver starts, so a refused
+    adapter writes nothing. ``verify`` False (``check_writes`` 0) skips the read-backs.
 
     Not locked: ``commit`` and ``check`` run in the receiver's commit (its event-loop
     thread), the wrapped ``remove_all_adapters`` on vLLM's worker thread. They never
@@ -120,11 +146,12 @@ class AdapterSlots:
     thread waits in ``init_weight_transfer_engine`` or ``update_weights``, never during
     ``finish_weight_update`` or a forward pass."""
 
-    def __init__(self, model: torch.nn.Module, tensors: Sequence[tuple[str, tuple[int, ...]]], specs: dict[str, AdapterSpec]) -> None:
+    def __init__(self, model: torch.nn.Module, tensors: Sequence[tuple[str, tuple[int, ...]]], specs: dict[str, AdapterSpec],
+                 verify: bool = True) -> None:
         manager = getattr(model, "lora_manager", None)
         if manager is None:
             raise ConfigError("init_info.lora needs an engine started with LoRA enabled (enable_lora=True, max_lora_rank, max_loras)")
-        self.manager, self.specs = manager, specs
+        self.manager, self.specs, self.verify = manager, specs, verify
         mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
         self.mapper: Any = mapper.get_rename_mapper() if mapper is not None else None
         rename = (lambda m: self.mapper._map_name(m) or m) if self.mapper is not None else (lambda m: m)
@@ -135,6 +162,8 @@ class AdapterSlots:
         self.layout = Layout(model, dict(self.buffers), [], {})  # the state: no base weight is a target
         self._base = self._sample_base(8)
         self._live: set[str] = set()  # adapters committed at least once: registered again after vLLM drops them
+        self._fresh: set[str] = set()  # registered by the commit in progress: read back by ``check``
+        self.last_rebuild_s = 0.0  # the last ``remove_all_adapters``: rebuild, register and read back (in the hold)
         self._drop_all = manager.remove_all_adapters
         manager.remove_all_adapters = self._dropped
 
@@ -144,42 +173,53 @@ class AdapterSlots:
             del self.manager.remove_all_adapters
 
     def _dropped(self) -> None:
-        """vLLM's ``remove_all_adapters``, then the synced adapters registered again (the
-        end of every weight update: vLLM's worker thread, no commit in progress)."""
+        """vLLM's ``remove_all_adapters``, then the synced adapters built again from the
+        buffers, registered and read back (the end of every weight update: vLLM's worker
+        thread, no commit in progress). One that reads back wrong is replaced by the copy
+        that served before; ``WriteCheckError`` names it once every adapter is done (a
+        failure other than a read-back: ``WeightSyncError``, the same way)."""
+        started = time.perf_counter()
+        serving = {adapter: self.manager.get_adapter(self.specs[adapter].id) for adapter in self._live}
         self._drop_all()
+        failed: list[tuple[Exception, str]] = []
         for adapter in sorted(self._live):
-            self._register(self.specs[adapter])
+            spec = self.specs[adapter]
+            try:
+                self._register(spec)
+                if self.verify:
+                    self._read_back(spec)
+            except Exception as e:  # the others are still rebuilt; this one put back as it served
+                failed.append((e, self._restore(spec, serving[adapter])))
+        self.last_rebuild_s = time.perf_counter() - started
+        if failed:
+            what = "; ".join(f"{e} ({kept})" for e, kept in failed)
+            other = next((e for e, _ in failed if not isinstance(e, WriteCheckError)), None)
+            if other is not None:
+                raise WeightSyncError(f"weightsync: registering the adapters again at the end of the weight update failed: {what}") from other
+            raise WriteCheckError(f"weightsync: the adapters registered again at the end of the weight update do not hold the version: {what}")
+
+    def _restore(self, spec: AdapterSpec, serving: Any) -> str:
+        """``spec``'s adapter out of the manager, and ``serving`` (what it held before, if
+        any) registered, pinned and activated again; says which."""
+        self.manager.remove_adapter(spec.id)
+        if serving is None:
+            return f"adapter {spec.adapter!r} (id {spec.id}) is not registered now; the next commit registers it"
+        self.manager.add_adapter(serving)
+        self.manager.pin_adapter(spec.id)
+        return f"adapter {spec.adapter!r} (id {spec.id}) serves the version it held before this update"
 
     # -- the commit ------------------------------------------------------------------------
-    @torch.no_grad()
     def commit(self, written: Iterable[str]) -> None:
-        """Carry the written buffers into each adapter's registered copy and its slot;
-        register (and pin) an adapter the manager does not hold."""
-        touched: dict[str, set[str]] = {}
-        for name in written:
-            planned = self.plan.get(name)
-            if planned is not None:
-                touched.setdefault(planned.key.adapter, set()).add(name)
-        for adapter, names in touched.items():
+        """Register (and pin) each written adapter the manager does not hold. One it holds
+        is left as it is: vLLM drops it at ``finish_weight_update`` and ``_dropped`` builds
+        this version from the buffers then; a copy into it now would be work in the hold
+        for nothing, and the previous version serves whole until then."""
+        for adapter in sorted({planned.key.adapter for name in written if (planned := self.plan.get(name)) is not None}):
             spec = self.specs[adapter]
-            registered = self.manager.get_adapter(spec.id)
-            if registered is None:
+            self._live.add(adapter)
+            if self.manager.get_adapter(spec.id) is None:
                 self._register(spec)
-                self._live.add(adapter)
-                continue
-            layers: set[str] = set()
-            for name in names:
-                planned = self.plan[name]
-                target = self._registered(registered, planned)
-                target.copy_(self.buffers[name])
-                if not planned.key.a:
-                    target *= spec.scaling  # in the adapter's dtype, as vLLM's LoRALayerWeights.optimize
-                layers.add(planned.layer)
-            index = self._slot(spec)
-            if index is not None:
-                for layer in sorted(layers):
-                    weights = registered.loras[layer]
-                    self.manager.modules[layer].set_lora(index, weights.lora_a, weights.lora_b)
+                self._fresh.add(adapter)
 
     def _register(self, spec: AdapterSpec) -> None:
         """Build the adapter from the buffers as vLLM builds one read from disk, register
@@ -196,7 +236,7 @@ class AdapterSlots:
     def _registered(self, lora: Any, planned: Planned) -> torch.Tensor:
         weights = lora.loras.get(planned.layer)
         if weights is None:
-            raise AdapterMismatchError(f"the engine's registered adapter {lora.id} has no weights for {planned.layer!r}")
+            raise WriteCheckError(f"the engine's registered adapter {lora.id} has no weights for {planned.layer!r}")
         held = weights.lora_a if planned.key.a else weights.lora_b
         return held[planned.index] if isinstance(held, list) else held
 
@@ -206,32 +246,49 @@ class AdapterSlots:
 
     # -- the read-back ----------------------------------------------------------------------
     def check(self, writes: Sequence[tuple[str, StagedUpdate]], samples: int, rng: random.Random) -> int:
-        """Read back up to ``samples`` written elements of each adapter tensor in its
-        registered copy and in its slot (B scaled as vLLM scales it), and a fixed sample of
-        each LoRA layer's base weight (untouched since init). Returns how many tensors were
-        read; ``WriteCheckError`` names the first that differs."""
+        """Inside the commit: read back up to ``samples`` elements of each adapter tensor
+        ``writes`` wrote into its buffer (the version the adapters are built from), every
+        element of each adapter the commit registered (``_read_back``: one that differs
+        is removed, nothing wrong serves), and a fixed sample of each LoRA layer's base
+        weight (untouched since init). Returns how many tensors were read;
+        ``WriteCheckError`` names the first that differs."""
+        fresh, self._fresh = self._fresh, set()
         if samples <= 0:
             return 0
-        checks: list[tuple[str, Any, StagedUpdate]] = []
-        for name, update in writes:
-            planned = self.plan.get(name)
-            if planned is None:
-                continue
-            spec = self.specs[planned.key.adapter]
-            registered = self.manager.get_adapter(spec.id)
-            if registered is None:
-                raise WriteCheckError(f"adapter {spec.adapter!r} (id {spec.id}) is not registered after the commit that wrote {name!r}")
-            want = update.values if planned.key.a else update.values.to(self.dtype, copy=True).mul_(spec.scaling)
-            expected = StagedUpdate(update.ordinal, update.flat, want)
-            checks.append((f"{name} (registered)", self._registered(registered, planned), expected))
-            index = self._slot(spec)
-            if index is not None:
-                layer = self.manager.modules[planned.layer]
-                view = SlotView(layer, index, planned.index, planned.key.a, tuple(self.buffers[name].shape), self.dtype)
-                checks.append((f"{name} (slot {index})", view, expected))
+        checks = [(f"{name} (buffer)", self.buffers[name], update) for name, update in writes if name in self.plan]
         check_all(checks, samples, rng)
+        read = len(checks)
+        for adapter in sorted(fresh):
+            spec = self.specs[adapter]
+            try:
+                read += self._read_back(spec)
+            except WriteCheckError:
+                self.manager.remove_adapter(spec.id)
+                raise
         self._check_base()
-        return len(checks)
+        return read
+
+    @torch.no_grad()
+    def _read_back(self, spec: AdapterSpec) -> int:
+        """Every element of ``spec``'s registered copy and of its slot in each layer against
+        the buffers (B scaled as vLLM scales it); returns how many tensors were read."""
+        registered, index = self.manager.get_adapter(spec.id), self._slot(spec)
+        if registered is None or index is None:
+            raise WriteCheckError(f"adapter {spec.adapter!r} (id {spec.id}) is not registered and active after it was registered")
+        read = 0
+        for name, planned in self.plan.items():
+            if planned.key.adapter != spec.adapter:
+                continue
+            want = self.buffers[name] if planned.key.a else self.buffers[name].to(self.dtype, copy=True).mul_(spec.scaling)
+            layer = self.manager.modules[planned.layer]
+            view = SlotView(layer, index, planned.index, planned.key.a, tuple(want.shape), self.dtype)
+            for where, got, expected in ((f"registered adapter {spec.id}", self._registered(registered, planned), want),
+                                         (f"slot {index} of {planned.layer}", view.tile, view.expected(want))):
+                if got.shape != expected.shape or not torch.equal(bit_view(got.to(self.dtype)), bit_view(expected)):
+                    differs = "its shape" if got.shape != expected.shape else f"{int((bit_view(got) != bit_view(expected)).sum())} elements"
+                    raise WriteCheckError(f"tensor {name!r} in the {where} differs from the version in {differs}")
+                read += 1
+        return read
 
     def _sample_base(self, samples: int) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(layer, its base weight, sampled flat indices, their bits) of each LoRA layer."""
