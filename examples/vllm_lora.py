@@ -5,9 +5,11 @@ vLLM to load) with two LoRA adapters in PEFT's layout, built by hand
 (``base_model.model.<module>.lora_A.<adapter>.weight``: ``default`` and ``second``), and
 real AdamW steps on them. A weightsync ``Sender`` tracks the adapters alone
 (``sender.adapter_state``); the engine (``enable_lora=True``) runs the ``weightsync`` backend
-with ``init_info.lora`` naming each adapter's id and name. Each version lands in the
-adapters' registered copies and slots in place; requests name the adapter by
-``LoRARequest(name, id, path)`` (``path`` is never read).
+with ``init_info.lora`` naming each adapter's id and name. Each version is committed into
+the receiver's buffers; at ``finish_weight_update``, where vLLM drops every adapter, the
+backend registers each one again from them and reads back what serves (the registered copy
+and every layer's slot); requests name the adapter by ``LoRARequest(name, id, path)``
+(``path`` is never read).
 
 At every version the same engine also loads each adapter from disk, saved in PEFT's
 format at that version, under a fresh id: greedy tokens and top-k logprobs of the patched
