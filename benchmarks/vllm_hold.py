@@ -59,8 +59,8 @@ def _staged(worker: Any) -> tuple[int | None, int | None]:
 
 
 def _set_prepack(worker: Any, on: bool) -> None:
-    engine = worker.weight_transfer_engine
-    engine.prepack = on and bool(engine.layout.shadows)  # its on_staged hook re-packs ahead only while on
+    held = worker.weight_transfer_engine.held
+    held.prepack = on and bool(held.layout.shadows)  # its on_staged hook re-packs ahead only while on
 
 
 def _time_weightsync(worker: Any, version: int) -> dict[str, float]:
@@ -70,8 +70,9 @@ def _time_weightsync(worker: Any, version: int) -> dict[str, float]:
     started = time.perf_counter()
     engine.receive_weights(WeightsyncUpdateInfo(version=version))
     seconds = time.perf_counter() - started
-    ahead = engine.last_prepack_s if engine.prepack else 0.0
-    return {"weightsync_s": seconds, "weightsync_prepack_s": ahead, **{f"weightsync_{k}": v for k, v in engine.last_timing.items()}}
+    held = engine.held
+    ahead = held.last_prepack_s if held.prepack else 0.0
+    return {"weightsync_s": seconds, "weightsync_prepack_s": ahead, **{f"weightsync_{k}": v for k, v in held.last_timing.items()}}
 
 
 def _load(path: str) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ and carries vLLM's own record of which version produced which of its tokens
 labels each update with the version the workers hold, asked of them by name through
 vLLM's worker extension (``receiver.vllm.extension.WeightsyncWorker``), not with the one
 it asked for (an update may land past it), and checks every span against the versions
-the workers' engine steps ran with (``receiver.vllm.steps``).
+the workers' engine steps ran with (``receiver.held.steps``).
 
 Prints a JSON line per update (the pause window in ms) and a summary.
 

@@ -43,15 +43,27 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("protocol/codec", ("zmq", "asyncio", "fcntl", "protocol.net", "protocol.host")),
 ]
 # Each side's rooms (sub-packages, docs/layout.md), lowest first: a room imports the rooms
-# below it and its side's floor (the side's top-level modules), never one above it.
-ROOMS: dict[str, tuple[str, ...]] = {
+# below it and its side's floor (the side's top-level modules), never one above it. A
+# storey of several rooms (a tuple) holds siblings that never import each other: the
+# engine adapters, each one folder over ``receiver/held``, the part they share.
+ENGINES = ("vllm", "sglang")
+ROOMS: dict[str, tuple[str | tuple[str, ...], ...]] = {
     "sender": ("diff", "version", "serve", "sharded"),
-    "receiver": ("apply", "strategy", "session", "control", "vllm"),
+    "receiver": ("apply", "strategy", "session", "control", "held", ENGINES),
 }
-for side, rooms in ROOMS.items():
-    for i, room in enumerate(rooms):
-        if rooms[i + 1 :]:
-            RULES.append((f"{side}/{room}", tuple(f"{side}.{above}" for above in rooms[i + 1 :])))
+
+
+def rooms_of(side: str) -> list[str]:
+    return [room for s in ROOMS[side] for room in ((s,) if isinstance(s, str) else s)]
+
+
+for side, storeys in ROOMS.items():
+    for i, storey in enumerate(storeys):
+        above = [room for s in storeys[i + 1 :] for room in ((s,) if isinstance(s, str) else s)]
+        for room in (storey,) if isinstance(storey, str) else storey:
+            siblings = [] if isinstance(storey, str) else [r for r in storey if r != room]
+            if above or siblings:
+                RULES.append((f"{side}/{room}", tuple(f"{side}.{other}" for other in above + siblings)))
 
 
 def _from_base(node: ast.ImportFrom, module: str) -> str:
@@ -108,7 +120,7 @@ def test_a_sides_floor_imports_none_of_its_rooms(side: str) -> None:
         if path.name in ("__init__.py", "__main__.py"):
             continue
         for line, name in imports(path.read_text(), f"{side}.{path.stem}"):
-            if any(name == f"{side}.{room}" or name.startswith(f"{side}.{room}.") for room in ROOMS[side]):
+            if any(name == f"{side}.{room}" or name.startswith(f"{side}.{room}.") for room in rooms_of(side)):
                 found.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert found == []
 
@@ -118,7 +130,7 @@ def test_every_module_lives_in_a_room_of_at_most_about_15(side: str) -> None:
     """A newcomer finds where a change goes from the folder names: no folder of a side holds
     more than 16 modules, and its rooms are the ones named here."""
     folders = {p.parent for p in (ROOT / side).rglob("*.py") if "__pycache__" not in p.parts}
-    assert {f.relative_to(ROOT / side).parts[0] for f in folders if f != ROOT / side} >= set(ROOMS[side])
+    assert {f.relative_to(ROOT / side).parts[0] for f in folders if f != ROOT / side} >= set(rooms_of(side))
     sizes = {str(f.relative_to(ROOT)): sum(1 for p in f.glob("*.py") if p.name != "__init__.py") for f in folders}
     assert max(sizes.values()) <= 16, sizes
 

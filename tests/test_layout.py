@@ -19,8 +19,9 @@ from torch import nn
 
 from protocol.errors import ConfigError, MetadataMismatchError, PlacementError
 from protocol.state import Placed
-from receiver.vllm.kinds import How, vouch
-from receiver.vllm.layout import MappedTensor, derive_layout
+from receiver.held.kinds import How
+from receiver.held.layout import MappedTensor, derive_layout
+from receiver.vllm.rules import VLLM, vouch
 
 Q, KV, H, INTER, V, VPAD = 8, 4, 6, 10, 7, 8  # query rows, key/value rows, hidden, intermediate, vocab (padded)
 
@@ -95,7 +96,7 @@ def write_whole(tensor: torch.Tensor | Placed, values: torch.Tensor) -> None:
 @pytest.mark.parametrize("rank", [None, 0, 1])
 def test_map_places_every_element_as_load_weights_does(rank: int | None) -> None:
     model = FusedModel(rank)
-    layout = derive_layout(model, metadata())
+    layout = derive_layout(model, metadata(), VLLM)
     weights = checkpoint(3)
     for key, tensor in layout.tensors.items():
         write_whole(tensor, weights[key])
@@ -111,7 +112,7 @@ def test_map_places_every_element_as_load_weights_does(rank: int | None) -> None
 @pytest.mark.parametrize("rank", [None, 1])
 def test_sparse_writes_and_reads_go_through_the_map(rank: int | None) -> None:
     model = FusedModel(rank)
-    layout = derive_layout(model, metadata())
+    layout = derive_layout(model, metadata(), VLLM)
     base, new = checkpoint(4), checkpoint(5)
     for key, tensor in layout.tensors.items():
         write_whole(tensor, base[key])
@@ -143,7 +144,7 @@ def test_a_loader_that_transforms_a_tensor_gets_its_layer_reloaded_not_mapped(tr
     parameters sit on one module) is RELOAD, named with the tensor, and every tensor it
     loads is kept whole as a plain host copy, all handed over together."""
     model = FusedModel(transform=transform)
-    layout = derive_layout(model, metadata())
+    layout = derive_layout(model, metadata(), VLLM)
     (layer, kind), = layout.reloads.layers.items()
     assert layer is model and kind.how is How.RELOAD and culprit in kind.reason, kind
     loaded = {"q", "k", "v", "gate", "up", "down", "embed"}  # lm_head is tied: load_weights skips it
@@ -159,7 +160,7 @@ def test_a_loader_that_transforms_a_tensor_gets_its_layer_reloaded_not_mapped(tr
 
 def test_a_name_the_loader_does_not_know_is_a_metadata_mismatch() -> None:
     with pytest.raises(MetadataMismatchError, match="value_head"):
-        derive_layout(FusedModel(), [*metadata(), ("value_head", (1, H), torch.bfloat16)])
+        derive_layout(FusedModel(), [*metadata(), ("value_head", (1, H), torch.bfloat16)], VLLM)
     assert issubclass(PlacementError, ConfigError)
 
 
@@ -224,7 +225,7 @@ def packed_engine(weights: dict[str, torch.Tensor]) -> tuple[PackedModel, Any]:
     """Loaded, then processed as vLLM's loader does; qkv's loaded weight kept as its shadow
     (what receiver/vllm/layout.py rebuilds from vLLM's reload metadata)."""
     model = PackedModel()
-    layout = derive_layout(model, [(k, s, torch.bfloat16) for k, s in PACKED_META])
+    layout = derive_layout(model, [(k, s, torch.bfloat16) for k, s in PACKED_META], VLLM)
     for key, tensor in layout.tensors.items():
         write_whole(tensor, weights[key])
     layout.shadows[model.qkv] = {"weight": model.qkv.weight}
@@ -314,7 +315,7 @@ def test_a_layer_whose_processing_the_map_does_not_know_is_reloaded_and_its_neig
     the layer is never re-run by the map; the embedding (vouched for) is still mapped."""
     model = PackedModel()
     model.qkv.quant_method = Quantize()  # type: ignore[assignment]
-    layout = derive_layout(model, [(k, s, torch.bfloat16) for k, s in PACKED_META])
+    layout = derive_layout(model, [(k, s, torch.bfloat16) for k, s in PACKED_META], VLLM)
     assert set(layout.reloads.mirrors) == {"q", "k", "v"}
     kind = layout.reloads.layers[model.qkv]
     assert kind.how is How.RELOAD and "Quantize" in kind.reason and kind.name == "Packed/Quantize"
@@ -346,7 +347,7 @@ def test_every_layer_loaded_through_a_transform_is_found_whatever_was_probed_bef
     layer must still be found (it once was not: the search had left it holding the first
     probe, so it no longer looked moved, and was mapped by guess: wrong in a real engine)."""
     model = Reordering()
-    layout = derive_layout(model, [("a", (4, H), torch.bfloat16), ("b", (4, H), torch.bfloat16)])
+    layout = derive_layout(model, [("a", (4, H), torch.bfloat16), ("b", (4, H), torch.bfloat16)], VLLM)
     assert set(layout.reloads.layers) == {model.a, model.b}
     assert "'a'" in layout.reloads.layers[model.a].reason and "'b'" in layout.reloads.layers[model.b].reason
     assert set(layout.reloads.mirrors) == {"a", "b"} and layout.reloads.weights_for(["b"]).keys() == {"b"}

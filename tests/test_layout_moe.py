@@ -26,9 +26,10 @@ from vllm_like import differing
 from protocol.errors import WriteCheckError
 from receiver.apply.commit import StagedUpdate
 from receiver.apply.readback import check_written
-from receiver.vllm.kinds import How
-from receiver.vllm.layout import Layout, MappedTensor, derive_layout
-from receiver.vllm.permute import Permutation, discover
+from receiver.held.kinds import How
+from receiver.held.layout import Layout, MappedTensor, derive_layout
+from receiver.held.permute import Permutation, discover
+from receiver.vllm.rules import VLLM
 
 ACTIONS = ("same", "sparse", "xor", "whole", "run")
 
@@ -43,7 +44,7 @@ def moe_shapes() -> st.SearchStrategy[MoeShape]:
 def ranks(s: MoeShape, start_seed: int) -> tuple[list[MoeEngine], list[Layout]]:
     """Every rank loaded with other weights and processed (a running engine), then mapped."""
     engines = [loaded(s, rank, random_checkpoint(s, start_seed)) for rank in range(s.tp)]
-    return engines, [derive_layout(e, s.metadata()) for e in engines]
+    return engines, [derive_layout(e, s.metadata(), VLLM) for e in engines]
 
 
 def assert_ranks_equal_a_fresh_load(s: MoeShape, engines: list[MoeEngine], checkpoint: dict[str, torch.Tensor], when: str) -> None:
@@ -170,7 +171,7 @@ def test_an_experts_kernel_that_computes_is_reloaded_not_mapped() -> None:
     engine = MoeEngine(s, 0, experts=ScalingExperts)
     engine.load_weights(list(random_checkpoint(s, 1).items()))
     engine.process()
-    layout = derive_layout(engine, s.metadata())
+    layout = derive_layout(engine, s.metadata(), VLLM)
     kind = layout.kinds[engine.mlps[0].experts]
     assert kind.how is How.RELOAD and "ScalingExperts computes" in kind.reason, kind
     assert set(layout.reloads.mirrors) == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
@@ -181,7 +182,7 @@ def test_whole_tensors_written_through_the_tiling_a_few_experts_at_a_time(monkey
     """A whole expert stack's offsets are built a chunk of experts at a time (an int64 index
     of a real stack would be GBs): with chunks smaller than one expert, written and read
     back whole, the same as a fresh load."""
-    import receiver.vllm.layout as layout_module
+    import receiver.held.layout as layout_module
 
     monkeypatch.setattr(layout_module, "_INDEX_CHUNK", 5)
     s = MoeShape(experts=4, tp=2)

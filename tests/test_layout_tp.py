@@ -30,7 +30,8 @@ from protocol.state import Placed
 from protocol.wire.framing import Encoding, MessageType, decode_message
 from receiver.apply.commit import StagedUpdate, commit
 from receiver.apply.readback import check_written
-from receiver.vllm.layout import Layout, derive_layout
+from receiver.held.layout import Layout, derive_layout
+from receiver.vllm.rules import VLLM
 
 # (tp, kv heads, query heads per kv head): every GQA ratio 1:1 to 4:1 at TP 1, 2 and 4, with
 # kv heads fewer than ranks (replicated), as many, and more.
@@ -50,7 +51,7 @@ def shapes() -> st.SearchStrategy[Shape]:
 def engine_ranks(s: Shape, start_seed: int) -> tuple[list[Engine], list[Layout]]:
     """Every rank of an engine, its map derived, then holding weights of its own."""
     engines = [Engine(s, rank) for rank in range(s.tp)]
-    layouts = [derive_layout(e, s.metadata()) for e in engines]
+    layouts = [derive_layout(e, s.metadata(), VLLM) for e in engines]
     other = random_checkpoint(s, start_seed)
     for e in engines:
         e.load_weights(list(other.items()))
@@ -234,7 +235,7 @@ def test_reading_back_passes_on_every_tensor_a_correct_map_wrote() -> None:
 
 def test_reading_back_catches_a_whole_tensor_written_from_the_wrong_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug of issue 34 put back: boxes read from the storage's start, not the view's."""
-    from receiver.vllm.layout import Segment
+    from receiver.held.layout import Segment
 
     def from_storage_start(self: Segment, whole: torch.Tensor) -> torch.Tensor:
         return whole.reshape(-1).as_strided(self.sizes, self.src_strides, self.src_offset)

@@ -32,7 +32,7 @@ from protocol.codec.staging import StagingPool
 from protocol.codec.tensorcodec import EncodedTensor, PatchOptions, assemble, at_span, decode_entry, encode_sparse
 from protocol.state import Placed
 from protocol.wire.framing import Encoding, Message, MessageType, ValueEncoding, decode_message, encode_message
-from receiver.vllm.layout import MappedTensor, Segment
+from receiver.held.layout import MappedTensor, Segment
 
 CPU = torch.device("cpu")
 CONFIG = {"type": "patch", "patch": {"group_numel": 0}}

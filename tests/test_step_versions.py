@@ -9,8 +9,8 @@ import threading
 
 import torch
 
+from receiver.held.steps import StepVersions
 from receiver.vllm.extension import WeightsyncWorker
-from receiver.vllm.steps import StepVersions
 
 
 class Held:

@@ -12,7 +12,7 @@ from protocol.codec.tensorcodec import DecodedTensor, split_group
 from protocol.wire.framing import ValueEncoding
 from receiver.apply.commit import StagedUpdate, commit
 from receiver.apply.readback import check_written
-from receiver.vllm.layout import Layout
+from receiver.held.layout import Layout
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

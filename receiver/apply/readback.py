@@ -1,6 +1,6 @@
 """Reading back a sample of what a commit wrote, before the version is published.
 
-An engine holds checkpoint tensors fused, sliced and padded (``receiver.vllm.layout``): a
+An engine holds checkpoint tensors fused, sliced and padded (``receiver.held.layout``): a
 whole tensor lands there by copying boxes between strided views, a sparse change by flat
 index arithmetic. A mistake in either writes the right bytes to the wrong place and the
 engine serves weights no checkpoint holds, silently. Reading a few written elements back

