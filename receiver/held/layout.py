@@ -671,7 +671,9 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
     layer_of: dict[str, list[nn.Module]] = {}  # every layer that uses it
     ptrs: dict[int, str] = {}
     for lname, layer in model.named_modules(remove_duplicate=False):
-        for pname, p in layer.named_parameters(recurse=False):
+        # buffers too: a loader may copy a checkpoint tensor into one (a step count, a scale),
+        # and one it changes unseen must be caught like a parameter, not left holding a probe
+        for pname, p in itertools.chain(layer.named_parameters(recurse=False), layer.named_buffers(recurse=False)):
             if not p.numel():
                 continue
             name = ptrs.setdefault(p.untyped_storage().data_ptr(), f"{lname}.{pname}" if lname else pname)
