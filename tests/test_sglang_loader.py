@@ -149,3 +149,39 @@ def assert_holds(model: Model, trainer: Trainer, version: int) -> None:
     state = model.inner.state_dict()
     for name, want in trainer.expected[version].items():
         assert torch.equal(bit_view(state[name]), bit_view(want)), f"{name} is not v{version}"
+
+
+class SkipsSome(Model):
+    """A loader that silently skips names it does not know (SGLang's does, for the fused
+    expert names transformers 5 keeps in memory): their parameters are never written."""
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights([(n, t) for n, t in weights if ".mlp." not in n])
+
+
+class RaisesHalfway(Model):
+    """A loader that writes some tensors, then refuses a name."""
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights[:-1])
+        raise KeyError(weights[-1][0])
+
+
+@pytest.mark.parametrize("model_class", [SkipsSome, RaisesHalfway])
+async def test_a_refused_init_leaves_the_weights_it_found(model_class: type[Model], reply: tuple[zmq.Socket[bytes], str]) -> None:
+    """Probing writes random bits into every parameter; an init that fails after that (a
+    parameter no trainer tensor reaches, a loader refusing a name) puts the engine's weights
+    back, bit for bit, and says why."""
+    trainer = Trainer()
+    model = model_class()
+    sender = Sender("tcp://127.0.0.1:0", CONFIGS["patch"], **DAEMON_KW)
+    await sender.start(trainer.model, version=trainer.version)
+    try:
+        before = snapshot(model)
+        answer = await asyncio.to_thread(call, model, reply, Op.INIT, endpoint=sender.endpoint, config=CONFIGS["patch"], timeout=T)
+        assert answer.error_type == "MetadataMismatchError" and answer.version is None
+        assert ("reached by none of the trainer's tensors" in answer.error) == (model_class is SkipsSome), answer.error
+        after = snapshot(model)
+        assert all(torch.equal(bit_view(before[k]), bit_view(after[k])) for k in before)
+    finally:
+        await sender.close()

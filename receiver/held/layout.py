@@ -410,6 +410,8 @@ class Layout:
     kinds: dict[nn.Module, Kind] = field(default_factory=dict)  # a written layer -> how (kinds.py); absent: MAPPED
     reloads: Reloads = field(default_factory=Reloads)  # the layers reloaded through the engine, their tensors kept whole
     reprocess: bool = True  # Rules.reprocess: False where the engine's window re-processes the layers itself
+    untouched: list[str] = field(default_factory=list)  # parameters no checkpoint tensor reaches on this worker
+    replaced: Replaced = field(default_factory=dict, repr=False)  # what the shadows replaced (``unshadow``)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # shadows: prepack's copies vs install/repack
     _by_storage: dict[int, list[str]] = field(default_factory=dict, repr=False)  # parameter storage -> the names it holds
 
@@ -417,6 +419,12 @@ class Layout:
         for key, segs in self.segments.items():
             for ptr in {s.storage.untyped_storage().data_ptr() for s in segs}:
                 self._by_storage.setdefault(ptr, []).append(key)
+
+    def unshadow(self) -> None:
+        """Give every shadowed layer back the parameters the engine made (a start that failed
+        after mapping: the engine is left as it was)."""
+        for layer in list(self.shadows):
+            _unshadow(layer, self.shadows, self.replaced)
 
     def layers_of(self, keys: Iterable[str]) -> list[nn.Module]:
         seen: dict[int, nn.Module] = {}
@@ -637,6 +645,25 @@ def _unshadow(layer: nn.Module, shadows: Shadows, replaced: Replaced) -> None:
             layer.register_parameter(name, original)
 
 
+class Backup:
+    """The model's weights as they are now, in host copies: ``derive_layout`` writes probe bits
+    into every parameter and a bootstrap overwrites them, so a start that fails on the way must
+    put these back rather than leave the engine serving probes. One host copy of the model,
+    for the length of a start."""
+
+    def __init__(self, model: nn.Module) -> None:
+        seen: dict[int, torch.Tensor] = {}
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.numel() and t.device.type != "meta":
+                seen.setdefault(t.untyped_storage().data_ptr(), t)
+        self.saved = [(t, t.detach().to("cpu", copy=True)) for t in seen.values()]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for t, copy_ in self.saved:
+            t.data.copy_(copy_)
+
+
 def _probe(metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -666,10 +693,23 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
     say what the engine's post-load processing is known to do (``kinds.Rules``)."""
     kinds = classify(model, [m for m in model.modules() if any(p.numel() for p in m.parameters(recurse=False))], rules)
     shadows, replaced = rules.shadows(model, lambda layer: layer in kinds and kinds[layer].how is not How.MAPPED)
+    try:
+        return _derive(model, metadata, kinds, shadows, replaced, rules)
+    except BaseException:
+        for layer in list(shadows):  # the engine's own parameters back, as it made them
+            _unshadow(layer, shadows, replaced)
+        raise
+
+
+def _derive(
+    model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]], kinds: dict[nn.Module, Kind],
+    shadows: Shadows, replaced: Replaced, rules: Rules,
+) -> Layout:
     params: dict[str, torch.Tensor] = {}  # one name per storage (tied layers share one)
     local: dict[str, str] = {}  # that name -> the parameter's name in its first layer
     layer_of: dict[str, list[nn.Module]] = {}  # every layer that uses it
     ptrs: dict[int, str] = {}
+    weights: set[str] = set()  # the names that are parameters (a buffer may be no checkpoint tensor's: a rotary cache)
     for lname, layer in model.named_modules(remove_duplicate=False):
         # buffers too: a loader may copy a checkpoint tensor into one (a step count, a scale),
         # and one it changes unseen must be caught like a parameter, not left holding a probe
@@ -678,6 +718,8 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
                 continue
             name = ptrs.setdefault(p.untyped_storage().data_ptr(), f"{lname}.{pname}" if lname else pname)
             params.setdefault(name, p)
+            if isinstance(p, nn.Parameter):
+                weights.add(name)
             local.setdefault(name, pname)
             users = layer_of.setdefault(name, [])
             if all(u is not layer for u in users):
@@ -737,6 +779,9 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
                     "checkpoint tensor alone changes it: it can be neither patched nor reloaded by name"
                 )
             transformed[name] = (f"load_weights transforms {culprits} on the way into it", set(culprits))
+    # parameters no trainer tensor reaches here: a tensor-parallel rank's padding, or names the
+    # loader skipped (``HeldWorker`` tells them apart across the ranks)
+    untouched = sorted(name for name in weights if name not in transformed and not mapped[name].any())
     reloads = _reloads(kinds, transformed, segments, layer_of, metadata)
     for layer in reloads.layers:
         _unshadow(layer, shadows, replaced)
@@ -767,7 +812,7 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
     written = {id(layer) for segs in segments.values() for s in segs for layer in layer_of[s.param]}
     kinds = {layer: kind for layer, kind in kinds.items() if id(layer) in written or layer in reloads.layers}
     return Layout(model, tensors, unmapped, owners, shadows, segments, kinds={**kinds, **reloads.layers}, reloads=reloads,
-                  reprocess=rules.reprocess)
+                  reprocess=rules.reprocess, untouched=untouched, replaced=replaced)
 
 
 def _reloads(

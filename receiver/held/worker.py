@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from protocol.errors import ConfigError, StateError, WeightSyncError, WeightSyncTimeout
+from protocol.errors import ConfigError, MetadataMismatchError, StateError, WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, KeyPair, z85_key
 from protocol.state import Placed
 from protocol.wire.framing import MessageType
@@ -46,7 +46,7 @@ from ..engine import parse_version
 from ..naming import AGENT_PREFIX
 from ..strategy.base import PendingVersion, StrategyHooks
 from .kinds import How, Rules
-from .layout import Layout, Prepack, derive_layout
+from .layout import Backup, Layout, Prepack, derive_layout
 from .steps import StepVersions
 
 log = logging.getLogger(__name__)
@@ -225,11 +225,13 @@ class HeldWorker:
     def start(self, init: HeldInit, targets: Callable[[list[tuple[str, tuple[int, ...]]]], Targets] | None = None) -> None:
         """Map the trainer's tensors onto the model (or onto ``targets(shapes)``), start the
         receiver and bootstrap to the trainer's version; returns once this worker holds it.
-        A failure leaves nothing running."""
+        A failure leaves nothing running and the model's weights as they were (a host copy
+        of them is held for the length of the start)."""
         if self.receiver is not None:
             raise StateError("the weightsync engine is already initialised; shut it down first")
         started = time.perf_counter()
         thread = self._thread = LoopThread(f"weightsync-{self.side.name}-{self._rank()}")
+        backup = Backup(self.model) if targets is None else None  # what it served before: back if the start fails
         try:
             curve = init.curve_client()
             trainer = thread.run(
@@ -243,7 +245,14 @@ class HeldWorker:
             else:  # every float tensor is declared in the engine's dtype: what its weights are in
                 declared = [(names[k], tuple(shape), self.dtype if d.is_floating_point else d)
                             for k, shape, d in zip(trainer.keys, trainer.shapes, trainer.dtypes)]
-                layout = self.layout = derive_layout(self.model, declared, self.side.rules)
+                failed: Exception | None = None
+                try:
+                    self.layout = derive_layout(self.model, declared, self.side.rules)
+                except Exception as e:  # every rank still takes part in the check: none is left waiting in it
+                    failed = e
+                self._check_coverage(self.layout, failed)
+                assert self.layout is not None
+                layout = self.layout
             state = {k: layout.tensors[names[k]] for k in trainer.keys}  # under the trainer's names
             self._keys, self._names = trainer.keys, names
             self.check_writes = init.check_writes
@@ -265,11 +274,42 @@ class HeldWorker:
             self._stale.clear()
         except BaseException:
             self.shutdown()
+            if self.layout is not None and self.targets is None:
+                self.layout.unshadow()
+            if backup is not None:
+                backup.restore()
+            self.layout = None
             raise
         log.info(
             "weightsync: %s worker %s at v%s after %.2fs (%d tensors, %d placed elsewhere, %d layers re-packed)",
             self.side.name, self._rank(), receiver.version, time.perf_counter() - started, len(state), len(layout.unmapped), layers,
         )
+
+    def _check_coverage(self, layout: Layout | None, failed: Exception | None) -> None:
+        """Every rank's map, compared (a collective): a rank that could not map raises on every
+        rank, and so does a parameter no trainer tensor reaches while some trainer tensor
+        lands on no rank at all (names the engine's loader skipped: it would serve whatever
+        it holds now through every version). A parameter of one rank alone unreached is a
+        tensor-parallel rank's padding; a trainer tensor landing nowhere while every
+        parameter is reached is one the engine does not use (said, and dropped)."""
+        mine = (None if failed is None else f"{type(failed).__name__}: {failed}",
+                [] if layout is None else layout.unmapped, [] if layout is None else layout.untouched)
+        every = self.side.gather(mine) if self.side.world() > 1 else [mine]
+        if failed is not None:
+            raise failed
+        errors = {rank: error for rank, (error, _, _) in enumerate(every) if error is not None}
+        if errors:
+            raise MetadataMismatchError(f"weightsync: worker(s) {sorted(errors)} could not map the trainer's tensors: {errors}")
+        nowhere = sorted(set.intersection(*(set(unmapped) for _, unmapped, _ in every)))
+        untouched = {rank: names for rank, (_, _, names) in enumerate(every) if names}
+        if nowhere and untouched:
+            raise MetadataMismatchError(
+                f"the engine's parameters {dict(list(untouched.items())[:2])} (by rank) are reached by none of the trainer's "
+                f"tensors, and the trainer's {nowhere[:4]} land nowhere: send them as this engine's load_weights names them "
+                "(name_mapping, or the checkpoint's own names)"
+            )
+        if nowhere:
+            log.warning("weightsync: the engine loads none of the trainer's %s: they are received and dropped", nowhere[:8])
 
     def update(self, target: int | None, timeout: float | None, verify_checksum: bool = False) -> None:
         """Commit every staged version up to ``target`` (None: the sender's current one), in

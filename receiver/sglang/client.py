@@ -187,7 +187,10 @@ class SGLangWeights:
             args["check_writes"] = check_writes
         if dtype is not None:
             args["dtype"] = dtype
-        return self._call(Op.INIT, args, timeout, flush_cache=True, pause=None)
+        held = self._call(Op.INIT, args, timeout, flush_cache=True, pause=None)
+        if held is not None:
+            self._sglang.label(str(held))
+        return held
 
     def update(self, version: int | str | None = None, *, timeout: float | None = 60.0, verify_checksum: bool = False,
                flush_cache: bool = True, pause: str | None = None, label: bool = True) -> int | None:
