@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--family", default="qwen2", choices=("qwen2", "llama"))
+    parser.add_argument("--family", default="qwen2", choices=("qwen2", "llama", "qwen3_moe"))
     parser.add_argument("--tie", action="store_true")
     parser.add_argument("--lr", type=float, default=2e-6)
     args = parser.parse_args(argv)
@@ -80,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     from examples.vllm_rollout import CONFIG, Trainer, tiny_config
     from receiver.sglang.client import SGLangWeights
 
-    config = tiny_config(args.tie) if args.family == "qwen2" else llama_config(args.tie)
-    trainer = Trainer(tie=args.tie, lr=args.lr, config=config)
+    config = llama_config(args.tie) if args.family == "llama" else tiny_config(args.tie, family=args.family)
+    moe = args.family == "qwen3_moe"
+    # transformers keeps a MoE's experts fused in memory (experts.gate_up_proj); checkpoints and
+    # SGLang's loader name them expert by expert, so the trainer sends those names (views, no copies)
+    trainer = Trainer(tie=args.tie, lr=args.lr, config=config, per_expert=moe)
     workdir = tempfile.mkdtemp(prefix="weightsync-sglang-")
     trainer.config.save_pretrained(workdir)
-    engine = start_engine(workdir, tp=args.tp)
+    extra = {"mem_fraction_static": 0.1} if moe else {}  # the experts' weights leave 0.05 too little KV cache
+    engine = start_engine(workdir, tp=args.tp, **extra)
     out: dict[str, Any] = {"tp": args.tp, "family": args.family, "tie": args.tie, "steps": []}
     try:
         weights = SGLangWeights(engine)
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = tempfile.mkdtemp(prefix="weightsync-sglang-ref-")
     trainer.save(saved)
     trainer.close()
-    fresh = start_engine(saved, tp=args.tp, weightsync=False)
+    fresh = start_engine(saved, tp=args.tp, weightsync=False, **extra)
     try:
         expected = generate(fresh)
     finally:

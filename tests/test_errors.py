@@ -35,6 +35,7 @@ from protocol.errors import (
     TransportError,
     WeightSyncError,
     WeightSyncTimeout,
+    WriteCheckError,
     error_code,
     error_from_code,
 )
@@ -55,6 +56,8 @@ CODES: dict[str, type[WeightSyncError]] = {
     "protocol": ProtocolError,
     "resync_limit": ResyncLimitError,
     "state": StateError,
+    "write_check": WriteCheckError,  # an SGLang worker's answer (receiver/sglang/commands.py)
+    "timeout": WeightSyncTimeout,
 }
 
 
@@ -82,7 +85,8 @@ def test_the_most_specific_class_names_the_code() -> None:
     assert error_code(PlacementError("p")) == "config"  # a ConfigError
     assert error_code(Asleep("a")) == "state"
     assert error_code(StaleVersionError("s", current=3, got=1, held=True)) == "stale_version"
-    for plain in (WeightSyncError("w"), IntegrityError("i"), WeightSyncTimeout("t"), ValueError("v")):
+    assert error_code(WriteCheckError("w")) == "write_check"  # not "config", though it is a ConfigError
+    for plain in (WeightSyncError("w"), IntegrityError("i"), TransportError("t"), ValueError("v")):
         assert error_code(plain) == GENERIC_CODE, plain
 
 

@@ -1,4 +1,4 @@
-"""The runtime map recorded from a model's own load_weights (receiver/vllm/layout.py).
+"""The runtime map recorded from a model's own load_weights (receiver/held/layout.py).
 
 These models load like vLLM's layers do (fused q/k/v and gate/up rows, a padded
 vocabulary, a column slice as tensor parallelism takes it), written here so that the
@@ -223,7 +223,7 @@ PACKED_META = [("q", (Q, H)), ("k", (KV, H)), ("v", (KV, H)), ("embed", (V, H))]
 
 def packed_engine(weights: dict[str, torch.Tensor]) -> tuple[PackedModel, Any]:
     """Loaded, then processed as vLLM's loader does; qkv's loaded weight kept as its shadow
-    (what receiver/vllm/layout.py rebuilds from vLLM's reload metadata)."""
+    (what receiver/held/layout.py rebuilds from vLLM's reload metadata)."""
     model = PackedModel()
     layout = derive_layout(model, [(k, s, torch.bfloat16) for k, s in PACKED_META], VLLM)
     for key, tensor in layout.tensors.items():

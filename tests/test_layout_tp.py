@@ -1,5 +1,5 @@
 """Tensor-parallel ranks of a vLLM-like engine (tests/vllm_like.py) kept on a trainer's
-checkpoint through receiver/vllm/layout.py, across shapes, ranks and kinds of update.
+checkpoint through receiver/held/layout.py, across shapes, ranks and kinds of update.
 
 The property: for any sequence of versions mixing sparse changes and whole tensors (alone,
 or as views into one received run, as ``split_group`` and buckets hand them over), every

@@ -109,7 +109,7 @@ async def test_init_update_status_and_shutdown_answer_and_never_raise(reply: tup
     try:
         before = snapshot(model)
         early = await run(call, model, reply, Op.UPDATE, version=1)
-        assert early.error_type == "StateError" and early.version is None  # not initialised
+        assert early.error_code == "state" and early.version is None  # not initialised
         assert all(torch.equal(before[k], v) for k, v in snapshot(model).items())
 
         init = await run(call, model, reply, Op.INIT, endpoint=sender.endpoint, config=CONFIGS["patch"], timeout=T)
@@ -117,15 +117,15 @@ async def test_init_update_status_and_shutdown_answer_and_never_raise(reply: tup
         assert_holds(model, trainer, 0)
 
         again = await run(call, model, reply, Op.INIT, endpoint=sender.endpoint, timeout=T)
-        assert again.error_type == "StateError" and again.version == 0  # the first keeps working
+        assert again.error_code == "state" and again.version == 0  # the first keeps working
 
         await trainer.step_and_sync(sender)
         bad = await run(call, model, reply, Op.UPDATE, version="not a version")
-        assert bad.error_type == "ConfigError" and bad.version == 0
+        assert bad.error_code == "config" and bad.version == 0
         assert_holds(model, trainer, 0)  # staged, not written: nothing outside an update
 
         late = await run(call, model, reply, Op.UPDATE, version=5, timeout=1.0)
-        assert late.error_type == "WeightSyncTimeout" and late.version == 1  # v1 committed on the way; v5 never came
+        assert late.error_code == "timeout" and late.version == 1  # v1 committed on the way; v5 never came
 
         await trainer.step_and_sync(sender)
         done = await run(call, model, reply, Op.UPDATE, version=2, timeout=T)
@@ -138,7 +138,7 @@ async def test_init_update_status_and_shutdown_answer_and_never_raise(reply: tup
         gone = await run(call, model, reply, Op.SHUTDOWN)
         assert gone.error is None
         after = await run(call, model, reply, Op.UPDATE, version=2)
-        assert after.error_type == "StateError"
+        assert after.error_code == "state"
         assert_holds(model, trainer, 2)  # the weights stay
     finally:
         await run(loader.weightsync, model, Command(Op.SHUTDOWN, "x", "inproc://nobody").named_tensors())
@@ -179,7 +179,7 @@ async def test_a_refused_init_leaves_the_weights_it_found(model_class: type[Mode
     try:
         before = snapshot(model)
         answer = await asyncio.to_thread(call, model, reply, Op.INIT, endpoint=sender.endpoint, config=CONFIGS["patch"], timeout=T)
-        assert answer.error_type == "MetadataMismatchError" and answer.version is None
+        assert answer.error_code == "metadata_mismatch" and answer.version is None
         assert ("reached by none of the trainer's tensors" in answer.error) == (model_class is SkipsSome), answer.error
         after = snapshot(model)
         assert all(torch.equal(bit_view(before[k]), bit_view(after[k])) for k in before)

@@ -194,3 +194,143 @@ def test_outside_a_window_sglang_refuses_and_the_steps_are_counted(followed: dic
     (worker,) = followed["status"]
     assert worker["version"] == 4 and worker["steps"] >= 5 * NEW_TOKENS
     assert [run["version"] for run in worker["runs"]][-1] == 4
+
+
+def _http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> tuple[int, Any]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_launch_server_driven_over_http_alone(tmp_path: Path) -> None:
+    """``python -m sglang.launch_server --custom-weight-loader receiver.sglang.loader.weightsync``
+    as its own process, a Llama (the second dense family) from dummy weights, driven by URL
+    only: init, a version landing while a long request is in flight (paused with ``retract``:
+    the request finishes, recomputed), a version checked against the trainer's digest, the
+    label on ``/model_info``; then the server's own ``/update_weights_from_disk`` of the
+    trainer's saved weights changes none of the greedy tokens and logprobs."""
+    import subprocess
+    import time
+
+    from daemon_helpers import free_port
+
+    from examples.sglang_rollout import llama_config
+
+    trainer = Trainer(tie=False, lr=SPARSE_LR, config=llama_config(False))
+    trainer.config.save_pretrained(tmp_path / "config")
+    port = free_port()
+    args = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path / "config"), "--device", "cpu",
+        "--attention-backend", "torch_native", "--skip-tokenizer-init", "--mem-fraction-static", "0.05",
+        "--max-total-tokens", "512", "--port", str(port), "--load-format", "dummy", "--log-level", "error",
+        "--custom-weight-loader", "receiver.sglang.loader.weightsync",
+    ]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def gen(tokens: int, ids: list[Any] = PROMPTS) -> Any:
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": tokens},
+                "return_logprob": True, "top_logprobs_num": 5}
+        code, out = _http("POST", base + "/generate", body)
+        assert code == 200, out
+        return out
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                if _http("GET", base + "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the SGLang server did not come up"
+            time.sleep(0.5)
+        weights = SGLangWeights(base)
+        assert weights.init(trainer.sender.endpoint, config=CONFIG, timeout=120) == 0
+        assert _http("GET", base + "/model_info")[1]["weight_version"] == "0"
+
+        long_request: dict[str, Any] = {}
+        import threading
+
+        runner = threading.Thread(target=lambda: long_request.update(out=gen(300, [1, 2, 3])))
+        runner.start()
+        time.sleep(1.0)  # in flight when the update pauses generation
+        trainer.step()
+        assert weights.update(1, timeout=60, pause="retract") == 1
+        runner.join(120)
+        meta = long_request["out"]["meta_info"]
+        assert len(long_request["out"]["output_ids"]) == 300 and meta["finish_reason"]["type"] == "length"
+
+        trainer.step()
+        assert weights.update(2, timeout=60, verify_checksum=True) == 2  # the workers' state digest is the trainer's
+        assert _http("GET", base + "/model_info")[1]["weight_version"] == "2"
+        served = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in gen(NEW_TOKENS)]
+        weights.shutdown()
+
+        trainer.save(str(tmp_path / "v2"))
+        code, out = _http("POST", base + "/update_weights_from_disk", {"model_path": str(tmp_path / "v2")})
+        assert code == 200 and out["success"], out
+        reloaded = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in gen(NEW_TOKENS)]
+        assert served == reloaded
+    finally:
+        import os
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its scheduler processes
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        trainer.close()
+
+
+def test_tensor_parallel_two_mixture_of_experts_through_the_map(tmp_path: Path) -> None:
+    """A Qwen3-MoE at TP=2 (gloo on this CPU): SGLang's FusedMoE ``w13``/``w2`` sliced per
+    rank, the fused qkv/gate_up rows, the padded vocabulary split in two. A trainer that names
+    its experts fused, as transformers 5 keeps them in memory (SGLang's loader silently skips
+    those names), is refused at init on both ranks, loudly, with the engine's weights left as
+    they were; one naming them expert by expert, as checkpoints do, is followed through
+    versions, and the engine then equals SGLang's own reload of the trainer's saved weights
+    (``update_weights_from_disk``) bit for bit."""
+    from examples.vllm_rollout import tiny_config
+    from protocol.errors import MetadataMismatchError
+
+    config = tiny_config(False, family="qwen3_moe")
+    fused = Trainer(tie=False, lr=SPARSE_LR, config=config)
+    trainer = Trainer(tie=False, lr=SPARSE_LR, config=config, per_expert=True, seed=1)
+    config.save_pretrained(tmp_path / "config")
+    engine = start_engine(str(tmp_path / "config"), tp=2, mem_fraction_static=0.1)  # experts leave 0.05 too little KV cache
+    try:
+        weights = SGLangWeights(engine)
+        dummy = generate(engine, NEW_TOKENS)
+        with pytest.raises(MetadataMismatchError, match="land nowhere"):
+            weights.init(fused.sender.endpoint, config=CONFIG, timeout=120)
+        assert {a.rank for a in weights.last_answers} == {0, 1}
+        assert generate(engine, NEW_TOKENS) == dummy  # the probes' bits were put back
+
+        assert weights.init(trainer.sender.endpoint, config=CONFIG, timeout=120) == 0
+        for version, lr in ((1, SPARSE_LR), (2, DENSE_LR), (3, SPARSE_LR)):
+            trainer.step(lr=lr)
+            assert weights.update(version, timeout=60) == version
+        served = generate(engine, NEW_TOKENS)
+        assert [a.rank for a in weights.last_answers] == [0, 1]
+        weights.shutdown()
+        trainer.save(str(tmp_path / "v3"))
+        ok, message = engine.update_weights_from_disk(str(tmp_path / "v3"))[:2]
+        assert ok, message
+        assert generate(engine, NEW_TOKENS) == served
+        assert served != dummy
+    finally:
+        engine.shutdown()
+        fused.close()
+        trainer.close()

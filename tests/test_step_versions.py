@@ -1,5 +1,5 @@
 """The vLLM backend's record of which weight version each engine step ran with
-(receiver/vllm/steps.py) and the worker extension that returns it, on a real torch module
+(receiver/held/steps.py) and the worker extension that returns it, on a real torch module
 (the engines themselves: tests/test_vllm.py's AsyncLLM and ``vllm serve`` tests)."""
 
 from __future__ import annotations

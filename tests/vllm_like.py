@@ -5,7 +5,7 @@ of vLLM's own (``vllm.model_executor.layers``: ``QKVParallelLinear``,
 ``MergedColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` /
 ``ParallelLMHead``) and the checkpoint walk of ``Qwen2ForCausalLM.load_weights`` (fused
 q/k/v and gate/up, a tied ``lm_head`` skipped), written out here so that
-receiver/vllm/layout.py can be checked on any shape and rank without starting an engine:
+receiver/held/layout.py can be checked on any shape and rank without starting an engine:
 
 - q/k/v rows fuse into ``qkv_proj`` (weight and bias), each rank taking its heads; with
   fewer kv heads than ranks, each kv head is replicated on ``tp // kv_heads`` ranks;

@@ -36,8 +36,7 @@ from typing import Any
 import torch
 import zmq
 
-from protocol import errors
-from protocol.errors import ConfigError, WeightSyncError, WeightSyncTimeout
+from protocol.errors import ConfigError, WeightSyncError, WeightSyncTimeout, error_from_code
 
 from .commands import LOADER, Answer, Command, Op
 
@@ -167,8 +166,10 @@ class SGLangWeights:
 
     def __init__(self, engine: Any, *, reply: str = "tcp://127.0.0.1:*", http_timeout: float = 600.0, api_key: str | None = None) -> None:
         self._sglang = _Http(engine, http_timeout, api_key) if isinstance(engine, str) else _Engine(engine)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
+        # the process's shared context: a context of its own, collected with a socket open,
+        # would block the collecting thread in zmq_ctx_term (seen: an import's GC pass)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pull = ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(reply)
         self.reply = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -195,7 +196,12 @@ class SGLangWeights:
     def update(self, version: int | str | None = None, *, timeout: float | None = 60.0, verify_checksum: bool = False,
                flush_cache: bool = True, pause: str | None = None, label: bool = True) -> int | None:
         """Commit every staged version up to ``version`` (None: the trainer's current one)
-        in every worker, inside one SGLang window; returns the version they hold."""
+        in every worker, inside one SGLang window; returns the version they hold.
+        ``pause``: "retract", "abort" or "in_place" pauses generation around the window (SGLang's
+        own modes); "in_place" keeps the running requests' old KV cache, which SGLang cannot
+        flush, so it needs ``flush_cache=False``."""
+        if pause == "in_place" and flush_cache:
+            raise ConfigError("pause='in_place' keeps the running requests' KV cache, which SGLang cannot flush: pass flush_cache=False")
         held = self._call(Op.UPDATE, {"version": version, "timeout": timeout, "verify_checksum": verify_checksum},
                           timeout, flush_cache=flush_cache, pause=pause)
         if label and held is not None:
@@ -216,8 +222,20 @@ class SGLangWeights:
             self.close()
 
     def close(self) -> None:
-        self._pull.close()
-        self._ctx.term()
+        """Close the answer socket (the workers' receivers keep running: ``shutdown`` stops
+        them). Idempotent."""
+        self._pull.close(linger=0)
+
+    def __enter__(self) -> SGLangWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        pull = getattr(self, "_pull", None)
+        if pull is not None and not pull.closed:
+            pull.close(linger=0)
 
     # -- one command, one SGLang window ---------------------------------------------------------
     def _call(self, op: Op, args: dict[str, Any], timeout: float | None, *, flush_cache: bool, pause: str | None) -> int | None:
@@ -245,10 +263,8 @@ class SGLangWeights:
         failed = [a for a in answers if a.error is not None]
         if failed:
             first = failed[0]
-            kind = getattr(errors, first.error_type or "", None)
-            kind = kind if isinstance(kind, type) and issubclass(kind, WeightSyncError) else WeightSyncError
-            raise kind(f"weightsync {op.value} failed on worker(s) {[a.rank for a in failed]}: {first.error} "
-                       f"(the workers hold {[a.version for a in answers]})")
+            raise error_from_code(first.error_code, f"weightsync {op.value} failed on worker(s) {[a.rank for a in failed]}: "
+                                  f"{first.error} (the workers hold {[a.version for a in answers]})")
         if len(answers) < world:
             raise WeightSyncTimeout(f"weightsync {op.value}: {len(answers)} of {world} workers answered")
         if not ok:  # the workers did it; SGLang's own step after it did not (e.g. a flush refused while requests run)

@@ -69,15 +69,16 @@ def parse_command(named_tensors: list[tuple[str, torch.Tensor]]) -> Command:
 
 @dataclass(frozen=True)
 class Answer:
-    """One worker's outcome of one command. ``error``: the exception's type name and
-    message when it failed (the weights are then at ``version``, the last fully applied)."""
+    """One worker's outcome of one command. ``error``: the exception's message when it failed,
+    and ``error_code`` its class as the wire names it (``protocol.errors.WIRE_CODES``); the
+    weights are then at ``version``, the last fully applied."""
 
     call: str
     rank: int
     world: int
     version: int | None
     error: str | None = None
-    error_type: str | None = None
+    error_code: str | None = None
     info: dict[str, Any] = field(default_factory=dict)  # the op's own: timings, steps
 
     def pack(self) -> bytes:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import zmq
 
-from protocol.errors import ConfigError, StateError
+from protocol.errors import ConfigError, StateError, error_code
 
 from ..held.worker import HeldInit, HeldWorker, check_update
 from .commands import Answer, Command, Op, parse_command
@@ -110,7 +110,7 @@ def _answer(command: Command, held: HeldWorker | None, *, info: dict[str, Any] |
     world = side.world()
     rank = side.rank() if world > 1 else 0
     return Answer(command.call, rank, world, held.version if held is not None else None,
-                  error=None if error is None else str(error), error_type=None if error is None else type(error).__name__,
+                  error=None if error is None else str(error), error_code=None if error is None else error_code(error),
                   info=info or {})
 
 
