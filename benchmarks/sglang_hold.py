@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         init_started = time.perf_counter()
         client.init(trainer.sender.endpoint, config=CONFIG, timeout=120)
         init_s = time.perf_counter() - init_started
+        init_info = [{"rank": a.rank, **a.info} for a in client.last_answers]  # tensors mapped, layers reloaded whole
         windows.take()
 
         def checkpoint() -> dict[str, torch.Tensor]:
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "sglang": sglang.__version__},
         "model": {"family": "qwen2", "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "tp": args.tp,
                   "dense_bf16_bytes": dense_bytes, "params": sum(p.numel() for p in trainer.model.parameters())},
-        "engine_start_s": engine_start_s, "init_s": init_s, "tensors": len(checkpoint()), "rows": rows,
+        "engine_start_s": engine_start_s, "init_s": init_s, "init_workers": init_info, "tensors": len(checkpoint()), "rows": rows,
         "guard": {"what": "greedy tokens and logprobs after each weightsync update == after update_weights_from_disk of that version",
                   "equal": not mismatches, "mismatched_versions": mismatches, "last_tokens": [o["tokens"] for o in last_tokens]},
         "medians": {
