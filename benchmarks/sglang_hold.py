@@ -1,6 +1,6 @@
 """How long a weight update holds an SGLang engine, and what it moves: weightsync vs SGLang's paths.
 
-    /work/main/.venv-sglang/bin/python -m benchmarks.sglang_hold --json OUT.json [--steps 5] [--lr 5e-7] [--tp 2]
+    .venv-sglang/bin/python -m benchmarks.sglang_hold --json OUT.json [--steps 5] [--lr 5e-7] [--tp 2]
 
 One ``sglang.Engine`` (CPU, ``torch_native`` attention, TP=1 or ``--tp``) started from
 ``--load-format dummy`` with weightsync's custom weight loader (``receiver.sglang``), fed by
