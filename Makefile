@@ -63,7 +63,7 @@ install: $(STAMP)
 # TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= 2
 VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py
-SGLANG_TESTS := tests/test_sglang_engine.py tests/test_sglang_weightsync.py
+SGLANG_TESTS := tests/test_sglang_engine.py tests/test_sglang_weightsync.py tests/test_sglang_hold.py
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS))
 	$(PYTHON) -m pytest -q $(VLLM_TESTS)
