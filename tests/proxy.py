@@ -181,6 +181,18 @@ class Corrupt(Tamper):
 
 
 @dataclass
+class CorruptAndRecord(Corrupt):
+    """``Corrupt``, remembering the type of every message it saw (what came after the one it
+    corrupted: the sender's resync)."""
+
+    seen: list[int | None] = field(default_factory=list)
+
+    def emit(self, w: Wire) -> list[Wire]:
+        self.seen.append(w.type)
+        return super().emit(w)
+
+
+@dataclass
 class Duplicate(Tamper):
     """Deliver the message twice in a row."""
 

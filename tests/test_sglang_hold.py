@@ -2,7 +2,7 @@
 path is measured, and the engine generates the same after weightsync's update as after SGLang's
 own disk reload of that version.
 
-Runs in SGLang's venv (``make sglang-env``), as ``tests/test_sglang_engine.py`` does; anywhere
+Runs in SGLang's venv (``make sglang-env``), as ``tests/test_sglang_weightsync.py`` does; anywhere
 else it skips.
 """
 
@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from sglang_env import require_sglang
 
-pytest.importorskip("sglang", reason="SGLang has its own venv: `make sglang-env`; `.venv-sglang/bin/python -m pytest tests/test_sglang_hold.py`")
+require_sglang(__file__)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,27 +27,21 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from sglang_env import require_sglang
 
-try:
-    import sglang  # noqa: F401
-    from transformers import AutoModelForCausalLM
-except Exception as exc:  # ImportError, or a packaging fault raised while sglang imports
-    pytest.skip(
-        f"sglang is not importable in this interpreter ({type(exc).__name__}: {exc}); "
-        "build it with `make sglang-env` and run `.venv-sglang/bin/python -m pytest tests/test_sglang_weightsync.py`",
-        allow_module_level=True,
-    )
+require_sglang(__file__)
+
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy import Corrupt, Proxy, Wire, of_type  # noqa: E402
+from proxy import CorruptAndRecord, Proxy, of_type  # noqa: E402
 
 from examples.sglang_rollout import PROMPTS, generate, label, start_engine  # noqa: E402
 from examples.vllm_rollout import CONFIG, Trainer  # noqa: E402
@@ -58,17 +52,7 @@ from receiver.sglang.client import SGLangWeights  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 NEW_TOKENS = 8
 SPARSE_LR, DENSE_LR = 2e-6, 1e-2
-
-
-@dataclass
-class CorruptFirstPatch(Corrupt):
-    """Corrupts the first patch, and remembers the type of every message it saw."""
-
-    seen: list[int | None] = field(default_factory=list)
-
-    def emit(self, w: Wire) -> list[Wire]:
-        self.seen.append(w.type)
-        return super().emit(w)
+LONG = 200  # new tokens of the request in flight during an update (the tiny models' context is 256)
 
 
 def wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -85,7 +69,7 @@ def followed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The scenario (module doc); what each test asserts is recorded here."""
     root = tmp_path_factory.mktemp("sglang-ws")
     trainer = Trainer(tie=False, lr=SPARSE_LR)
-    tamper = CorruptFirstPatch(of_type(MessageType.PATCH, payload=True), limit=1)
+    tamper = CorruptAndRecord(of_type(MessageType.PATCH, payload=True), limit=1)
     port = int(trainer.sender.endpoint.rsplit(":", 1)[1])
     proxy = Proxy(("127.0.0.1", port), tamper=tamper)
     trainer.run(proxy.start())
@@ -212,8 +196,8 @@ def _http(method: str, url: str, body: dict[str, Any] | None = None, timeout: fl
 
 def test_launch_server_driven_over_http_alone(tmp_path: Path) -> None:
     """``python -m sglang.launch_server --custom-weight-loader receiver.sglang.loader.weightsync``
-    as its own process, a Llama (the second dense family) from dummy weights, driven by URL
-    only: init, a version landing while a long request is in flight (paused with ``retract``:
+    as its own process, a tied Llama (the second dense family) from dummy weights, driven by URL
+    only: init, a version landing while a 200-token request is in flight (paused with ``retract``:
     the request finishes, recomputed), a version checked against the trainer's digest, the
     label on ``/model_info``; then the server's own ``/update_weights_from_disk`` of the
     trainer's saved weights changes none of the greedy tokens and logprobs."""
@@ -224,7 +208,7 @@ def test_launch_server_driven_over_http_alone(tmp_path: Path) -> None:
 
     from examples.sglang_rollout import llama_config
 
-    trainer = Trainer(tie=False, lr=SPARSE_LR, config=llama_config(False))
+    trainer = Trainer(tie=True, lr=SPARSE_LR, config=llama_config(True))
     trainer.config.save_pretrained(tmp_path / "config")
     port = free_port()
     args = [
@@ -262,14 +246,14 @@ def test_launch_server_driven_over_http_alone(tmp_path: Path) -> None:
         long_request: dict[str, Any] = {}
         import threading
 
-        runner = threading.Thread(target=lambda: long_request.update(out=gen(300, [1, 2, 3])))
+        runner = threading.Thread(target=lambda: long_request.update(out=gen(LONG, [1, 2, 3])))
         runner.start()
         time.sleep(1.0)  # in flight when the update pauses generation
         trainer.step()
         assert weights.update(1, timeout=60, pause="retract") == 1
         runner.join(120)
         meta = long_request["out"]["meta_info"]
-        assert len(long_request["out"]["output_ids"]) == 300 and meta["finish_reason"]["type"] == "length"
+        assert len(long_request["out"]["output_ids"]) == LONG and meta["finish_reason"]["type"] == "length"
 
         trainer.step()
         assert weights.update(2, timeout=60, verify_checksum=True) == 2  # the workers' state digest is the trainer's
@@ -278,7 +262,7 @@ def test_launch_server_driven_over_http_alone(tmp_path: Path) -> None:
         weights.shutdown()
 
         trainer.save(str(tmp_path / "v2"))
-        code, out = _http("POST", base + "/update_weights_from_disk", {"model_path": str(tmp_path / "v2")})
+        code, out = _http("POST", base + "/update_weights_from_disk", {"model_path": str(tmp_path / "v2"), "load_format": "auto"})
         assert code == 200 and out["success"], out
         reloaded = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in gen(NEW_TOKENS)]
         assert served == reloaded
@@ -326,7 +310,7 @@ def test_tensor_parallel_two_mixture_of_experts_through_the_map(tmp_path: Path) 
         assert [a.rank for a in weights.last_answers] == [0, 1]
         weights.shutdown()
         trainer.save(str(tmp_path / "v3"))
-        ok, message = engine.update_weights_from_disk(str(tmp_path / "v3"))[:2]
+        ok, message = engine.update_weights_from_disk(str(tmp_path / "v3"), load_format="auto")[:2]  # started as dummy
         assert ok, message
         assert generate(engine, NEW_TOKENS) == served
         assert served != dummy

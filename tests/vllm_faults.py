@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +37,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from proxy import Corrupt, Proxy, Wire, of_type  # noqa: E402
+from proxy import CorruptAndRecord, Proxy, of_type  # noqa: E402
 
 from examples.vllm_rollout import CONFIG, checksums, compare, engine, generate, reloaded, tiny_config, weights_differing  # noqa: E402
 from protocol.wire.framing import MessageType  # noqa: E402
 
 TRAINER = Path(__file__).resolve().parent / "vllm_trainer.py"
-
-
-@dataclass
-class CorruptFirstPatch(Corrupt):
-    """Corrupts the first patch, and remembers the type of every message it saw."""
-
-    seen: list[int | None] = field(default_factory=list)
-
-    def emit(self, w: Wire) -> list[Wire]:
-        self.seen.append(w.type)
-        return super().emit(w)
 
 
 class TrainerProcess:
@@ -136,7 +125,7 @@ def main() -> int:
 
     trainer = TrainerProcess("tcp://127.0.0.1:0", seed=0)
     port = int(trainer.endpoint.rsplit(":", 1)[1])
-    tamper = CorruptFirstPatch(of_type(MessageType.PATCH, payload=True), limit=1)
+    tamper = CorruptAndRecord(of_type(MessageType.PATCH, payload=True), limit=1)
     proxy = Proxy(("127.0.0.1", port), tamper=tamper)
     run(proxy.start())
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-faults-")
