@@ -234,25 +234,28 @@ class HeldWorker:
         backup = Backup(self.model) if targets is None else None  # what it served before: back if the start fails
         try:
             curve = init.curve_client()
-            trainer = thread.run(
-                ask_metadata(init.endpoints, curve=curve, insecure_plaintext=init.insecure_plaintext, timeout=init.timeout),
-                init.timeout + 5, "asking the trainer for its checkpoint names",
-            )
-            names = checkpoint_names(trainer, init.name_mapping)
-            if targets is not None:  # refused before any write
-                self.targets = targets([(names[k], tuple(shape)) for k, shape in zip(trainer.keys, trainer.shapes)])
-                layout = self.layout = self.targets.layout
-            else:  # every float tensor is declared in the engine's dtype: what its weights are in
-                declared = [(names[k], tuple(shape), self.dtype if d.is_floating_point else d)
-                            for k, shape, d in zip(trainer.keys, trainer.shapes, trainer.dtypes)]
-                failed: Exception | None = None
-                try:
+            failed: Exception | None = None
+            try:
+                trainer = thread.run(
+                    ask_metadata(init.endpoints, curve=curve, insecure_plaintext=init.insecure_plaintext, timeout=init.timeout),
+                    init.timeout + 5, "asking the trainer for its checkpoint names",
+                )
+                names = checkpoint_names(trainer, init.name_mapping)
+                if targets is not None:  # refused before any write
+                    self.targets = targets([(names[k], tuple(shape)) for k, shape in zip(trainer.keys, trainer.shapes)])
+                    self.layout = self.targets.layout
+                else:  # every float tensor is declared in the engine's dtype: what its weights are in
+                    declared = [(names[k], tuple(shape), self.dtype if d.is_floating_point else d)
+                                for k, shape, d in zip(trainer.keys, trainer.shapes, trainer.dtypes)]
                     self.layout = derive_layout(self.model, declared, self.side.rules)
-                except Exception as e:  # every rank still takes part in the check: none is left waiting in it
-                    failed = e
+            except Exception as e:  # every rank still takes part in the check below: none is left waiting in it
+                failed = e
+            if targets is None:
                 self._check_coverage(self.layout, failed)
-                assert self.layout is not None
-                layout = self.layout
+            elif failed is not None:
+                raise failed
+            assert self.layout is not None
+            layout = self.layout
             state = {k: layout.tensors[names[k]] for k in trainer.keys}  # under the trainer's names
             self._keys, self._names = trainer.keys, names
             self.check_writes = init.check_writes
