@@ -265,8 +265,9 @@ class SGLangWeights:
             first = failed[0]
             raise error_from_code(first.error_code, f"weightsync {op.value} failed on worker(s) {[a.rank for a in failed]}: "
                                   f"{first.error} (the workers hold {[a.version for a in answers]})")
-        if len(answers) < world:
-            raise WeightSyncTimeout(f"weightsync {op.value}: {len(answers)} of {world} workers answered")
+        expected = max([world, *(a.world for a in answers)])
+        if len(answers) < expected:
+            raise WeightSyncTimeout(f"weightsync {op.value}: {len(answers)} of {expected} workers answered")
         if not ok:  # the workers did it; SGLang's own step after it did not (e.g. a flush refused while requests run)
             raise WeightSyncError(f"weightsync {op.value} done, but SGLang failed the call: {message}")
         if not ended:
@@ -279,10 +280,11 @@ class SGLangWeights:
 
     def _answers(self, call: str, world: int, wait_s: float) -> list[Answer]:
         """This call's answers, one a worker (older calls' are dropped), until all are in or
-        ``wait_s`` passes."""
+        ``wait_s`` passes. ``world`` is the least expected (the TP ranks); each answer says
+        how many workers the engine has in all (pipeline stages too), and that many are awaited."""
         got: dict[int, Answer] = {}
         deadline = time.monotonic() + wait_s
-        while len(got) < world:
+        while len(got) < max([world, *(a.world for a in got.values())]):
             left = deadline - time.monotonic()
             if left <= 0 or not self._pull.poll(int(left * 1000)):
                 break
