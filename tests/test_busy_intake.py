@@ -292,6 +292,7 @@ async def test_the_session_reads_on_while_a_hook_never_returns() -> None:
         assert r.hook_counts.timeouts == 1 and told == [0, 2, 3]
         status = r.status()["hooks"]
         assert status["timeouts"] == 1 and status["waiting"] == 0 and "stuck at v1" in status["last_error"]
+        assert [(name.rpartition(".")[2], n) for name, n in status["by_hook"].items()] == [("stuck", 1)]  # which hook, by name
         text = r.metrics.render()[0].decode()
         assert 'weightsync_receiver_hook_failures_total{reason="timeout"} 1.0' in text, text
     finally:

@@ -47,7 +47,7 @@ class HookCounts:
 
     def as_dict(self) -> dict[str, Any]:
         return {"calls": self.calls, "failures": self.failures, "timeouts": self.timeouts, "skipped": self.skipped,
-                "last_error": self.last_error}
+                "last_error": self.last_error, "by_hook": dict(self.by_hook)}
 
 
 class UpdateHooks:
