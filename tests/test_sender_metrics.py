@@ -130,8 +130,11 @@ async def test_metrics_follow_versions_lag_and_resyncs_over_http() -> None:
             # a paused receiver lags, in versions and seconds; it catches up once resumed
             await b.pause()
             await steps(3, a)
-            text = await scrape(sender.metrics_url)
-            assert value(text, "weightsync_sender_receiver_lag_versions", receiver="steady") == 0
+            # the steady receiver has committed v5; its ACK reaches the sender a moment later
+            deadline = asyncio.get_running_loop().time() + 30
+            while value(text := await scrape(sender.metrics_url), "weightsync_sender_receiver_lag_versions", receiver="steady") != 0:
+                assert asyncio.get_running_loop().time() < deadline, "the sender never saw the steady receiver's ACK of v5"
+                await asyncio.sleep(0.02)
             assert value(text, "weightsync_sender_receiver_lag_versions", receiver="paused") >= 2
             assert value(text, "weightsync_sender_receiver_lag_seconds", receiver="paused") > 0
             assert value(text, "weightsync_sender_lag_versions_max") >= 2
