@@ -53,9 +53,6 @@ class _Engine:
     def tp_size(self) -> int:
         return int(self.engine.server_args.tp_size)
 
-    def dtype(self) -> str | None:
-        return None  # the workers read it from the model
-
     def begin(self) -> tuple[bool, str]:
         return _pair(self.engine.begin_weight_update())
 
@@ -129,9 +126,6 @@ class _Http:
                 raise WeightSyncError(f"the SGLang server at {self.url} did not say its tp_size: {status} {out}")
             self._tp = int(out["tp_size"])
         return self._tp
-
-    def dtype(self) -> str | None:
-        return None
 
     def begin(self) -> tuple[bool, str]:
         return self._ok("/begin_weight_update")
