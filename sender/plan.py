@@ -40,6 +40,8 @@ class SyncPlan:
         self.tracked = sync_keys(self.state)
         # where the tracked tensors live: patch.codec auto codes on the device on CUDA (PatchOptions.resolved)
         self.on_cuda = any(self.device(k).type == "cuda" for k in self.tracked)
+        if self.init_sync.enabled:
+            self.bootstrap_keys()  # a prefix that matches nothing is a configuration error: fail now
 
     def device(self, key: str) -> torch.device:
         """Where ``key``'s tensor lives on the trainer (a quantized weight: where it is quantized)."""
