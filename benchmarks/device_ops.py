@@ -83,12 +83,27 @@ class Trainer:
         self.optimizer.step()
 
 
-def receiver_spec(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    return {k: [list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in state.items()}
+def receiver_spec(state: dict[str, torch.Tensor], fp8: bool = False) -> dict[str, Any]:
+    """Each tensor's shape and dtype on the receiver (floats in bf16); with ``fp8``, every
+    matrix in block fp8 (``float8_e4m3fn`` and a float32 ``_scale_inv``), as an fp8
+    rollout holds the linear weights (the embeddings too here: every 2-D tensor)."""
+    spec = {k: [list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in state.items()}
+    if not fp8:
+        return spec
+    from protocol.quant import BlockFp8, scale_name, scale_shape
+
+    out: dict[str, Any] = {}
+    for k, t in state.items():
+        if t.dim() != 2:
+            out[k] = spec[k]
+            continue
+        out[k] = [list(t.shape), "float8_e4m3fn"]
+        out[scale_name(k)] = [list(scale_shape(tuple(t.shape), BlockFp8().block)), "float32"]
+    return out
 
 
-def config(codec: str) -> dict[str, Any]:
-    return {"type": "patch", "patch": {"codec": codec, "group_numel": GROUP_NUMEL}}
+def config(codec: str, fp8: bool = False) -> dict[str, Any]:
+    return {"type": "patch", "patch": {"codec": codec, "group_numel": GROUP_NUMEL}, **({"fp8": {}} if fp8 else {})}
 
 
 # -- the receiver's process ---------------------------------------------------------------------
@@ -122,11 +137,12 @@ def launches() -> Counter[str]:
 async def _receive(endpoint: str, spec: dict[str, Any], conf: dict[str, Any], versions: int, sites: bool = False, fused: bool = True) -> None:
     from receiver import Receiver
 
-    def dtype(name: str) -> torch.dtype:
+    def dtype(key: str, name: str) -> torch.dtype:
         d = getattr(torch, name)
-        return torch.bfloat16 if d.is_floating_point else d
+        held_as_is = d == torch.float8_e4m3fn or key.endswith("_scale_inv")  # an fp8 rollout's
+        return torch.bfloat16 if d.is_floating_point and not held_as_is else d
 
-    model = {k: torch.zeros(shape, dtype=dtype(name)) for k, (shape, name) in spec.items()}
+    model = {k: torch.zeros(shape, dtype=dtype(k, name)) for k, (shape, name) in spec.items()}
     path = gpu_path(fused)
     counter = OpCounter(sites)
     with counter:
@@ -157,20 +173,23 @@ async def _lines(proc: asyncio.subprocess.Process) -> dict[str, Any]:
 
 
 async def measure(
-    layout: str, versions: int = 3, codec: str = "device", lr: float = 1e-5, sites: bool = False, fused: bool = True
+    layout: str, versions: int = 3, codec: str = "device", lr: float = 1e-5, sites: bool = False, fused: bool = True,
+    fp8: bool = False,
 ) -> dict[str, Any]:
     """One layout's counts: the first version is a warm-up, the rest are reported (medians);
-    with ``sites``, the last version's ops by the weightsync function that dispatched them."""
+    with ``sites``, the last version's ops by the weightsync function that dispatched them;
+    with ``fp8``, the receiver holds every matrix in block fp8 (the sender quantizes each
+    version, in its window)."""
     from sender import Sender
 
     trainer = Trainer(layout, lr)
     state = trainer.state()
-    conf = config(codec)
+    conf = config(codec, fp8)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     async with Sender("tcp://127.0.0.1:0", conf) as sender:
         await sender.start(state, version=0)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "benchmarks.device_ops", "--receive", sender.endpoint, "--spec", json.dumps(receiver_spec(state)),
+            sys.executable, "-m", "benchmarks.device_ops", "--receive", sender.endpoint, "--spec", json.dumps(receiver_spec(state, fp8)),
             "--config", json.dumps(conf), "--versions", str(versions + 1), *(["--sites"] if sites else []), *([] if fused else ["--torch-only"]),
             stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env,
         )
@@ -206,7 +225,7 @@ async def measure(
 
     last = timed[-1]
     return {
-        "layout": layout, "tensors": len(state), "elements": sum(t.numel() for t in state.values()), "codec": codec,
+        "layout": layout, "fp8": fp8, "tensors": len(state), "elements": sum(t.numel() for t in state.values()), "codec": codec,
         "receiver_path": ready["path"],
         "versions": len(timed), "parts": last["parts"], "tensors_changed": last["entries"],
         "changed_fraction": round(statistics.mean(r["changed_fraction"] for r in timed), 4),
@@ -246,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--sites", action="store_true", help="also name the functions that dispatched the ops (slower)")
     p.add_argument("--torch-only", action="store_true", help="the receiver without the fused Triton kernels (a GPU without Triton)")
+    p.add_argument("--fp8", action="store_true", help="receivers hold every matrix in block fp8 (the sender quantizes each version)")
     p.add_argument("--receive", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -254,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_receive(args.receive, json.loads(args.spec), json.loads(args.config), args.versions, args.sites, not args.torch_only))
         return 0
     torch.set_num_threads(1)
-    rows = [asyncio.run(measure(layout, args.versions, args.codec, sites=args.sites, fused=not args.torch_only)) for layout in args.layouts]
+    rows = [asyncio.run(measure(layout, args.versions, args.codec, sites=args.sites, fused=not args.torch_only, fp8=args.fp8))
+            for layout in args.layouts]
     print(report(rows))
     if args.json:
         command = "python -m benchmarks.device_ops " + " ".join(argv or sys.argv[1:])

@@ -33,7 +33,7 @@ from protocol.wire.dtypes import bits_dtype, dtype_code, itemsize, smallest_unsi
 from protocol.wire.framing import Encoding, Message, MessageType, Role, ValueEncoding, decode_message, encode_message
 
 CPU = torch.device("cpu")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.float8_e4m3fn]  # fp8: an fp8 rollout's weights
 POSITIONS = [Encoding.COO, Encoding.COO_DELTA, Encoding.GAPS, Encoding.BITMAP, Encoding.ANS_GAPS, None]
 VALUES = list(ValueEncoding)
 CODECS = [Codec.NONE, Codec.LZ4, Codec.ZSTD]

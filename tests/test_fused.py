@@ -4,8 +4,8 @@
 holds (wrapping at the width, a bool kept 0 or 1), across many tensors at once; ``scatter``
 writes exactly the changed positions; the commit writes a whole batch in one launch, falls
 back to one write a tensor when a tensor moved or only part of the batch is committed; and
-what the kernels cannot address (engine-held tensors, non-contiguous ones, mixed widths)
-takes the torch ops.
+what the kernels cannot address (engine-held tensors, non-contiguous ones) takes the torch
+ops, and a message of several element widths (an fp8 rollout's) is staged as a batch a width.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from receiver.apply.stage_device import Coded, stage_coded
 
 pytest.importorskip("triton")
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int32, torch.int64, torch.bool)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn)
 
 
 @pytest.fixture(autouse=True)

@@ -77,3 +77,19 @@ def test_a_version_costs_a_few_hundred_ops_a_side_whatever_the_tensor_count() ->
     if rows["t480"]["receiver_path"] == "fused":  # Triton imports: its interpreter runs the kernels here
         assert rows["t480"]["receiver_ops"] <= 1.5 * rows["t48"]["receiver_ops"], (rows["t48"], rows["t480"])
     assert "t480" in device_ops.report(list(rows.values()))
+
+
+def test_an_fp8_rollouts_version_costs_the_same_whatever_the_tensor_count() -> None:
+    """With every matrix held in block fp8 (``device_ops --fp8``): the sender quantizes each
+    version (a few launches a weight shape) and the receiver stages a part of 1-byte weights,
+    4-byte scales and 2-byte vectors a batch a width: 480 tensors within 1.5x of 48, each side."""
+    rows = {layout: asyncio.run(device_ops.measure(layout, versions=1, fp8=True)) for layout in ("t48", "t480")}
+    for row in rows.values():
+        # the compare works in a run a receiver dtype (fp8 weights, fp32 scales, bf16 vectors),
+        # each with its own host syncs (2, a third when the dense rule samples values): more
+        # than a bf16 model's, never more a tensor
+        assert row["fp8"] and row["tensors_changed"] > 0 and within_budget({**row, "sender_syncs": 0}), row
+        assert row["sender_syncs"] <= 3 * 3 and row["receiver_syncs"] <= row["parts"] + 4, row
+    assert rows["t480"]["sender_ops"] <= 1.5 * rows["t48"]["sender_ops"], (rows["t48"], rows["t480"])
+    if rows["t480"]["receiver_path"] == "fused":
+        assert rows["t480"]["receiver_ops"] <= 1.5 * rows["t48"]["receiver_ops"], (rows["t48"], rows["t480"])

@@ -30,7 +30,7 @@ from receiver.apply.stage_device import Coded, stage_coded
 
 DEVICE = PatchOptions(dense_above=1.0, device_codec=True)
 CPU = torch.device("cpu")
-DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int32, torch.bool)
+DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int32, torch.bool, torch.float8_e4m3fn)  # fp8: an fp8 rollout's weights
 
 
 def moved(old: torch.Tensor, gen: torch.Generator, share: float) -> torch.Tensor:
@@ -135,12 +135,16 @@ def test_a_batch_stages_every_kind_of_entry_bit_exact(path: str, seed: int, entr
     assert reads.sync_count == (1 if coded else 0), reads.syncs  # verdicts and cut points, at once
     updates = [u for us in staged for u in us]
     assert all(isinstance(u, StagedUpdate) and u.flat is not None for u in updates)
-    # the fused kernels take a batch of one element size and one kind (bool or not); others the torch ops
+    # the fused kernels take the tensors of one element size and one kind (bool or not) a
+    # batch: a message of several widths is a batch a width (an fp8 rollout's 1-byte weights,
+    # 4-byte scales and 2-byte norms), never one a tensor; the torch ops without them
     kinds = {(targets[u.ordinal].element_size(), targets[u.ordinal].dtype == torch.bool) for u in updates}
-    assert not updates or all(u.batch is not None for u in updates) == (path == "fused" and len(kinds) == 1)
+    assert all(u.batch is not None for u in updates) == (path == "fused") or not updates
+    batches = {id(u.batch) for u in updates if u.batch is not None}
+    assert len(batches) == (len(kinds) if path == "fused" else 0)
     launched = sum(fused.LAUNCHES.values())
     commit(targets, updates, {})
-    assert sum(fused.LAUNCHES.values()) - launched == (bool(updates) and updates[0].batch is not None)  # one scatter for the whole batch
+    assert sum(fused.LAUNCHES.values()) - launched == len(batches)  # one scatter a width
     for k in old:
         assert torch.equal(bits(model[k]), bits(new[k])), k
 

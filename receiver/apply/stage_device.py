@@ -111,20 +111,60 @@ def _stage_batch(batch: devicecodec.DecodedBatch, coded: list[Coded], targets: l
     if not pieces:
         return [[] for _ in coded]
     lengths = [end - start for _, _, start, end in pieces]
-    owners = [targets[key] for _, key, _, _ in pieces]
-    kinds = {t.dtype == torch.bool for t in owners}
-    tensors = [t for t in owners if isinstance(t, torch.Tensor)]
-    together = len(kinds) == 1 and len(tensors) == len(owners) and fused.usable(tensors, device)
-    addresses = fused.table(tensors) if together else []
-    offset_d, length_d, address_d = _host_to(device, [offsets, lengths, addresses])
+    # The fused kernels take targets of one element width (and bools alone): a part of an
+    # fp8 rollout holds 1-byte weights, 4-byte scales and 2-byte norms, so each width is
+    # its own set of launches (a few a width, never one a tensor).
+    widths: dict[tuple[int, bool] | None, list[int]] = {}
+    for p, (_, key, _, _) in enumerate(pieces):
+        target = targets[key]
+        width = None if isinstance(target, Placed) else (target.element_size(), target.dtype == torch.bool)
+        widths.setdefault(width, []).append(p)
+    fusable = [mine for w, mine in widths.items() if w is not None and fused.usable(_tensors(targets, pieces, mine), device)]
+    together = [p for mine in fusable for p in mine]
+    addresses = fused.table(_tensors(targets, pieces, together))
+    offset_d, length_d, address_d, fused_length_d = _host_to(device, [offsets, lengths, addresses, [lengths[p] for p in together]])
     covered = sum(lengths)
     first = pieces[0][2]
     local = batch.flat[first : first + covered] - torch.repeat_interleave(offset_d, length_d, output_size=covered)
     diffs = batch.diffs[first : first + covered]
     # pieces tile the batch's changes in order (a verdict True says every change lies in its run)
-    if together:
-        return _fused(pieces, local, diffs, first, tensors, addresses, address_d, length_d, len(coded))
-    return _with_values(pieces, local, diffs, first, targets, len(coded))
+    if len(fusable) == 1 and len(together) == len(pieces):
+        return _fused(pieces, local, diffs, first, _tensors(targets, pieces, together), addresses, address_d, length_d, len(coded))
+    out: list[list[StagedUpdate]] = [[] for _ in coded]
+    at = 0  # where each width's pieces start in the fused table
+    for mine in fusable:
+        sub, sub_local, sub_diffs = _subset(pieces, mine, local, diffs, first)
+        table = slice(at, at + len(mine))
+        staged = _fused(sub, sub_local, sub_diffs, 0, _tensors(targets, pieces, mine), addresses[table], address_d[table],
+                        fused_length_d[table], len(coded))
+        at += len(mine)
+        for j, updates in enumerate(staged):
+            out[j] += updates
+    taken = set(together)
+    rest = [p for p in range(len(pieces)) if p not in taken]
+    if rest:
+        sub, sub_local, sub_diffs = _subset(pieces, rest, local, diffs, first)
+        for j, updates in enumerate(_with_values(sub, sub_local, sub_diffs, 0, targets, len(coded))):
+            out[j] += updates
+    return out
+
+
+def _tensors(targets: list[Target], pieces: list[tuple[int, int, int, int]], chosen: list[int]) -> list[torch.Tensor]:
+    """The targets of the ``chosen`` pieces (plain tensors: the fused kernels' table)."""
+    return [t for t in (targets[pieces[p][1]] for p in chosen) if isinstance(t, torch.Tensor)]
+
+
+def _subset(
+    pieces: list[tuple[int, int, int, int]], chosen: list[int], local: torch.Tensor, diffs: torch.Tensor, first: int
+) -> tuple[list[tuple[int, int, int, int]], torch.Tensor, torch.Tensor]:
+    """The ``chosen`` pieces with their positions and differences end to end (one ``cat``
+    each), the pieces re-based to start at 0."""
+    spans = [(pieces[p][2] - first, pieces[p][3] - first) for p in chosen]
+    sub, at = [], 0
+    for p, (start, end) in zip(chosen, spans):
+        sub.append((pieces[p][0], pieces[p][1], at, at + end - start))
+        at += end - start
+    return sub, torch.cat([local[a:b] for a, b in spans]), torch.cat([diffs[a:b] for a, b in spans])
 
 
 def _fused(
