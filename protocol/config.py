@@ -9,6 +9,7 @@
               encode_backlog_bytes, encode_threads, group_numel,
               init_sync: {enabled, prefixes, bucket_size}}
       bucket: {bucket_size, bucket_dtype, bucket_device, is_agent, load_instant, init_sync}
+      fp8: {block, scale_format, source, skip, include, bf16_layers}   # block-fp8 rollouts (protocol/quant.py)
 
 Unknown keys are errors, so a typo never silently falls back to a default. RLinf's own
 ``weight_syncer`` group loads unchanged: its aliases (``patch.compression_algorithm``,
@@ -31,6 +32,7 @@ import torch
 from protocol.codec.compress import Codec, parse_compression
 from protocol.codec.tensorcodec import DenseCost, PatchOptions
 from protocol.errors import ConfigError
+from protocol.quant import BlockFp8
 from protocol.wire.dtypes import parse_float_dtype
 from protocol.wire.framing import Encoding, ValueEncoding
 
@@ -121,6 +123,10 @@ class SyncConfig:
     type: str = "patch"
     patch: PatchConfig = field(default_factory=PatchConfig)
     bucket: BucketConfig = field(default_factory=BucketConfig)
+    # Block fp8, for rollouts whose metadata holds weights in it: a receiver declares
+    # block and scale_format in its HELLO (an engine's own quantization config wins); the
+    # sender quantizes from `source` (bf16 or master). Unused when no receiver holds fp8.
+    fp8: BlockFp8 = field(default_factory=BlockFp8)
 
     @property
     def init_sync(self) -> InitSyncConfig:
@@ -296,7 +302,7 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
         raise ConfigError(f"unknown config key {where + unknown[0]!r}; known keys: {sorted(fields)}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
-        sub = {"patch": PatchConfig, "bucket": BucketConfig, "init_sync": InitSyncConfig}.get(name)
+        sub = {"patch": PatchConfig, "bucket": BucketConfig, "init_sync": InitSyncConfig, "fp8": BlockFp8}.get(name)
         if sub is not None:
             if value is None:
                 continue

@@ -8,6 +8,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
+import torch
+
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, StaleVersionError, WeightSyncError
 from protocol.state import ModelState, StateLike, resolve_state
@@ -15,6 +17,7 @@ from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, Stamper, decode_message
 from protocol.wire.messages import ErrorReport, Hello
 
+from .fp8_view import fp8_view
 from .plan import SyncPlan
 from .stats import SyncStats
 
@@ -34,8 +37,25 @@ def check_next_version(current: int | None, version: int) -> None:
 
 def plan_for(state: ModelState, hello: Hello, config: SyncConfig) -> SyncPlan:
     """Check a HELLO against the trainer's model; ``MetadataMismatchError`` names the key.
-    The first receiver's handshake, here and in the daemon (``sender/serve/source.py``)."""
-    return SyncPlan(state, hello.metadata, config.init_sync)
+    The first receiver's handshake, here and in the daemon (``sender/serve/source.py``).
+    A receiver holding weights in block fp8 gets a plan over the trainer's state quantized
+    into its format (``sender/fp8_view.py``)."""
+    view = fp8_view(state, hello.metadata, hello.quant, config.fp8)
+    return SyncPlan(state if view is None else view.state, hello.metadata, config.init_sync, view)
+
+
+def check_same(plan: SyncPlan, hello: Hello, config: SyncConfig) -> None:
+    """A later receiver's HELLO against the plan the first one fixed: the same metadata
+    (keys, order, shapes, dtypes) and, for fp8 weights, the same block and scale format.
+    One sender serves one weight format: ``MetadataMismatchError`` names the difference."""
+    plan.metadata.require_same(hello.metadata, "the other receivers")
+    if plan.view is not None:
+        told = config.fp8.format if hello.quant is None else hello.quant
+        if told != plan.view.format:
+            raise MetadataMismatchError(
+                f"this receiver declares {told.describe()}; the other receivers hold {plan.view.format.describe()} "
+                "(one sender serves one weight format: run one sender per format)"
+            )
 
 
 async def send_all(send: Send, stamp: Stamper, messages: Iterator[Message]) -> int:
@@ -86,15 +106,18 @@ class SenderBase:
             await send(self.stamp(ErrorReport.of(e).to_message()))
             raise
         self.plan, self.version = plan, version
-        parts, bootstrap = plan.bootstrap(version)
-        await send(self.stamp(plan.welcome(self.strategy, parts, plan.untracked_digests()).to_message(version)))
+        rollout, _ = await plan.rolled(state.tensors, only=plan.state.tensors)  # every key as the receiver holds it
+        parts, bootstrap = plan.bootstrap(version, rollout.__getitem__)
+        untracked = await asyncio.to_thread(plan.untracked_digests, rollout.__getitem__)
+        await send(self.stamp(plan.welcome(self.strategy, parts, untracked).to_message(version)))
         started = time.perf_counter()
         nbytes = await send_all(send, self.stamp, bootstrap)
         log.info("bootstrap sent: %d buckets, %d bytes in %.3fs (version %s)", parts, nbytes, time.perf_counter() - started, version)
-        await self.on_init(state)
+        await self.on_init(rollout)
 
-    async def on_init(self, state: ModelState) -> None:
-        """Hook for strategies that keep state from the initial weights (the patch snapshot)."""
+    async def on_init(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Hook for strategies that keep state from the initial weights (the patch snapshot),
+        given as the receiver holds them."""
 
     async def sync(self, model: StateLike, send: Send, version: int) -> SyncStats:
         """Send ``model`` as ``version``, which must exceed the last one synced.

@@ -3,7 +3,8 @@ keys, aliases and the bootstrap. Shared by the transport-free senders and the da
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import asyncio
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,9 @@ from protocol.wire.framing import Message, MessageType
 from protocol.wire.messages import Welcome
 from protocol.wire.metadata import ModelMetadata
 
+from .fp8_view import Fp8View
+from .streams import Mark
+
 Source = Callable[[str], torch.Tensor]
 
 
@@ -25,6 +29,9 @@ class SyncPlan:
     state: ModelState
     metadata: ModelMetadata
     init_sync: InitSyncConfig
+    # The rollout's weight format, when it differs from the trainer's (block fp8): then
+    # ``state`` is the view's, and every version's tensors pass through ``rollout``.
+    view: Fp8View | None = None
     tracked: list[str] = field(init=False)  # tracked keys without aliases: each storage travels once
     on_cuda: bool = field(init=False)  # any tracked tensor is on a CUDA device
 
@@ -32,7 +39,40 @@ class SyncPlan:
         self.metadata.check_against(self.state.tensors)
         self.tracked = sync_keys(self.state)
         # where the tracked tensors live: patch.codec auto codes on the device on CUDA (PatchOptions.resolved)
-        self.on_cuda = any(self.state.tensors[k].device.type == "cuda" for k in self.tracked)
+        self.on_cuda = any(self.device(k).type == "cuda" for k in self.tracked)
+        if self.init_sync.enabled:
+            self.bootstrap_keys()  # a prefix that matches nothing is a configuration error: fail now
+
+    def device(self, key: str) -> torch.device:
+        """Where ``key``'s tensor lives on the trainer (a quantized weight: where it is quantized)."""
+        return self.state.tensors[key].device if self.view is None else self.view.devices[key]
+
+    def rollout(self, tensors: Mapping[str, torch.Tensor], only: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """A version's trainer tensors as the receivers hold them: as given, or through the
+        view (``only``: the rollout keys wanted; default the tracked ones). Call it where
+        the trainer's stream has done its step (it reads them; on a GPU it queues the
+        quantizing kernels on this thread's current stream)."""
+        if self.view is None:
+            return dict(tensors)
+        return self.view.tensors(tensors, None if only is None else set(only))
+
+    async def rolled(
+        self, tensors: Mapping[str, torch.Tensor], after: Mark | None = None, only: Iterable[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], Mark]:
+        """``rollout`` off the event loop, once the work ``after`` marks is done (default:
+        what the caller's current streams hold now), and the mark of its own work, which
+        whoever reads its tensors on another thread waits for. Without a view: the
+        tensors as given, and ``after``."""
+        after = Mark.now(tensors.values()) if after is None else after
+        if self.view is None:
+            return dict(tensors), after
+
+        def run() -> tuple[dict[str, torch.Tensor], Mark]:
+            after.wait()
+            out = self.rollout(tensors, only)
+            return out, Mark.now(out.values())
+
+        return await asyncio.to_thread(run)
         if self.init_sync.enabled:
             self.bootstrap_keys()  # a prefix that matches nothing is a configuration error: fail now
 

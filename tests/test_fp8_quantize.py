@@ -1,4 +1,4 @@
-"""The block-fp8 quantizer (``sender/quantize/fp8.py``) against vLLM's own
+"""The block-fp8 quantizer (``protocol/quant/fp8.py``) against vLLM's own
 ``per_block_cast_to_fp8`` (``vllm/utils/deep_gemm.py``), byte for byte: the function vLLM
 runs is ``torch.compile``d, so the fixed shapes compare against the compiled function (with
 the recompile limit raised and a hit made an error, so no case quietly falls back to eager),
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from benchmarks.opcount import OpCounter
 from protocol.errors import ConfigError
-from sender.quantize import BlockFp8, quantize, quantize_state, quantized_names, scale_name
+from protocol.quant import BlockFp8, quantize, quantize_state, quantized_names, scale_name
 
 Ref = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 RAGGED = [(300, 200), (129, 1), (1, 1), (4096, 128), (256, 384)]

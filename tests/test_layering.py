@@ -48,7 +48,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
 # engine adapters, each one folder over ``receiver/held``, the part they share.
 ENGINES = ("vllm", "sglang")
 ROOMS: dict[str, tuple[str | tuple[str, ...], ...]] = {
-    "sender": ("quantize", "diff", "version", "serve", "sharded"),
+    "sender": ("diff", "version", "serve", "sharded"),
     "receiver": ("apply", "strategy", "session", "control", "held", ENGINES),
 }
 

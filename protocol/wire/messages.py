@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 from protocol.errors import ProtocolError, WeightSyncError, error_code, error_from_code
+from protocol.quant import Fp8Format
 from protocol.wire.framing import Message, MessageType
 from protocol.wire.metadata import ModelMetadata
 
@@ -109,7 +110,9 @@ class Hello(_Body):
     commit it when told (``Welcome.together``); a receiver that predates it says nothing.
     ``subtree``: were it to relay, its ``Ack.staged`` would wait for the receivers below it
     too (``Ack.missing``); a server that flips refuses a relay that does not say so (its
-    staged report would let a flip go before its receivers staged)."""
+    staged report would let a flip go before its receivers staged). ``quant``: the block
+    and scale format of the weights its metadata holds in block fp8 (``protocol.quant``);
+    absent, the sender's ``SyncConfig.fp8`` says."""
 
     TYPE: ClassVar[MessageType] = MessageType.HELLO
     metadata: ModelMetadata
@@ -119,6 +122,7 @@ class Hello(_Body):
     session: str | None = None
     flip: bool = False
     subtree: bool = False
+    quant: Fp8Format | None = None
 
     def to_body(self) -> dict[str, Any]:
         body = {**self.metadata.to_body(), "receiver": self.receiver, "applied": self.applied, "digest": self.digest, "session": self.session}
@@ -126,6 +130,8 @@ class Hello(_Body):
             body["flip"] = True
         if self.subtree:
             body["subtree"] = True
+        if self.quant is not None:
+            body["quant"] = self.quant.to_body()
         return body
 
     @classmethod
@@ -139,6 +145,7 @@ class Hello(_Body):
             session=_field(k, body, "session", "a string or nil", _str_or_none, optional=True),
             flip=_field(k, body, "flip", "a bool", _bool, optional=True) or False,
             subtree=_field(k, body, "subtree", "a bool", _bool, optional=True) or False,
+            quant=None if body.get("quant") is None else Fp8Format.from_body(body["quant"]),
         )
 
 

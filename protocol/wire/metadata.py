@@ -89,9 +89,11 @@ class ModelMetadata:
                 raise MetadataMismatchError(f"key {key!r}: this receiver has it; {ours_are} do not ({same})")
             want_shape, want_dtype = self.shapes[self.ordinal(key)], self.dtypes[self.ordinal(key)]
             if want_shape != shape or want_dtype != dtype:
+                formats = (dtype.itemsize == 1) != (want_dtype.itemsize == 1) and dtype.is_floating_point and want_dtype.is_floating_point
+                why = "one sender serves one weight format, fp8 or not: run one sender per format" if formats else same
                 raise MetadataMismatchError(
                     f"key {key!r}: this receiver holds {list(shape)} {dtype}; {ours_are}: {list(want_shape)} {want_dtype} "
-                    f"(the trainer's shape: {list(want_shape)}; {same})"
+                    f"(the trainer's shape: {list(want_shape)}; {why})"
                 )
         missing = next((k for k in self.keys if k not in theirs), None)
         if missing is not None:

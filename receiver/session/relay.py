@@ -40,9 +40,10 @@ from dataclasses import replace
 from typing import Any
 
 from protocol.codec.buckets import bucket_messages, plan_buckets
-from protocol.errors import ConfigError, StateError, WeightSyncError
+from protocol.errors import ConfigError, MetadataMismatchError, StateError, WeightSyncError
 from protocol.net.flips import RELAY_SHARE, STAGE_TIMEOUT, Flip, Flips
 from protocol.net.server import VersionServer
+from protocol.quant import holds_fp8
 from protocol.state import StateLike, state_tensors
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType
@@ -235,6 +236,11 @@ class Relay:
         if metadata is None:
             raise WeightSyncError("this relay has not completed its own handshake yet")
         metadata.require_same(hello.metadata, "this relay's model")
+        if holds_fp8(metadata.dtypes):
+            mine = self._strategy.config.fp8.format
+            told = mine if hello.quant is None else hello.quant
+            if told != mine:
+                raise MetadataMismatchError(f"this receiver declares {told.describe()}; this relay holds {mine.describe()}")
         aliases = tuple((a, c) for c, group in self._strategy.aliases.items() for a in group)
         return Welcome(self._strategy.strategy, aliases, 0)
 

@@ -16,6 +16,7 @@ import torch
 from protocol.codec.staging import StagingPool
 from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError, WeightSyncError
+from protocol.quant import holds_fp8
 from protocol.state import StateLike, find_aliases, state_tensors
 from protocol.wire.buffers import Buffer
 from protocol.wire.framing import Message, MessageType, decode_message, encode_message
@@ -113,7 +114,12 @@ class ReceiverBase(WriteSide):
         self.metadata = ModelMetadata.of(tensors)
         self._own_ties = find_aliases(tensors)
         # session: the sender session it last followed, to resume from its ring
-        hello = Hello(self.metadata, receiver=receiver_id, applied=self.version, digest=digest, session=self.session, flip=flip, subtree=flip)
+        # weights held in float8 declare their block and scale format (protocol.quant): the sender quantizes into it
+        quant = self.config.fp8.format if holds_fp8(self.metadata.dtypes) else None
+        hello = Hello(
+            self.metadata, receiver=receiver_id, applied=self.version, digest=digest, session=self.session, flip=flip, subtree=flip,
+            quant=quant,
+        )
         await send(encode_message(hello.to_message(self.version)))
         self.session = None  # WELCOME may come from a new sender session
         await self.prepare()  # while the sender builds the bootstrap

@@ -45,14 +45,14 @@ class Compare(Protocol):
         ...
 
 
-def choose(kind: str, tensors: Mapping[str, torch.Tensor]) -> str:
+def choose(kind: str, on_cuda: bool) -> str:
     """``host`` or ``device`` for ``patch.codec`` (``kind``): ``auto`` compares on the device
-    where the tracked tensors live on CUDA, else on the host."""
+    where the tracked tensors live on CUDA (``on_cuda``), else on the host."""
     if kind not in KINDS:
         raise ConfigError(f"patch.codec must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind != "auto":
         return kind
-    return "device" if any(t.device.type == "cuda" for t in tensors.values()) else "host"
+    return "device" if on_cuda else "host"
 
 
 def make_compare(
@@ -60,7 +60,6 @@ def make_compare(
 ) -> HostCompare | DeviceCompare:
     """The compare ``kind`` (see ``choose``) of ``plan``'s tracked tensors. ``stage``: changes
     on a CUDA device go to pinned host memory (the host codec encodes them)."""
-    tracked = {k: plan.state.tensors[k] for k in plan.tracked}
-    if choose(kind, tracked) == "device":
+    if choose(kind, plan.on_cuda) == "device":
         return DeviceCompare(plan, options, snapshot, groups, stage=stage)
     return HostCompare(plan, options, snapshot, groups, stage=stage)

@@ -134,14 +134,15 @@ class DeviceCompare:
         flat = new = old = None
         if kept:
             pos = torch.nonzero_static(changed, size=kept).view(-1)
-            new, old = cur[pos], snap[pos]
+            # gathered and scattered as bits: one path for every dtype (torch has no fp8 index kernels on CPU)
+            new, old = cur.view(bits)[pos].view(run.dtype), snap.view(bits)[pos].view(run.dtype)
             flat = pos - run.shifts[torch.searchsorted(run.firsts, pos, right=True) - 1]
             flat = flat if run.wide else flat.to(torch.int32)
         if sum(counts) * DENSE_COPY > run.numel:
             snap.copy_(cur)
         else:
             if new is not None:
-                snap[pos] = new
+                snap.view(bits)[pos] = new.view(bits)
             for start, end in run.spans(dense):
                 snap[start:end] = cur[start:end]
         self.snapshot.store(snap, run.stored)
@@ -152,7 +153,7 @@ class DeviceCompare:
         cur, changed, owner = self._work[(run.device, run.dtype)]
         cur, changed = cur[:run.numel], changed[:run.numel]
         if owner[0] is not run:  # another run's tensors may lie where this one's gaps are
-            cur.index_fill_(0, run.gaps, 0)
+            cur.view(bits_dtype(run.dtype)).index_fill_(0, run.gaps, 0)  # zero bits: +0.0 in every float dtype
             owner[0] = run
         # One op for the run (on CUDA one multi-tensor kernel, casting as it copies), not one a
         # tensor. Flat views: a 0-d copy would cast through a scalar path (fp32 NaN -> bf16

@@ -46,6 +46,8 @@ class VersionFeed:
         if builder is None:  # no receiver yet: nothing to diff against, only the version moves
             source.hold(tensors)
             return SyncStats(version, self.strategy)
+        assert source.plan is not None
+        tensors, after = await source.plan.rolled(tensors, after)  # as the receivers hold them (fp8: quantized)
         if builder.diverged:  # a failed sync moved what is at rest: patches from it would be wrong
             return await self._resync_all(builder, tensors, version, after)
         base, stats = self.server.version, SyncStats(version, self.strategy)

@@ -16,12 +16,13 @@ receivers must match it. The ranks learn it at the next version (``ShardedSync``
 from __future__ import annotations
 
 from protocol.config import SyncConfig
+from protocol.errors import ConfigError
 from protocol.state import ModelState
 from protocol.wire.framing import Message
 from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from ..base import plan_for
+from ..base import check_same, plan_for
 from ..plan import SyncPlan
 
 
@@ -48,9 +49,15 @@ class ShardedSource:
     async def admit(self, hello: Hello) -> Welcome:
         """The first receiver fixes the plan; later ones must match it exactly."""
         if self.plan is None:
-            self.plan = plan_for(self.state, hello, self.config)
+            plan = plan_for(self.state, hello, self.config)
+            if plan.view is not None:
+                raise ConfigError(
+                    "this receiver holds weights in block fp8; a sharded trainer's versions are not quantized yet: "
+                    "serve fp8 rollouts from an unsharded Sender.sync, or hold the weights in bf16"
+                )
+            self.plan = plan
         else:
-            self.plan.metadata.require_same(hello.metadata, "the other receivers")
+            check_same(self.plan, hello, self.config)
         return self.plan.welcome(self.config.type)
 
     async def bootstrap(self, version: int | None) -> list[Message] | None:

@@ -20,7 +20,7 @@ from protocol.wire.framing import Message
 from protocol.wire.messages import Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from ..base import plan_for
+from ..base import check_same, plan_for
 from ..plan import Source, SyncPlan
 from ..streams import Mark
 from ..version.builder import VersionBuilder
@@ -59,10 +59,21 @@ class TrainerSource:
     def at_rest(self) -> Source:
         """Tensors of the current version at rest: the snapshot or retained copy for
         tracked keys, the model for frozen ones (which training does not change)."""
-        assert self.builder is not None
-        model = state_tensors(self.model)
+        assert self.builder is not None and self.plan is not None
+        model, plan = state_tensors(self.model), self.plan
         held = self.builder.held()
-        return lambda key: held[key] if key in held else model[key]
+        if plan.view is None:
+            return lambda key: held[key] if key in held else model[key]
+        frozen: dict[str, torch.Tensor] = {}  # quantized frozen weights, once per call
+
+        def get(key: str) -> torch.Tensor:
+            if key in held:
+                return held[key]
+            if key not in frozen:
+                frozen.update(plan.rollout(model, [key]))
+            return frozen[key]
+
+        return get
 
     @property
     def backlog_bytes(self) -> int:
@@ -79,14 +90,14 @@ class TrainerSource:
         """The first receiver fixes the plan; later ones must match it exactly."""
         if self.plan is None:
             plan = plan_for(self.state, hello, self.config)
-            held = self._held
-            assert held is not None
+            assert self._held is not None
+            held, after = await plan.rolled(self._held, self._held_after)  # as the receivers hold it (fp8: quantized)
             builder = make_builder(plan, self.config)
-            await builder.hold(held, self._held_after)
+            await builder.hold(held, after)
             self.plan, self.builder = plan, builder
             self._held = None  # the snapshot (or retained copy) holds the version from now on
         else:
-            self.plan.metadata.require_same(hello.metadata, "the other receivers")
+            check_same(self.plan, hello, self.config)
         if self._untracked is None:  # what is never sent does not change: hashed once
             self._untracked = await asyncio.to_thread(self.plan.untracked_digests, self.at_rest())
         return self.plan.welcome(self.config.type, untracked=self._untracked)

@@ -143,7 +143,8 @@ class BucketSender(SenderBase):
         """Send every tracked tensor as version ``version``."""
         plan = self.require_plan(version)
         stats = SyncStats(version, self.strategy)
-        messages = BucketBuilder(plan, self.config.bucket).messages(state_tensors(model), version, stats)
+        tensors, _ = await plan.rolled(state_tensors(model))  # buckets read on the caller's thread, after
+        messages = BucketBuilder(plan, self.config.bucket).messages(tensors, version, stats)
         self.version = version
         started = time.perf_counter()
         while (msg := await asyncio.to_thread(next, messages, None)) is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from protocol.config import PatchConfig
-from protocol.state import ModelState, StateLike, state_tensors
+from protocol.state import StateLike, state_tensors
 from protocol.wire.framing import Encoding, Message
 
 from ..base import Send, SenderBase, send_all
@@ -143,10 +143,11 @@ class PatchBuilder(VersionBuilder):
         return Build(read, parts())
 
     async def collect(
-        self, tensors: dict[str, torch.Tensor], version: int, stream: CapturedStream | None = None, stats: SyncStats | None = None
+        self, tensors: dict[str, torch.Tensor], version: int, stream: CapturedStream | None = None, stats: SyncStats | None = None,
+        after: Mark | None = None,
     ) -> tuple[list[Captured], SyncStats]:
         """The compare of ``version`` whole (``Collector.collect``): its changes, encoding or to encode."""
-        return await self.collector.collect(tensors, version, stream, stats)
+        return await self.collector.collect(tensors, version, stream, stats, after)
 
     async def message(self, tensors: dict[str, torch.Tensor], version: int, base: int | None) -> tuple[Message, SyncStats]:
         """The PATCH from ``base`` to ``version`` as one message; advances the snapshot to ``version``."""
@@ -179,10 +180,10 @@ class PatchSender(SenderBase):
         self.config.patch.options()  # fail fast on a bad encoding or compressor
         self.builder: PatchBuilder | None = None
 
-    async def on_init(self, state: ModelState) -> None:
+    async def on_init(self, tensors: dict[str, torch.Tensor]) -> None:
         assert self.plan is not None
         self.builder = PatchBuilder(self.plan, self.config.patch)
-        await self.builder.hold(state.tensors)
+        await self.builder.hold(tensors)
 
     async def close(self) -> None:
         """Stop the builder's threads (once a compare under way has ended)."""
@@ -203,10 +204,10 @@ class PatchSender(SenderBase):
         """
         plan = self.require_plan(version)
         assert self.builder is not None
-        tensors = state_tensors(model)
+        tensors, after = await plan.rolled(state_tensors(model))
         if self.builder.diverged:  # a failed sync moved the snapshot on: resync the receiver instead
-            return await self._resync(plan, tensors, send, version)
-        changes, stats = await self.builder.collect(tensors, version)
+            return await self._resync(plan, tensors, send, version, after)
+        changes, stats = await self.builder.collect(tensors, version, after=after)
         base, self.version = self.version, version
         async for msg in self.builder.encode_parts(changes, version, base, stats):
             started = time.perf_counter()
@@ -219,12 +220,12 @@ class PatchSender(SenderBase):
             stats.send_seconds += time.perf_counter() - started
         return stats
 
-    async def _resync(self, plan: SyncPlan, tensors: dict[str, torch.Tensor], send: Send, version: int) -> SyncStats:
+    async def _resync(self, plan: SyncPlan, tensors: dict[str, torch.Tensor], send: Send, version: int, after: Mark) -> SyncStats:
         """``version`` as a bootstrap of every tracked tensor from a new snapshot: the
         receiver takes a BOOTSTRAP in place of a patch."""
         assert self.builder is not None
         started = time.perf_counter()
-        await self.builder.recapture(tensors)
+        await self.builder.recapture(tensors, after)
         self.version = version
         held = self.builder.held()
         parts, messages = plan.bootstrap(version, held.__getitem__, list(plan.tracked))

@@ -1,17 +1,13 @@
-"""Block fp8, the format of DeepSeek-V3 and Qwen3-FP8 checkpoints: each quantized weight
-``X`` [N, K] (or an expert stack [E, N, K], blocks per expert) held as ``float8_e4m3fn``,
-with a sibling fp32 ``X_scale_inv`` of one scale per block, [ceil(N/bn), ceil(K/bk)].
+"""Block fp8, the weight format of DeepSeek-V3 and Qwen3-FP8 checkpoints, as both sides
+name it: each quantized weight ``X`` [N, K] (or an expert stack [E, N, K], blocks per
+expert) held as ``float8_e4m3fn`` beside a float32 ``X_scale_inv`` of one scale per
+block, [ceil(N/bn), ceil(K/bk)].
 
-``quantize`` is bit-equal to vLLM's ``per_block_cast_to_fp8`` (``vllm/utils/deep_gemm.py``),
-the quantizer a rollout would run on the same weights: the block amax taken in fp32 and
-clamped at 1e-4, scale = amax / 448, q = (x * (1 / scale)) cast to fp8 (multiplied by the
-reciprocal: dividing rounds differently on some elements), ragged edges padded with zeros.
-Only when the sender's bytes are those a rollout would make itself do patches of fp8 bytes
-keep it exactly on the reference.
-
-Every function here is pure (no state, no locks): safe to call from any number of threads
-at once, on CPU or CUDA tensors (the work stays on the input's device, a fixed handful of
-kernels whatever the number of blocks).
+A rollout declares the format at the handshake: its metadata holds each such ``X`` as
+``float8_e4m3fn`` with its ``_scale_inv`` sibling (the trainer holds only ``X``), and its
+HELLO says the block and scale format (``Fp8Format``, from ``SyncConfig.fp8`` or the
+engine's quantization config). The sender quantizes into it (``fp8.py`` beside this, through ``sender/fp8_view.py``). Here
+are the settings, the names and the checks of what a HELLO declares: pure, no state.
 """
 
 from __future__ import annotations
@@ -19,13 +15,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, MetadataMismatchError, ProtocolError
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448.0, vLLM's get_fp8_min_max() off ROCm
@@ -74,6 +69,15 @@ class BlockFp8:
     skip: tuple[str, ...] = DEFAULT_SKIP
     include: str = DEFAULT_INCLUDE
     bf16_layers: tuple[int, int] = (0, 0)
+
+    @property
+    def format(self) -> Fp8Format:
+        """What a HELLO says of these settings."""
+        return Fp8Format(self.block, self.scale_format)
+
+    def with_format(self, fmt: Fp8Format) -> BlockFp8:
+        """These settings with ``fmt``'s block and scale format (a rollout's, from its HELLO)."""
+        return replace(self, block=fmt.block, scale_format=fmt.scale_format)
 
     def __post_init__(self) -> None:
         block, layers = tuple(self.block), tuple(self.bf16_layers)
@@ -133,55 +137,66 @@ def quantized_names(names: Iterable[str], settings: BlockFp8 | None = None, *, n
     return found
 
 
-def quantize(weight: torch.Tensor, settings: BlockFp8 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` [N, K] or [E, N, K] as (``float8_e4m3fn`` of its shape, contiguous; fp32
-    scales [ceil(N/bn), ceil(K/bk)], or [E, ...] for a stack), on ``weight``'s device.
+@dataclass(frozen=True)
+class Fp8Format:
+    """What a rollout's HELLO says of its fp8 weights: the scale block (rows, cols) and
+    whether scales are plain fp32 or powers of two (``ue8m0``). What the metadata cannot
+    show (two block sizes can give the same scale shapes; ue8m0 scales are fp32 too)."""
 
-    Bit-equal to vLLM's ``per_block_cast_to_fp8`` of the same input (of each expert for a
-    stack), with the same block size and ``use_ue8m0``. Raises ``ConfigError`` for a tensor
-    that is not 2-D or 3-D floating point.
-    """
-    settings = settings or BlockFp8()
-    if weight.dim() not in (2, 3) or not weight.is_floating_point() or weight.element_size() == 1:
-        raise ConfigError(
-            f"block fp8 quantizes 2-D [N, K] or 3-D [E, N, K] bf16/fp16/fp32 weights, got {tuple(weight.shape)} {weight.dtype}"
-        )
-    x = weight.detach()
-    if settings.source == "bf16":
-        x = x.to(torch.bfloat16)
-    bn, bk = settings.block
-    n, k = x.shape[-2:]
-    rows, cols = math.ceil(n / bn), math.ceil(k / bk)
-    if n % bn or k % bk:
-        x = F.pad(x, (0, cols * bk - k, 0, rows * bn - n))  # zeros: they never raise a block's amax
-    blocks = x.reshape(*x.shape[:-2], rows, bn, cols, bk)
-    amax = blocks.abs().float().amax(dim=(-3, -1), keepdim=True).clamp(min=AMAX_FLOOR)
-    scale = amax / FP8_MAX
-    if settings.scale_format == "ue8m0":
-        scale = torch.pow(2.0, torch.ceil(torch.log2(scale.abs())))
-    q = (blocks * scale.reciprocal()).to(FP8)  # vLLM's ``1.0 / scale`` is this reciprocal times 1.0
-    q = q.reshape(*x.shape[:-2], rows * bn, cols * bk)[..., :n, :k].contiguous()
-    return q, scale.reshape(*x.shape[:-2], rows, cols)
+    block: tuple[int, int] = (128, 128)
+    scale_format: Literal["fp32", "ue8m0"] = "fp32"
+
+    def to_body(self) -> dict[str, Any]:
+        return {"method": "block_fp8", "block": list(self.block), "scale_format": self.scale_format}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Fp8Format:
+        """From an untrusted HELLO: ``ProtocolError`` unless it is exactly this shape."""
+        if not isinstance(body, Mapping) or set(body) != {"method", "block", "scale_format"}:
+            raise ProtocolError(f"HELLO quant must be a map of method, block and scale_format, got {body!r:.120}")
+        block, scale_format = body["block"], body["scale_format"]
+        if body["method"] != "block_fp8":
+            raise ProtocolError(f"HELLO quant method {body['method']!r:.40} is not served (only 'block_fp8')")
+        if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and 0 < b <= 1 << 16 for b in block)):
+            raise ProtocolError(f"HELLO quant block must be two positive ints, got {block!r:.60}")
+        if scale_format not in ("fp32", "ue8m0"):
+            raise ProtocolError(f"HELLO quant scale_format must be 'fp32' or 'ue8m0', got {scale_format!r:.40}")
+        return cls((block[0], block[1]), scale_format)
+
+    def describe(self) -> str:
+        return f"block fp8 {self.block[0]}x{self.block[1]}, {self.scale_format} scales"
 
 
-def quantize_state(
-    state: Mapping[str, torch.Tensor], settings: BlockFp8 | None = None, *, num_layers: int | None = None
-) -> dict[str, torch.Tensor]:
-    """``state`` as a block-fp8 checkpoint holds it: each of ``quantized_names`` as its fp8
-    bytes followed by its ``_scale_inv`` sibling, every other tensor as given. Raises
-    ``ConfigError`` when a sibling's name is already in ``state`` or a quantized name's
-    tensor is not 2-D or 3-D (the message names it)."""
-    settings = settings or BlockFp8()
-    chosen = set(quantized_names(state, settings, num_layers=num_layers))
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name not in chosen:
-            out[name] = tensor
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scales' shape of a weight of ``shape`` ([N, K] or [E, N, K]) in blocks of ``block``."""
+    *lead, n, k = shape
+    return (*lead, math.ceil(n / block[0]), math.ceil(k / block[1]))
+
+
+def holds_fp8(dtypes: Iterable[torch.dtype]) -> bool:
+    """Whether a model of these dtypes holds any weight in a float8 format: its HELLO says
+    the format (``Hello.quant``)."""
+    return any(d.is_floating_point and d.itemsize == 1 for d in dtypes)
+
+
+def declared_fp8(keys: Iterable[str], dtypes: Iterable[torch.dtype]) -> dict[str, str]:
+    """The weights a rollout declares in block fp8, each with its scales' key, from its
+    metadata's keys and dtypes. ``MetadataMismatchError`` names a key held in a float8
+    format that cannot be served: ``float8_e5m2``, or without a float32 ``_scale_inv``
+    sibling (per-tensor or per-channel scales)."""
+    held = dict(zip(keys, dtypes))
+    found: dict[str, str] = {}
+    for key, dtype in held.items():
+        if dtype not in (FP8, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
             continue
-        if scale_name(name) in state:
-            raise ConfigError(f"{name!r} is to be quantized but the state already holds {scale_name(name)!r}")
-        try:
-            out[name], out[scale_name(name)] = quantize(tensor, settings)
-        except ConfigError as e:
-            raise ConfigError(f"{name!r}: {e} (leave it unquantized with BlockFp8.skip)") from None
-    return out
+        if dtype != FP8:
+            raise MetadataMismatchError(f"key {key!r}: the receiver holds it as {dtype}; only float8_e4m3fn block fp8 is served")
+        scales = scale_name(key)
+        if held.get(scales) != torch.float32:
+            got = "no such key" if scales not in held else f"it is {held[scales]}"
+            raise MetadataMismatchError(
+                f"key {key!r}: the receiver holds it as float8_e4m3fn but {scales!r} is not beside it as float32 ({got}): "
+                "only block fp8 (one float32 scale per block, in <weight>_scale_inv) is served"
+            )
+        found[key] = scales
+    return found
