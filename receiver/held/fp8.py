@@ -13,64 +13,46 @@ fp8 bytes and scales (a trainer that sends an fp8 checkpoint itself is taken as 
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
+from protocol.config import SyncConfig, load_config
 from protocol.errors import ConfigError, MetadataMismatchError
+from protocol.quant import FP8, SCALE_SUFFIX, Fp8Format, scale_name, scale_shape
 
 from .kinds import Rules
 
-SCALE_SUFFIX = "_scale_inv"  # the checkpoints' name of a weight's block scales
-FP8_DTYPES = (torch.float8_e4m3fn,)  # what block-fp8 checkpoints hold; e5m2 weights are refused
 Declared = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
-@dataclass(frozen=True)
-class BlockQuant:
-    """An engine's block-fp8 format, as its worker reports it: the block (rows, cols) of one
-    scale and the scales' format (``"fp32"`` as computed, ``"ue8m0"`` powers of two).
-    ``settings()`` is what the receiver's config declares (``SyncConfig.fp8``)."""
-
-    block: tuple[int, int] = (128, 128)
-    scale_format: Literal["fp32", "ue8m0"] = "fp32"
-
-    def __post_init__(self) -> None:
-        block = tuple(self.block)
-        if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
-            raise ConfigError(f"a block-fp8 engine's weight_block_size must be two positive integers, got {self.block!r}")
-        if self.scale_format not in ("fp32", "ue8m0"):
-            raise ConfigError(f"a block-fp8 engine's scale format must be 'fp32' or 'ue8m0', got {self.scale_format!r}")
-        object.__setattr__(self, "block", block)
-
-    def settings(self) -> dict[str, Any]:
-        """The ``fp8`` section of the receiver's sync config."""
-        return {"block": list(self.block), "scale_format": self.scale_format}
-
-    def scale_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape of ``name``'s scales: one per block of its last two dims."""
-        if len(shape) not in (2, 3):
-            raise MetadataMismatchError(f"{name!r} lands in fp8 parameters but has shape {tuple(shape)}: block fp8 holds 2-D "
-                                        "[N, K] weights and 3-D [E, N, K] expert stacks only")
-        bn, bk = self.block
-        return (*shape[:-2], math.ceil(shape[-2] / bn), math.ceil(shape[-1] / bk))
+def fp8_format(block: Sequence[Any], scale_format: str = "fp32") -> Fp8Format:
+    """An engine's block-fp8 format from its quantization config, checked: ``ConfigError``
+    for a block that is not two positive integers or a scale format but fp32 / ue8m0."""
+    if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        raise ConfigError(f"a block-fp8 engine's weight_block_size must be two positive integers, got {list(block)!r}")
+    if scale_format not in ("fp32", "ue8m0"):
+        raise ConfigError(f"a block-fp8 engine's scale format must be 'fp32' or 'ue8m0', got {scale_format!r}")
+    return Fp8Format((block[0], block[1]), scale_format)  # type: ignore[arg-type]
 
 
-def scale_name(name: str) -> str:
-    return name + SCALE_SUFFIX
+def with_fp8(config: Any, fmt: Fp8Format | None) -> Any:
+    """The receiver's config with the engine's block-fp8 format in ``fp8`` (what its HELLO
+    declares, ``Hello.quant``): the engine's own quantization config wins over the file's."""
+    if fmt is None:
+        return config
+    loaded: SyncConfig = load_config(config)
+    return dataclasses.replace(loaded, fp8=loaded.fp8.with_format(fmt))
 
 
-def with_fp8(config: dict[str, Any] | str | None, quant: BlockQuant | None) -> dict[str, Any] | str | None:
-    """The receiver's config, declaring ``quant`` (``SyncConfig.fp8``) when the engine is block fp8.
-
-    Not wired yet: ``SyncConfig`` has no ``fp8`` section until the sender side lands it; the
-    held receiver declares fp8 by its tensors' dtypes meanwhile. Hook-up: return
-    ``{**load(config), "fp8": quant.settings()}`` here when ``quant`` is not None."""
-    return config
+def _scales_of(name: str, shape: Sequence[int], fmt: Fp8Format) -> tuple[int, ...]:
+    if len(shape) not in (2, 3):
+        raise MetadataMismatchError(f"{name!r} lands in fp8 parameters but has shape {tuple(shape)}: block fp8 holds 2-D "
+                                    "[N, K] weights and 3-D [E, N, K] expert stacks only")
+    return scale_shape(tuple(shape), fmt.block)
 
 
 def with_scales(names: dict[str, str], declared: Sequence[str]) -> dict[str, str]:
@@ -86,7 +68,7 @@ def with_scales(names: dict[str, str], declared: Sequence[str]) -> dict[str, str
     return out
 
 
-def declare_fp8(model: nn.Module, declared: Declared, quant: BlockQuant, rules: Rules) -> Declared:
+def declare_fp8(model: nn.Module, declared: Declared, fmt: Fp8Format, rules: Rules) -> Declared:
     """``declared`` (checkpoint name, shape, dtype as the trainer would send it) as this
     fp8 engine holds it: each tensor landing in fp8 parameters declared fp8 and followed
     by its scales (fp32, the block shape), unless the trainer declares those itself (an fp8
@@ -97,9 +79,9 @@ def declare_fp8(model: nn.Module, declared: Declared, quant: BlockQuant, rules: 
 
     landing = landing_dtypes(model, declared, rules)
     names = {name: (shape, dtype) for name, shape, dtype in declared}
-    fp8 = {name for name, _, _ in declared if landing.get(name) in FP8_DTYPES}
+    fp8 = {name for name, _, _ in declared if landing.get(name) == FP8}
     odd = sorted(name for name, _, _ in declared if landing.get(name) is not None and landing[name].itemsize == 1
-                 and landing[name] not in FP8_DTYPES and landing[name] != names[name][1])
+                 and landing[name] != FP8 and landing[name] != names[name][1])
     if odd:
         raise MetadataMismatchError(f"{odd[:4]} land in 1-byte parameters of another format than float8_e4m3fn: not block fp8")
     out: Declared = []
@@ -108,14 +90,14 @@ def declare_fp8(model: nn.Module, declared: Declared, quant: BlockQuant, rules: 
         if name.endswith(SCALE_SUFFIX) and base in names:
             if base not in fp8:
                 raise MetadataMismatchError(f"the trainer sends {name!r}, but the engine does not hold {base!r} in fp8")
-            want = quant.scale_shape(base, names[base][0])
+            want = _scales_of(base, names[base][0], fmt)
             if tuple(shape) != want:
                 raise MetadataMismatchError(f"the trainer's {name!r} has shape {tuple(shape)}; the engine's "
-                                            f"{list(quant.block)} blocks of {base!r} {tuple(names[base][0])} make {want}")
+                                            f"{list(fmt.block)} blocks of {base!r} {tuple(names[base][0])} make {want}")
             continue  # declared after its weight
         if name not in fp8:
             out.append((name, shape, dtype))
             continue
         out.append((name, shape, landing[name]))
-        out.append((scale_name(name), quant.scale_shape(name, shape), torch.float32))
+        out.append((scale_name(name), _scales_of(name, shape, fmt), torch.float32))
     return out

@@ -34,6 +34,7 @@ import torch
 
 from protocol.errors import ConfigError, MetadataMismatchError, StateError, WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, KeyPair, z85_key
+from protocol.quant import Fp8Format
 from protocol.state import Placed
 from protocol.wire.framing import MessageType
 from protocol.wire.metadata import ModelMetadata
@@ -45,7 +46,7 @@ from ..describe import ask_metadata
 from ..engine import parse_version
 from ..naming import AGENT_PREFIX
 from ..strategy.base import PendingVersion, StrategyHooks
-from .fp8 import BlockQuant, declare_fp8, with_fp8, with_scales
+from .fp8 import declare_fp8, with_fp8, with_scales
 from .kinds import How, Rules
 from .layout import Backup, Layout, Prepack, derive_layout
 from .steps import StepVersions
@@ -79,7 +80,7 @@ class EngineSide(Protocol):
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order, on every rank (a collective)."""
 
-    # Optional: ``quant() -> fp8.BlockQuant | None``, the model's block-fp8 format (vLLM's
+    # Optional: ``quant() -> protocol.quant.Fp8Format | None``, the model's block-fp8 format (vLLM's
     # checkpoint quantization_config); an engine side without it holds no fp8 weights.
 
     def step_module(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -206,7 +207,7 @@ class HeldWorker:
             raise ConfigError(f"the engine's model dtype is {dtype!r}, not a torch dtype")
         self.model, self.dtype, self.side = model, dtype, side
         quant = getattr(side, "quant", None)  # an engine side may say its model is block fp8 (EngineSide.quant)
-        self.quant: BlockQuant | None = quant() if quant is not None else None
+        self.quant: Fp8Format | None = quant() if quant is not None else None
         self.receiver: Receiver | None = None
         self.layout: Layout | None = None
         self.targets: Targets | None = None  # where the writes go instead of the base weights (vLLM's LoRA slots)

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from protocol.errors import ConfigError, PlacementError
+from protocol.quant import Fp8Format
 
-from ..held.fp8 import BlockQuant
+from ..held.fp8 import fp8_format
 from ..held.kinds import Replaced, Rules, Shadows
 
 
@@ -123,7 +124,7 @@ class VLLMSide:
     def __init__(self, model_config: Any) -> None:
         self.model_config = model_config
 
-    def quant(self) -> BlockQuant | None:
+    def quant(self) -> Fp8Format | None:
         """The model's block-fp8 format from its checkpoint's ``quantization_config`` (what
         vLLM's ``Fp8Config`` reads): ``weight_block_size``, and ``scale_fmt: ue8m0`` for
         power-of-two scales (vLLM then turns DeepGEMM's UE8M0 on); None for a model that is
@@ -141,7 +142,7 @@ class VLLMSide:
                               "block-fp8 engines only")
         if config.get("scale_dtype") in ("e8m0", "float8_e8m0fnu") or getattr(self.model_config, "is_scale_e8m0", False):
             raise ConfigError("this vLLM model stores its fp8 scales as e8m0 bytes: weightsync follows fp32 scales only")
-        return BlockQuant(tuple(int(b) for b in block), "ue8m0" if config.get("scale_fmt") == "ue8m0" else "fp32")  # type: ignore[arg-type]
+        return fp8_format(block, "ue8m0" if config.get("scale_fmt") == "ue8m0" else "fp32")
 
     @torch.no_grad()
     def reload(self, model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
