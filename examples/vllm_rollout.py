@@ -377,8 +377,10 @@ def fp8_kernels(worker: Any) -> dict[str, Any]:
     kinds = Counter(f"{kind.how.value}:{kind.name}" for kind in engine.layout.kinds.values())
     gemms = Counter(type(getattr(m.quant_method, "fp8_linear", None)).__name__
                     for m in worker.model_runner.model.modules() if type(getattr(m, "quant_method", None)).__name__ == "Fp8LinearMethod")
-    fp8 = sorted(k for k, t in engine.layout.tensors.items() if t.dtype == torch.float8_e4m3fn)
-    return {"kinds": dict(kinds), "gemm": dict(gemms), "fp8_tensors": len(fp8), "quant": str(engine.held.quant)}
+    tensors = engine.layout.tensors
+    fp8 = [k for k, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    scales = [k for k in fp8 if getattr(tensors.get(k + "_scale_inv"), "dtype", None) == torch.float32]
+    return {"kinds": dict(kinds), "gemm": dict(gemms), "fp8_tensors": len(fp8), "scales": len(scales), "quant": str(engine.held.quant)}
 
 
 def engine_totals(worker: Any) -> dict[str, int]:

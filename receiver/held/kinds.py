@@ -13,7 +13,9 @@ it knows of its own post-load processing in one ``Rules`` value (``receiver/vllm
   (``permute.discover``) and composed into the map, so writes land where the kernel reads
   them and nothing is re-run (vLLM's unquantized fused MoE: its CPU kernel tiles every
   expert's ``w13``/``w2`` once, at first load, and skips that when processing is run again,
-  so re-running it, as vLLM's own layerwise reload does, leaves the experts untiled).
+  so re-running it, as vLLM's own layerwise reload does, leaves the experts untiled; and
+  vLLM's block-fp8 linear layers, whose kernel's processing is probed the same way over the
+  fp8 weight, its scales and a bias: the AMX prepack moves bytes, no prepack moves nothing).
 - ``RELOAD``: anything else (a quantization method, a module with post-load processing of
   its own such as MLA attention, a loader that transforms values): the tensors of such a
   layer are kept whole on the host and, when a version changes any of them, all of them go
