@@ -130,15 +130,17 @@ def tiny_config(
 
 def save_fp8(model: Any, config: Any, directory: str) -> None:
     """``model``'s weights as the reference block-fp8 checkpoint: ``quantize_state`` of their
-    bf16 cast (linear weights fp8 with ``_scale_inv`` siblings, the rest bf16), with ``config``."""
+    bf16 cast (linear weights fp8 with ``_scale_inv`` siblings, the rest bf16) in the blocks
+    of ``config.quantization_config``, with ``config``."""
     from safetensors.torch import save_file
 
-    from protocol.quant import quantize_state
+    from protocol.quant import BlockFp8, quantize_state
 
     state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # saved once, as the embedding
-    quantized = quantize_state(state, num_layers=config.num_hidden_layers)
+    block = tuple(config.quantization_config["weight_block_size"])
+    quantized = quantize_state(state, BlockFp8(block=block), num_layers=config.num_hidden_layers)
     save_file({k: v.contiguous() for k, v in quantized.items()}, str(Path(directory) / "model.safetensors"))
     config.save_pretrained(directory)
 
@@ -380,7 +382,9 @@ def fp8_kernels(worker: Any) -> dict[str, Any]:
     tensors = engine.layout.tensors
     fp8 = [k for k, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
     scales = [k for k in fp8 if getattr(tensors.get(k + "_scale_inv"), "dtype", None) == torch.float32]
-    return {"kinds": dict(kinds), "gemm": dict(gemms), "fp8_tensors": len(fp8), "scales": len(scales), "quant": str(engine.held.quant)}
+    hello = engine.receiver.strategy.config.fp8.format  # what the receiver's HELLO declared
+    return {"kinds": dict(kinds), "gemm": dict(gemms), "fp8_tensors": len(fp8), "scales": len(scales), "quant": str(engine.held.quant),
+            "hello": [list(hello.block), hello.scale_format]}
 
 
 def engine_totals(worker: Any) -> dict[str, int]:
@@ -416,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8", action="store_true",
                         help="a block-fp8 engine (quantization_config fp8, 128x128 blocks): the trainer's linear weights sent "
                              "as fp8 bytes and scales (use --hidden 256 or more: block fp8 needs the fused parts in whole blocks)")
+    parser.add_argument("--fp8-block", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"),
+                        help="--fp8's weight_block_size: the engine declares it, the Sender quantizes in it")
     parser.add_argument("--start-from", choices=("dummy", "other"), default="dummy",
                         help="the engine's weights before weightsync bootstraps it: vLLM's dummy ones, or another model's checkpoint")
     args = parser.parse_args(argv)
@@ -424,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads, args.family, args.experts)
     if args.fp8:
-        config.quantization_config = dict(FP8_CONFIG)
+        config.quantization_config = {**FP8_CONFIG, "weight_block_size": list(args.fp8_block)}
     trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec, per_expert=args.per_expert, commit=args.commit,
                       fp8=args.fp8)
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")

@@ -237,3 +237,45 @@ def test_vllm_side_reads_the_checkpoint_quantization_config() -> None:
     assert side({"quant_method": "awq", "bits": 4}).quant() is None  # another method: classed (and reloaded) by kinds.py
     with pytest.raises(ConfigError, match="per-tensor"):
         side({"quant_method": "fp8", "activation_scheme": "dynamic"}).quant()
+
+
+def test_vllm_processed_fp8_parameters_take_checkpoint_tensors_again_inside_loadable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's fp8 processing re-registers a layer's weight and scales as plain parameters,
+    whose loaders (``ModelWeightParameter.load_column_parallel_weight``...) are gone. Inside
+    ``Rules.loadable`` the layer holds its load-time class and attributes again (from vLLM's
+    own reload metadata) over the same storage; on leaving, its own parameters are back."""
+    pytest.importorskip("vllm")
+    import vllm.model_executor.parameter as parameter
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+    from vllm.model_executor.parameter import ModelWeightParameter
+    from vllm.model_executor.utils import replace_parameter
+
+    from receiver.vllm.rules import VLLM
+
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 0)  # one rank, no process group
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 1)
+    calls: list[str] = []
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            weight = ModelWeightParameter(data=torch.zeros(4, 4, dtype=FP8), input_dim=1, output_dim=0, weight_loader=self.load)
+            self.register_parameter("weight", weight)
+
+        def load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+            calls.append(type(param).__name__)
+            param.load_column_parallel_weight(loaded_weight=loaded)  # only vLLM's parameter class has it
+
+    model = nn.Module()
+    model.layer = Layer()
+    record_metadata_for_reloading(model)
+    replace_parameter(model.layer, "weight", model.layer.weight.data)  # what Fp8LinearMethod's processing does
+    plain = model.layer.weight
+    assert type(plain) is nn.Parameter and not hasattr(plain, "load_column_parallel_weight")
+    bytes_ = torch.arange(16, dtype=torch.uint8).view(4, 4).view(FP8)
+    with VLLM.loadable(model):
+        alias = model.layer.weight
+        assert isinstance(alias, ModelWeightParameter) and alias.data_ptr() == plain.data_ptr()
+        alias.weight_loader(alias, bytes_)
+    assert model.layer.weight is plain and calls == ["ModelWeightParameter"]
+    assert torch.equal(plain.view(torch.uint8), bytes_.view(torch.uint8))  # landed where the layer reads

@@ -50,13 +50,14 @@ def run_fp8(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     return summary
 
 
-def check_fp8(summary: dict[str, Any], tp: int, dense: tuple[int, ...] = ()) -> None:
+def check_fp8(summary: dict[str, Any], tp: int, dense: tuple[int, ...] = (), block: tuple[int, int] = (128, 128)) -> None:
     check_summary(summary, 3, dense)
     assert len(summary["fp8"]) == tp
     for worker in summary["fp8"]:
         # 2 layers x the checkpoint's q, k, v, o, gate, up and down weights: fp8 bytes, each with fp32 scales
         assert worker["fp8_tensors"] == worker["scales"] == 2 * 7, worker
-        assert worker["quant"] == "Fp8Format(block=(128, 128), scale_format='fp32')", worker
+        assert worker["quant"] == f"Fp8Format(block={block}, scale_format='fp32')", worker
+        assert worker["hello"] == [list(block), "fp32"], worker  # the engine's format, in the receiver's HELLO
         kinds = worker["kinds"]
         for layer in FP8_LAYERS:  # the post-load processing probed: only moves (none, without AMX)
             assert any(k.startswith(f"permuted:{layer}/Fp8LinearMethod/") for k in kinds), kinds
@@ -79,7 +80,9 @@ def test_fp8_engine_at_tensor_parallel_two_with_a_version_sent_whole() -> None:
     """TP=2 (each rank holds its row or column blocks of every fp8 weight and its scales),
     the engine started from another model's fp8 checkpoint (the bootstrap writes over a
     loaded engine), and a version at lr 1e-3 that changes most fp8 bytes, so its tensors
-    travel whole, between two sparse ones."""
+    travel whole, between two sparse ones. Blocks of 64 x 128, not the Sender's default
+    128 x 128: only the engine's config says so, and its HELLO must carry it (the Sender
+    quantizes in the block HELLO declares, and refuses scale shapes that disagree with it)."""
     summary = run_fp8("--tp", "2", "--kv-heads", "4", "--start-from", "other", "--lr", "1e-6", "1e-3", "1e-6",
-                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    check_fp8(summary, tp=2, dense=(2,))
+                      "--fp8-block", "64", "128", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    check_fp8(summary, tp=2, dense=(2,), block=(64, 128))
