@@ -3,7 +3,7 @@
 A small model loads and processes its weights as vLLM's block-fp8 linear layers do: a fused
 q/k/v weight held as float8_e4m3fn [N, K] with its fp32 ``weight_scale_inv`` [N/bn, K/bk]
 stacked the same way, a plain bf16 norm beside it. Its post-load processing either re-lays
-the weight bytes out in tiles and keeps the scales (what the AMX prepack of vLLM's CPU
+the weight bytes out in tiles and keeps the scales (what the issue describes the AMX prepack of vLLM's CPU
 kernel is: a permutation), or computes from them (a requantisation): the map must compose
 the first and reload the second, never write where the kernel does not read.
 """

@@ -15,7 +15,8 @@ it knows of its own post-load processing in one ``Rules`` value (``receiver/vllm
   expert's ``w13``/``w2`` once, at first load, and skips that when processing is run again,
   so re-running it, as vLLM's own layerwise reload does, leaves the experts untiled; and
   vLLM's block-fp8 linear layers, whose kernel's processing is probed the same way over the
-  fp8 weight, its scales and a bias: the AMX prepack moves bytes, no prepack moves nothing).
+  fp8 weight, its scales and a bias: an AMX host's prepack re-lays the weight out, without AMX
+  nothing moves).
 - ``RELOAD``: anything else (a quantization method, a module with post-load processing of
   its own such as MLA attention, a loader that transforms values): the tensors of such a
   layer are kept whole on the host and, when a version changes any of them, all of them go
@@ -184,7 +185,7 @@ def _layer_kind(layer: nn.Module, name: str, shared: dict[tuple[Any, ...], dict[
     """A layer whose quantization method the rules name permuting (vLLM's block-fp8 linear
     method): its own post-load processing run on index probes of every parameter it holds
     (weights, scales, a bias), on a stand-in; PERMUTED when it only moves elements within
-    each (the AMX prepack of vLLM's CPU fp8 kernel re-lays the weight bytes out and keeps the
+    each (vLLM's CPU fp8 kernel on an AMX host re-lays the weight out, ``convert_weight_packed``, and keeps the
     scales; with no prepack, nothing moves), else RELOAD."""
     params: dict[str, torch.Tensor] = {n: p for n, p in layer.named_parameters(recurse=False) if p.numel()}
     kernel = getattr(method, "fp8_linear", None) or getattr(method, "kernel", None)

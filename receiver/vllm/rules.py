@@ -101,7 +101,7 @@ def _loadable(model: nn.Module) -> Iterator[None]:
 # vLLM's unquantized linear and embedding methods re-pack the loaded weight into a kernel
 # copy on CPU and may be re-run at any time; its unquantized fused MoE tiles the experts once
 # (found out on probes). Its block-fp8 linear method's processing is probed too: on CPU its
-# kernel's AMX prepack re-lays the weight bytes out and keeps the scales, where the CPU has
+# kernel's AMX prepack (``convert_weight_packed``) re-lays the weight out and keeps the scales, where the CPU has
 # AMX; a GPU kernel's that computes (requantised ue8m0 scales, say) makes those layers reloaded.
 # Checked against fresh engines by tests/test_vllm.py and tests/test_vllm_fp8.py.
 VLLM = Rules(
