@@ -18,6 +18,8 @@ class SyncStats:
     tensors_changed: int = 0
     tensors_dense: int = 0  # changed tensors sent whole because a patch would be larger
     build_seconds: float = 0.0  # what blocks the trainer: compare and collect (patch), or build (bucket)
+    # an fp8 rollout's: quantizing the version into its format before the compare (not in build_seconds)
+    quantize_seconds: float = 0.0
     backlog_wait_seconds: float = 0.0  # of build_seconds, the compare waiting for the encoder (patch.encode_backlog_bytes)
     # entropy coding and packing after the compare (what encoding beside it did not hide; the daemon does it in the background)
     encode_seconds: float = 0.0

@@ -406,3 +406,19 @@ def test_sharded_benchmark_runs_both_builds_and_reports_the_issue_keys(tmp_path:
         assert sharded["changed_elements"] == gather["changed_elements"] > 0  # every rank's changes counted
         assert sharded["group_bytes_per_version"] < gather["group_bytes_per_version"] / 4
     assert {t["target"] for t in doc["targets"]} >= {"group bytes <= 1.5x the encoded patch", "wire bytes equal within 1%"}
+
+
+def test_fp8_benchmark_reports_both_formats_per_lr_and_its_guard_holds(tmp_path: Path) -> None:
+    """``python -m benchmarks.fp8`` on a small model: per lr the fp8 and bf16 patches of the
+    same steps and the dense fp8 checkpoint, the fp8 rollout bit-exact against the reference
+    after every version, and the fp8 patch smaller than the bf16 one (fewer elements change)."""
+    out = tmp_path / "fp8.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fp8", "--hidden", "256", "--layers", "2", "--vocab", "1024",
+                           "--steps", "2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["guard"]["equal"] is True and [r["version"] for r in doc["rows"]] == [1, 2, 3, 4]
+    for lr, m in doc["by_lr"].items():
+        assert 0 < m["fp8_bytes_changed"] < m["bf16_elements_changed"], (lr, m)
+        assert m["fp8_patch_bytes"] < m["bf16_patch_bytes"] and m["fp8_patch_bytes"] < m["dense_fp8_bytes"] < m["dense_bf16_bytes"]
+        assert m["fp8_quantize_s"] > 0 and m["fp8_apply_s"] > 0

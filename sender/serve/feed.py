@@ -47,10 +47,12 @@ class VersionFeed:
             source.hold(tensors)
             return SyncStats(version, self.strategy)
         assert source.plan is not None
+        started = time.perf_counter()
         tensors, after = await source.plan.rolled(tensors, after)  # as the receivers hold them (fp8: quantized)
+        quantize_s = time.perf_counter() - started if source.plan.view is not None else 0.0
         if builder.diverged:  # a failed sync moved what is at rest: patches from it would be wrong
             return await self._resync_all(builder, tensors, version, after)
-        base, stats = self.server.version, SyncStats(version, self.strategy)
+        base, stats = self.server.version, SyncStats(version, self.strategy, quantize_seconds=quantize_s)
         build = builder.build(tensors, version, base, stats, after)
         if not builder.streams:  # a whole version: read, built, then served at once before it moves
             started = time.perf_counter()

@@ -143,7 +143,9 @@ class BucketSender(SenderBase):
         """Send every tracked tensor as version ``version``."""
         plan = self.require_plan(version)
         stats = SyncStats(version, self.strategy)
+        started = time.perf_counter()
         tensors, _ = await plan.rolled(state_tensors(model))  # buckets read on the caller's thread, after
+        stats.quantize_seconds = time.perf_counter() - started if plan.view is not None else 0.0
         messages = BucketBuilder(plan, self.config.bucket).messages(tensors, version, stats)
         self.version = version
         started = time.perf_counter()

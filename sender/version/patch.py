@@ -204,10 +204,13 @@ class PatchSender(SenderBase):
         """
         plan = self.require_plan(version)
         assert self.builder is not None
+        started = time.perf_counter()
         tensors, after = await plan.rolled(state_tensors(model))
+        quantize_s = time.perf_counter() - started if plan.view is not None else 0.0
         if self.builder.diverged:  # a failed sync moved the snapshot on: resync the receiver instead
             return await self._resync(plan, tensors, send, version, after)
         changes, stats = await self.builder.collect(tensors, version, after=after)
+        stats.quantize_seconds = quantize_s
         base, self.version = self.version, version
         async for msg in self.builder.encode_parts(changes, version, base, stats):
             started = time.perf_counter()
