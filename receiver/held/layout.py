@@ -41,7 +41,7 @@ from protocol.state import Placed
 from protocol.wire.dtypes import bit_view, bits_at, bits_dtype
 
 from ..apply.commit import StagedUpdate, write
-from .kinds import How, Kind, Replaced, Rules, Shadows, classify, kind_name
+from .kinds import How, Kind, Replaced, Rules, Shadows, classify, kind_name, own_processing
 from .permute import Permutation
 from .reload import Reloads
 
@@ -675,12 +675,54 @@ def _probe(metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]], seed: i
             raw = torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(bits)
             t = raw.view(dtype)
             t = torch.where(torch.isfinite(t), t, torch.zeros((), dtype=dtype))  # loaders may check for NaN
+        elif dtype.is_floating_point and t.element_size() == 1:  # fp8: random bytes, no NaN and no -0
+            t = _fp8_bits(shape, gen).view(dtype)
         elif dtype == torch.bool:
             t = torch.randint(0, 2, shape, generator=gen).bool()
         else:
             t = torch.randint(0, 100, shape, generator=gen).to(dtype)
         out[key] = t.contiguous()
     return out
+
+
+# The byte patterns a 1-byte float probe never takes: e4m3fn's NaNs (0x7F, 0xFF), e5m2's
+# infinities and NaNs (0x7C..0x7F, 0xFC..0xFF) and negative zero (0x80), which a loader that
+# computes (x * 1, x + 0) may turn into +0; 248 patterns are left, so two probes tell a copy from a transform.
+_FP8_AVOID = (0x7C, 0x7D, 0x7E, 0x7F, 0x80, 0xFC, 0xFD, 0xFE, 0xFF)
+_FP8_PATTERNS = torch.tensor([b for b in range(256) if b not in _FP8_AVOID], dtype=torch.uint8)
+
+
+def _fp8_bits(shape: Sequence[int], gen: torch.Generator) -> torch.Tensor:
+    """Random bytes of ``shape``: finite values in both fp8 formats, never negative zero."""
+    return _FP8_PATTERNS[torch.randint(0, len(_FP8_PATTERNS), tuple(shape), generator=gen)]
+
+
+def landing_dtypes(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]], rules: Rules) -> dict[str, torch.dtype]:
+    """The dtype of the parameters each checkpoint tensor ``(name, shape, dtype)`` is copied
+    into by ``model.load_weights``, found on one recorded probe load (probe values are left
+    in the parameters). Tensors landing in parameters of several dtypes, or copied nowhere,
+    are left out."""
+    ptrs: dict[int, str] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for name, t in itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        if t.numel():
+            dtypes[ptrs.setdefault(t.untyped_storage().data_ptr(), name)] = t.dtype
+    probes = _probe(metadata, 3)
+    recorder = _Recorder({t.untyped_storage().data_ptr(): k for k, t in probes.items() if t.numel()}, ptrs)
+    try:
+        with torch.no_grad(), rules.loadable(model), recorder:
+            model.load_weights(list(probes.items()))  # type: ignore[operator]
+    except _REFUSED as e:
+        raise MetadataMismatchError(f"the engine's load_weights refused the trainer's checkpoint names: {type(e).__name__}: {e}") from e
+    found: dict[str, set[torch.dtype]] = {}
+    for key, pname, _, _ in recorder.copies:
+        found.setdefault(key, set()).add(dtypes[pname])
+    return {key: next(iter(ds)) for key, ds in found.items() if len(ds) == 1}
+
+
+# What a model's load_weights raises for checkpoint tensors it cannot take (a name, a shape, a
+# parameter its loader does not know how to fill): the trainer's names are refused, loudly.
+_REFUSED = (KeyError, ValueError, AssertionError, RuntimeError, AttributeError, TypeError)
 
 
 def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...], torch.dtype]], rules: Rules) -> Layout:
@@ -692,7 +734,10 @@ def derive_layout(model: nn.Module, metadata: Sequence[tuple[str, tuple[int, ...
     kept whole on the host and reloaded through the engine (``Layout.reloads``); ``rules``
     say what the engine's post-load processing is known to do (``kinds.Rules``)."""
     kinds = classify(model, [m for m in model.modules() if any(p.numel() for p in m.parameters(recurse=False))], rules)
-    shadows, replaced = rules.shadows(model, lambda layer: layer in kinds and kinds[layer].how is not How.MAPPED)
+    # no shadows for layers the map does not write element by element, nor for modules that
+    # process their own weights (vLLM's attention deletes its fp8 KV-cache scales after loading:
+    # given back, they would be parameters a fresh engine does not have)
+    shadows, replaced = rules.shadows(model, lambda layer: (layer in kinds and kinds[layer].how is not How.MAPPED) or own_processing(layer))
     try:
         return _derive(model, metadata, kinds, shadows, replaced, rules)
     except BaseException:
@@ -729,14 +774,14 @@ def _derive(
 
     def load(probes: dict[str, torch.Tensor]) -> _Recorder:
         recorder = _Recorder({t.untyped_storage().data_ptr(): k for k, t in probes.items() if t.numel()}, ptrs)
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), rules.loadable(model), recorder:
             model.load_weights(list(probes.items()))  # type: ignore[operator]
         return recorder
 
     first = _probe(metadata, 1)
     try:
         recorded = load(first)
-    except (KeyError, ValueError, AssertionError, RuntimeError) as e:
+    except _REFUSED as e:
         raise MetadataMismatchError(f"the engine's load_weights refused the trainer's checkpoint names: {type(e).__name__}: {e}") from e
     # A parameter some checkpoint tensor reaches through anything but a plain copy: its
     # layers are reloaded through the engine (parameter -> (the reason, the tensors that reach it)).
@@ -790,8 +835,8 @@ def _derive(
     for segs in segments.values():
         for seg in segs:
             kind = next((kinds[u] for u in layer_of[seg.param] if u in kinds and kinds[u].how is How.PERMUTED), None)
-            if kind is not None and kind.permutations is not None and local[seg.param] in kind.permutations:
-                perm = kind.permutations[local[seg.param]]
+            perm = None if kind is None or kind.permutations is None else kind.permutations.get(local[seg.param])
+            if perm is not None and not perm.identity:  # nothing moved (vLLM's fp8 layers without the AMX prepack): plain writes
                 seg.perm = Permutation(perm.table.to(seg.storage.device), perm.period)
     tensors: dict[str, torch.Tensor | Placed] = {}
     owners: dict[str, list[nn.Module]] = {}

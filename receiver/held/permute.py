@@ -4,7 +4,7 @@ vLLM's CPU MoE kernel re-packs each expert's ``w13``/``w2`` into tiles after loa
 (same shape and dtype, elements moved): a checkpoint element's load-time place is not
 where the kernel reads it. Rather than encode any kernel's tiling here, the processing
 itself is run on a stand-in whose parameters hold their own element indices (spread over
-a few probes of 14 bits each, as finite values), and each output element's index read back.
+a few probes of 14 bits each, 6 for the 1-byte floats, as finite values), and each output element's index read back.
 Every output must come from exactly one input (a bijection), else the processing computes
 rather than moves and nothing is returned: the caller then does not map that layer.
 
@@ -20,11 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-# (bits dtype, first pattern, index bits a probe carries): finite, positive patterns.
+# (bits dtype, first pattern, index bits a probe carries): finite, positive patterns. The
+# 1-byte floats carry 6 bits a round, patterns 0x10..0x4F: finite in both fp8 formats (e4m3fn's
+# NaNs are 0x7F/0xFF, e5m2's infinities and NaNs 0x7C..0x7F/0xFC..0xFF), none a zero of either sign.
 _CODES = {
     torch.bfloat16: (torch.int16, 0x3C00, 14),
     torch.float16: (torch.int16, 0x3C00, 14),
     torch.float32: (torch.int32, 0x3F800000, 22),
+    torch.float8_e4m3fn: (torch.uint8, 0x10, 6),
+    torch.float8_e5m2: (torch.uint8, 0x10, 6),
 }
 
 

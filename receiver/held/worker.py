@@ -34,6 +34,7 @@ import torch
 
 from protocol.errors import ConfigError, MetadataMismatchError, StateError, WeightSyncError, WeightSyncTimeout
 from protocol.net.security import CurveClient, KeyPair, z85_key
+from protocol.quant import Fp8Format
 from protocol.state import Placed
 from protocol.wire.framing import MessageType
 from protocol.wire.metadata import ModelMetadata
@@ -45,6 +46,7 @@ from ..describe import ask_metadata
 from ..engine import parse_version
 from ..naming import AGENT_PREFIX
 from ..strategy.base import PendingVersion, StrategyHooks
+from .fp8 import declare_fp8, with_fp8, with_scales
 from .kinds import How, Rules
 from .layout import Backup, Layout, Prepack, derive_layout
 from .steps import StepVersions
@@ -77,6 +79,9 @@ class EngineSide(Protocol):
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order, on every rank (a collective)."""
+
+    # Optional: ``quant() -> protocol.quant.Fp8Format | None``, the model's block-fp8 format (vLLM's
+    # checkpoint quantization_config); an engine side without it holds no fp8 weights.
 
     def step_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module the engine calls once per step through ``__call__`` (its forward
@@ -201,6 +206,8 @@ class HeldWorker:
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"the engine's model dtype is {dtype!r}, not a torch dtype")
         self.model, self.dtype, self.side = model, dtype, side
+        quant = getattr(side, "quant", None)  # an engine side may say its model is block fp8 (EngineSide.quant)
+        self.quant: Fp8Format | None = quant() if quant is not None else None
         self.receiver: Receiver | None = None
         self.layout: Layout | None = None
         self.targets: Targets | None = None  # where the writes go instead of the base weights (vLLM's LoRA slots)
@@ -235,6 +242,7 @@ class HeldWorker:
         try:
             curve = init.curve_client()
             failed: Exception | None = None
+            order: list[str] = []  # the checkpoint names the receiver holds, in its ordinal order
             try:
                 trainer = thread.run(
                     ask_metadata(init.endpoints, curve=curve, insecure_plaintext=init.insecure_plaintext, timeout=init.timeout),
@@ -247,7 +255,11 @@ class HeldWorker:
                 else:  # every float tensor is declared in the engine's dtype: what its weights are in
                     declared = [(names[k], tuple(shape), self.dtype if d.is_floating_point else d)
                                 for k, shape, d in zip(trainer.keys, trainer.shapes, trainer.dtypes)]
+                    if self.quant is not None:  # but those it holds in block fp8, with their scales
+                        declared = declare_fp8(self.model, declared, self.quant, self.side.rules)
+                        names = with_scales(names, [name for name, _, _ in declared])
                     self.layout = derive_layout(self.model, declared, self.side.rules)
+                    order = [name for name, _, _ in declared]
             except Exception as e:  # every rank still takes part in the check below: none is left waiting in it
                 failed = e
             if targets is None:
@@ -256,14 +268,17 @@ class HeldWorker:
                 raise failed
             assert self.layout is not None
             layout = self.layout
-            state = {k: layout.tensors[names[k]] for k in trainer.keys}  # under the trainer's names
-            self._keys, self._names = trainer.keys, names
+            if targets is not None:
+                order = [names[k] for k in trainer.keys]
+            trainer_name = {c: k for k, c in names.items()}
+            state = {trainer_name[c]: layout.tensors[c] for c in order}  # under the trainer's names, in the declared order
+            self._keys, self._names = tuple(state), names
             self.check_writes = init.check_writes
             self.prepack = init.prepack and bool(layout.shadows)
             # layers the engine re-packs into kernel copies (vLLM on CPU): only those can be re-packed ahead
             self.totals["layers_shadowed"] = len(layout.shadows)
             receiver = Receiver(
-                state, init.endpoints, init.config, hold=True, identity=self._identity(),
+                state, init.endpoints, with_fp8(init.config, self.quant), hold=True, identity=self._identity(),
                 curve=curve, insecure_plaintext=init.insecure_plaintext,
                 hooks=StrategyHooks(on_commit=(self._committed,), on_staged=self._prepack if layout.shadows else None),
             )
