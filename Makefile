@@ -62,7 +62,7 @@ install: $(STAMP)
 # When the SGLang venv cannot be built, its tests are said to be skipped, and the rest stands.
 # TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= 2
-VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py
+VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_fp8.py
 SGLANG_TESTS := tests/test_sglang_weightsync.py tests/test_sglang_hold.py
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS))
