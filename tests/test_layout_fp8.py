@@ -279,3 +279,25 @@ def test_vllm_processed_fp8_parameters_take_checkpoint_tensors_again_inside_load
         alias.weight_loader(alias, bytes_)
     assert model.layer.weight is plain and calls == ["ModelWeightParameter"]
     assert torch.equal(plain.view(torch.uint8), bytes_.view(torch.uint8))  # landed where the layer reads
+
+
+def test_an_engine_side_that_cannot_say_its_fp8_format_is_refused() -> None:
+    """An engine holding float8 parameters whose side has no ``quant`` (SGLang's, today) is
+    refused when its worker is built: its fp8 weights are never written by a guess. One whose
+    side says a format, or that holds no float8 parameter, is taken."""
+    from receiver.held.worker import HeldWorker
+
+    class Side:  # the part of an EngineSide the worker reads when it is built
+        rules = None
+
+    model = torch.nn.Linear(4, 4, bias=False)
+    model.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ConfigError, match="float8 parameters"):
+        HeldWorker(model, torch.bfloat16, Side())  # type: ignore[arg-type]
+
+    class Fp8Side(Side):
+        def quant(self) -> Fp8Format:
+            return Fp8Format((128, 128))
+
+    assert HeldWorker(model, torch.bfloat16, Fp8Side()).quant == Fp8Format((128, 128))  # type: ignore[arg-type]
+    assert HeldWorker(torch.nn.Linear(4, 4), torch.bfloat16, Side()).quant is None  # type: ignore[arg-type]

@@ -208,6 +208,12 @@ class HeldWorker:
         self.model, self.dtype, self.side = model, dtype, side
         quant = getattr(side, "quant", None)  # an engine side may say its model is block fp8 (EngineSide.quant)
         self.quant: Fp8Format | None = quant() if quant is not None else None
+        if quant is None and any(p.is_floating_point() and p.element_size() == 1 for p in model.parameters()):
+            # an engine whose side cannot say its fp8 format (SGLang's, today): never written by a guess
+            raise ConfigError(
+                f"this {type(side).__name__} engine holds float8 parameters, and its side cannot say their block-fp8 format "
+                "(EngineSide.quant): fp8 engines are followed on vLLM; load this engine in bf16"
+            )
         self.receiver: Receiver | None = None
         self.layout: Layout | None = None
         self.targets: Targets | None = None  # where the writes go instead of the base weights (vLLM's LoRA slots)
