@@ -75,21 +75,25 @@ megatron-env: $(MEGATRON_STAMP)
 
 install: $(STAMP)
 
-# Three passes: every test but the engines' on TEST_WORKERS processes (pytest-xdist, one
+# Four passes: every test but the engines' on TEST_WORKERS processes (pytest-xdist, one
 # test file per worker: most of them wait on sockets and timers, not on the CPU; a 2-core
 # machine ran them in 537 s instead of 848 s), then the vLLM engine tests alone, one at a
 # time (each engine takes every core), then the SGLang engine tests in the SGLang venv, in a
-# process of their own (SGLang's Engine.shutdown kills every child process of its caller).
-# When the SGLang venv cannot be built, its tests are said to be skipped, and the rest stands.
+# process of their own (SGLang's Engine.shutdown kills every child process of its caller), then
+# the Megatron tests in the Megatron venv (about 90 s; the venv about 20 s).
+# When the SGLang or Megatron venv cannot be built, its tests are said to be skipped, and the rest stands.
 # TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= 2
 VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_fp8.py
 SGLANG_TESTS := tests/test_sglang_weightsync.py tests/test_sglang_hold.py
+MEGATRON_TESTS := tests/test_megatron_probe.py
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS))
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS) $(MEGATRON_TESTS))
 	$(PYTHON) -m pytest -q $(VLLM_TESTS)
 	@$(MAKE) --no-print-directory sglang-env || echo "the SGLang venv could not be built: $(SGLANG_TESTS) not run"
 	@if [ -f $(SGLANG_STAMP) ]; then $(SGLANG_VENV)/bin/python -m pytest -q $(SGLANG_TESTS); fi
+	@$(MAKE) --no-print-directory megatron-env || echo "the Megatron venv could not be built: $(MEGATRON_TESTS) not run"
+	@if [ -f $(MEGATRON_STAMP) ]; then $(MEGATRON_VENV)/bin/python -m pytest -q $(MEGATRON_TESTS); fi
 
 demo: $(STAMP)
 	$(PYTHON) examples/demo.py
