@@ -6,13 +6,15 @@ or device-placement workaround, and says why. None stands in for Megatron's laye
 layouts or the bridge's conversions: those run as shipped.
 
 ``install()`` is idempotent; call it in every process (spawned ranks too) before importing
-``megatron.bridge``. ``require_megatron(__file__)`` skips a test module where the packages are absent.
+``megatron.bridge``. ``tensor_cuda_noop()`` is the one shim scoped to a block (model building). ``require_megatron(__file__)`` skips a test module where the packages are absent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 _installed = False
@@ -66,6 +68,22 @@ def install() -> None:
     # device the model lives on here. Nothing else in these tests asks for the current CUDA device.
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     _installed = True
+
+
+@contextlib.contextmanager
+def tensor_cuda_noop() -> Iterator[None]:
+    """``torch.Tensor.cuda`` as a no-op, only while a model is built: with tied embeddings split
+    across pipeline stages, Megatron's ``LanguageModule.setup_embeddings_and_output_layer`` does
+    ``weight.data = weight.data.cuda()`` before all-reducing the two copies (the last stage's starts
+    at 0). Scoped, not global, so no other ``.cuda()`` of a tensor is hidden."""
+    import torch
+
+    saved = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = saved  # type: ignore[method-assign]
 
 
 def require_megatron(test_file: str) -> None:

@@ -27,6 +27,7 @@ class Layout:
     ep: int = 1
     dp: int = 1
     vocab_divisible_by: int = 0  # Megatron pads the vocabulary to a multiple of this times tp; 0: the bridge's choice
+    sequence_parallel: bool = False  # Megatron refuses to train MoE at TP > 1 without it
 
     @property
     def world(self) -> int:
@@ -38,6 +39,7 @@ class Tiny:
     """A tiny checkpoint: vocab 250 is padded by Megatron (to 256 at TP=2), so padding is exercised."""
 
     moe: bool = False
+    tied: bool = False  # tie_word_embeddings: no lm_head in the checkpoint
     layers: int = 2
     vocab: int = 250
     hidden: int = 64
@@ -61,7 +63,7 @@ def save_tiny_hf(directory: Path, tiny: Tiny, seed: int = 0) -> dict[str, torch.
     common = dict(
         vocab_size=tiny.vocab, hidden_size=tiny.hidden, num_hidden_layers=tiny.layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False, torch_dtype="float32", rms_norm_eps=1e-6,
+        tie_word_embeddings=tiny.tied, torch_dtype="float32", rms_norm_eps=1e-6,
     )
     config: Any
     if tiny.moe:
@@ -101,7 +103,7 @@ def build(hf_dir: str, layout: Layout, moe: bool) -> tuple[Any, list[torch.nn.Mo
     provider.tensor_model_parallel_size = layout.tp
     provider.pipeline_model_parallel_size = layout.pp
     provider.expert_model_parallel_size = layout.ep
-    provider.sequence_parallel = False
+    provider.sequence_parallel = layout.sequence_parallel
     if layout.vocab_divisible_by:
         provider.make_vocab_size_divisible_by = layout.vocab_divisible_by
         provider.should_pad_vocab = True  # the bridge leaves it off for HF checkpoints
@@ -128,7 +130,10 @@ def build(hf_dir: str, layout: Layout, moe: bool) -> tuple[Any, list[torch.nn.Mo
     )
     provider.finalize()
     provider.initialize_model_parallel(seed=0, seed_kwargs={"inference_rng_tracker": True})
-    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    from tests.megatron_env import tensor_cuda_noop
+
+    with tensor_cuda_noop():
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
     bridge.load_hf_weights(model)
     return bridge, model
 
@@ -191,6 +196,19 @@ def train_step(model: list[torch.nn.Module], tokens: torch.Tensor, hidden: int, 
     if received is not None:
         assert received.grad is not None
         torch.distributed.send(received.grad.contiguous(), dst=prev_rank, group=group)
+    # Tied embeddings split across stages: the first stage's embedding and the last stage's output
+    # layer are two copies of one weight; Megatron's finalize_model_grads all-reduces their grads
+    # over the embedding group, and so does this step.
+    embedding_group = ps.get_embedding_group(check_initialized=False)
+    if (
+        chunk.share_embeddings_and_output_weights
+        and embedding_group is not None
+        and torch.distributed.get_world_size(embedding_group) > 1
+        and torch.distributed.get_rank() in torch.distributed.get_process_group_ranks(embedding_group)
+    ):
+        shared = chunk.shared_embedding_or_output_weight()
+        assert shared.grad is not None
+        torch.distributed.all_reduce(shared.grad, group=embedding_group)
     params = [p for p in chunk.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     optimizer.step()
@@ -302,9 +320,14 @@ def decode_map(codes: dict[str, torch.Tensor], bases: list[int], rank: int, mode
     return out
 
 
-def probe_worker(rank: int, world: int, port: int, hf_dir: str, layout: Layout, moe: bool, out_dir: str, tokens: torch.Tensor, hidden: int) -> None:
+def probe_worker(
+    rank: int, world: int, port: int, hf_dir: str, layout: Layout, moe: bool, out_dir: str, tokens: torch.Tensor, hidden: int,
+    train: bool = True,
+) -> None:
     """Build and load; export (vs the checkpoint, in the parent); record the probe map; one real
-    training step; export again. Saves all of it, with the local parameters after the step."""
+    training step (``train``: Megatron refuses to train MoE at TP > 1 without sequence parallelism,
+    which the local spec's torch norms refuse); export again. Saves all of it, with the local
+    parameters after the step (``loss`` None where no step ran or on a non-last stage)."""
     import time
 
     init_rank(rank, world, port)
@@ -324,7 +347,7 @@ def probe_worker(rank: int, world: int, port: int, hf_dir: str, layout: Layout, 
     owned = decode_map(agreed, bases, rank, model)
     probe_s = time.monotonic() - t
     t = time.monotonic()
-    loss = train_step(model, tokens, hidden)
+    loss = train_step(model, tokens, hidden) if train else None
     step_s = time.monotonic() - t
     after = export(bridge, model)
     local = {n: p.detach().clone() for n, p in local_params(model)}
