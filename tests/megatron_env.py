@@ -6,7 +6,8 @@ or device-placement workaround, and says why. None stands in for Megatron's laye
 layouts or the bridge's conversions: those run as shipped.
 
 ``install()`` is idempotent; call it in every process (spawned ranks too) before importing
-``megatron.bridge``. ``tensor_cuda_noop()`` is the one shim scoped to a block (model building). ``require_megatron(__file__)`` skips a test module where the packages are absent.
+``megatron.bridge``. ``tensor_cuda_noop()`` is the one shim scoped to a block (model building).
+``require_megatron(__file__)`` skips a test module where the packages are absent.
 """
 
 from __future__ import annotations
