@@ -227,10 +227,14 @@ def local_params(model: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Param
     return [(f"{i}.{n}", p) for i, chunk in enumerate(model) for n, p in chunk.named_parameters()]
 
 
-def probe_codes(bridge: Any, model: list[torch.nn.Module]) -> tuple[dict[str, torch.Tensor], list[int]]:
+def probe_codes(bridge: Any, model: list[torch.nn.Module], descending: bool = False) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Fill every local element of every rank with a distinct integer code (1 + its global number;
     0 means "fed by nothing"), export through the bridge, restore the weights. Returns the export as
-    int64 codes and every rank's first code (rank r owns codes [bases[r], bases[r+1]))."""
+    int64 codes and every rank's first code (rank r owns codes [bases[r], bases[r+1])).
+
+    ``descending``: fill with last + 1 - code instead and map back, so a second probe that agrees
+    with the first rules out a bridge that moves values AND shifts them (a +1 on a zero-centred
+    norm would decode to the next element in one order and the previous one in the other)."""
     params = local_params(model)
     total = sum(p.numel() for _, p in params)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(torch.distributed.get_world_size())]
@@ -247,7 +251,8 @@ def probe_codes(bridge: Any, model: list[torch.nn.Module]) -> tuple[dict[str, to
         for _, p in params:
             if p.dtype != torch.float32:
                 raise TypeError(f"the probe needs fp32 parameters, got {p.dtype}")
-            p.copy_(torch.arange(code, code + p.numel(), dtype=torch.float64).reshape(p.shape))
+            numbers = torch.arange(code, code + p.numel(), dtype=torch.float64)
+            p.copy_((bases[-1] - numbers if descending else numbers).reshape(p.shape))
             code += p.numel()
     try:
         exported = export(bridge, model)
@@ -261,7 +266,8 @@ def probe_codes(bridge: Any, model: list[torch.nn.Module]) -> tuple[dict[str, to
         as_int = flat.round()
         if not torch.equal(as_int, flat):
             raise ValueError(f"{name}: the bridge transformed probe values (not only moved them)")
-        codes[name] = as_int.to(torch.int64)
+        as_codes = as_int.to(torch.int64)
+        codes[name] = torch.where(as_codes == 0, 0, bases[-1] - as_codes) if descending else as_codes
     return codes, bases
 
 
@@ -335,6 +341,8 @@ def probe_worker(
     loaded = export(bridge, model)
     t = time.monotonic()
     codes, bases = probe_codes(bridge, model)
+    again, _ = probe_codes(bridge, model, descending=True)
+    disagree = sorted(name for name in codes if not torch.equal(codes[name], again[name]))
     feeds = decode_map(codes, bases, rank, model)  # what this rank's own export took from it
     # A replicated parameter (TP-replicated norms; dense parameters on the EP ranks) lands in each
     # rank's export from that rank's own copy. One owner sends it: the rank whose codes global rank
@@ -352,7 +360,7 @@ def probe_worker(
     after = export(bridge, model)
     local = {n: p.detach().clone() for n, p in local_params(model)}
     torch.save(
-        {"loaded": loaded, "codes": codes, "bases": bases, "feeds": feeds, "owned": owned, "loss": loss, "after": after,
+        {"loaded": loaded, "codes": codes, "bases": bases, "feeds": feeds, "owned": owned, "disagree": disagree, "loss": loss, "after": after,
          "local": local, "probe_s": probe_s, "step_s": step_s},
         Path(out_dir) / f"rank{rank}.pt",
     )
@@ -383,3 +391,24 @@ def scatter_through_maps(
                 values[f.hf_index] = flat[f.local_index]
                 hits[f.hf_index] += 1
     return rebuilt
+
+
+def shifted_export_worker(rank: int, world: int, port: int, hf_dir: str, layout: Layout, out_dir: str, shifted: str) -> None:
+    """The probe against a bridge that moves AND shifts one tensor's values (+1, as a zero-centred
+    norm's conversion would): the export is wrapped here to add 1 to ``shifted`` (a fault injected
+    by the test, standing for such a bridge). Saves both probes' disagreements and whether the
+    ascending probe alone decoded without complaint."""
+    init_rank(rank, world, port)
+    bridge, model = build(hf_dir, layout, False)
+    real = bridge.export_hf_weights
+
+    def shifting(*args: Any, **kwargs: Any) -> Any:
+        for name, t in real(*args, **kwargs):
+            yield name, (t + 1 if name == shifted else t)
+
+    bridge.export_hf_weights = shifting
+    codes, bases = probe_codes(bridge, model)
+    again, _ = probe_codes(bridge, model, descending=True)
+    disagree = sorted(name for name in codes if not torch.equal(codes[name], again[name]))
+    torch.save({"disagree": disagree, "decoded": bool(decode_map(codes, bases, rank, model))}, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()

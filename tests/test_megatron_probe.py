@@ -17,7 +17,17 @@ import pytest
 import torch
 
 from tests.megatron_env import require_megatron
-from tests.megatron_ranks import Feed, Layout, Tiny, free_port, hf_loss, probe_worker, save_tiny_hf, scatter_through_maps
+from tests.megatron_ranks import (
+    Feed,
+    Layout,
+    Tiny,
+    free_port,
+    hf_loss,
+    probe_worker,
+    save_tiny_hf,
+    scatter_through_maps,
+    shifted_export_worker,
+)
 from tests.ranks import spawn_ranks
 
 
@@ -83,6 +93,8 @@ def test_probe_map_rebuilds_the_export_after_a_training_step(megatron: None, tmp
     else:
         assert losses == []
 
+    for res in results:  # the descending probe found the same map as the ascending one
+        assert res["disagree"] == []
     after = results[0]["after"]
     for res in results:  # every rank's export after the step is the same
         assert all(torch.equal(res["after"][k], after[k]) for k in after)
@@ -113,3 +125,18 @@ def test_probe_map_rebuilds_the_export_after_a_training_step(megatron: None, tmp
                 groups = 2 // layout.tp
                 assert sorted(blocks) == ["k_proj", "q_proj", "v_proj"]
                 assert all(len(b) == 1 and b[0][3] == groups for b in blocks.values()), blocks
+
+
+def test_a_shifted_value_is_caught_by_the_second_probe(megatron: None, tmp_path: Path) -> None:
+    """One probe alone decodes a shifted tensor without complaint (into the wrong elements); the
+    descending probe disagrees on exactly that tensor, on every rank."""
+    layout = Layout(tp=2)
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    out.mkdir()
+    save_tiny_hf(hf_dir, Tiny())
+    shifted = "model.layers.0.post_attention_layernorm.weight"
+    spawn_ranks(shifted_export_worker, layout.world, (layout.world, free_port(), str(hf_dir), layout, str(out), shifted), deadline=300)
+    for rank in range(layout.world):
+        res = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        assert res["decoded"]
+        assert res["disagree"] == [shifted]
