@@ -28,6 +28,7 @@ class Layout:
     dp: int = 1
     vocab_divisible_by: int = 0  # Megatron pads the vocabulary to a multiple of this times tp; 0: the bridge's choice
     sequence_parallel: bool = False  # Megatron refuses to train MoE at TP > 1 without it
+    bf16: bool = False  # bf16 parameters (params_dtype and the bf16 flag)
 
     @property
     def world(self) -> int:
@@ -107,8 +108,8 @@ def build(hf_dir: str, layout: Layout, moe: bool) -> tuple[Any, list[torch.nn.Mo
     if layout.vocab_divisible_by:
         provider.make_vocab_size_divisible_by = layout.vocab_divisible_by
         provider.should_pad_vocab = True  # the bridge leaves it off for HF checkpoints
-    provider.params_dtype = torch.float32
-    provider.bf16 = False
+    provider.params_dtype = torch.bfloat16 if layout.bf16 else torch.float32
+    provider.bf16 = layout.bf16
     provider.fp16 = False
     provider.gradient_accumulation_fusion = False
     provider.bias_activation_fusion = False
@@ -200,13 +201,14 @@ def train_step(model: list[torch.nn.Module], tokens: torch.Tensor, hidden: int, 
     # layer are two copies of one weight; Megatron's finalize_model_grads all-reduces their grads
     # over the embedding group, and so does this step.
     embedding_group = ps.get_embedding_group(check_initialized=False)
+    inner = getattr(chunk, "module", chunk)  # bf16: the GPTModel inside Megatron's Float16Module
     if (
-        chunk.share_embeddings_and_output_weights
+        inner.share_embeddings_and_output_weights
         and embedding_group is not None
         and torch.distributed.get_world_size(embedding_group) > 1
         and torch.distributed.get_rank() in torch.distributed.get_process_group_ranks(embedding_group)
     ):
-        shared = chunk.shared_embedding_or_output_weight()
+        shared = inner.shared_embedding_or_output_weight()
         assert shared.grad is not None
         torch.distributed.all_reduce(shared.grad, group=embedding_group)
     params = [p for p in chunk.parameters() if p.requires_grad]
@@ -245,12 +247,14 @@ def probe_codes(bridge: Any, model: list[torch.nn.Module], descending: bool = Fa
     if bases[-1] > CODE_LIMIT:
         raise ValueError(f"{bases[-1]} codes do not fit fp32's exact integers")
     rank = torch.distributed.get_rank()
-    saved = [p.detach().clone() for _, p in params]
+    # fp32 holds every code exactly; a bf16 parameter's storage is swapped for an fp32 one for the
+    # probe (p.data = ...), and the original storage put back after it.
+    saved = [p.detach().clone() if p.dtype == torch.float32 else p.data for _, p in params]
     with torch.no_grad():
         code = bases[rank]
         for _, p in params:
             if p.dtype != torch.float32:
-                raise TypeError(f"the probe needs fp32 parameters, got {p.dtype}")
+                p.data = torch.empty(p.shape, dtype=torch.float32)
             numbers = torch.arange(code, code + p.numel(), dtype=torch.float64)
             p.copy_((bases[-1] - numbers if descending else numbers).reshape(p.shape))
             code += p.numel()
@@ -259,7 +263,10 @@ def probe_codes(bridge: Any, model: list[torch.nn.Module], descending: bool = Fa
     finally:
         with torch.no_grad():
             for (_, p), s in zip(params, saved):
-                p.copy_(s)
+                if p.data.dtype != s.dtype:
+                    p.data = s
+                else:
+                    p.copy_(s)
     codes: dict[str, torch.Tensor] = {}
     for name, t in exported.items():
         flat = t.flatten().to(torch.float64)
@@ -382,7 +389,8 @@ def scatter_through_maps(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every HF tensor rebuilt from every rank's local parameters through its probe map alone:
     (values, how many local elements landed on each position)."""
-    rebuilt = {n: (torch.zeros(s).flatten(), torch.zeros(s, dtype=torch.int64).flatten()) for n, s in shapes.items()}
+    dtype = next(iter(results[0]["local"].values())).dtype  # the parameters' (fp32 or bf16)
+    rebuilt = {n: (torch.zeros(s, dtype=dtype).flatten(), torch.zeros(s, dtype=torch.int64).flatten()) for n, s in shapes.items()}
     for res in results:
         for local_name, feeds in res[key].items():
             flat = res["local"][local_name].flatten()
