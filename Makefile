@@ -80,7 +80,7 @@ install: $(STAMP)
 # machine ran them in 537 s instead of 848 s), then the vLLM engine tests alone, one at a
 # time (each engine takes every core), then the SGLang engine tests in the SGLang venv, in a
 # process of their own (SGLang's Engine.shutdown kills every child process of its caller), then
-# the Megatron tests in the Megatron venv (about 2.5 minutes; the venv about 20 s).
+# the Megatron tests in the Megatron venv (about 2.5 minutes; the venv about 20 s more).
 # When the SGLang or Megatron venv cannot be built, its tests are said to be skipped, and the rest stands.
 # TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= 2
