@@ -5,13 +5,17 @@ bridge from a tiny Hugging Face checkpoint saved to a temporary directory, with 
 ``load_hf_weights``. Workers here run in ranks spawned by tests.ranks.spawn_ranks; each imports
 tests/megatron_env.py first. Everything a rank finds is returned through files in ``out_dir``
 (``torch.save``), never by assertion in the parent's place: the parent checks them.
+
+Also here: ``train_step`` (one microbatch, forward/backward by hand across pipeline stages, AdamW)
+and the probe map (``probe_codes``, ``decode_map``, ``Feed``): where each local element lands in
+the bridge's ``export_hf_weights``, found by exporting integer codes (NOTES-59.md, section 4).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +41,15 @@ class Layout:
 
 @dataclass(frozen=True)
 class Tiny:
-    """A tiny checkpoint: vocab 250 is padded by Megatron (to 256 at TP=2), so padding is exercised."""
+    """A tiny checkpoint. Vocab 250 is no multiple of 128: the bridge's default does not pad it
+    (it divides by the largest power of two <= 128 that divides the vocab, here 2); a layout with
+    ``vocab_divisible_by=128`` pads it to 256, and the bridge 0.6.2 then exports 256 rows."""
 
     moe: bool = False
     tied: bool = False  # tie_word_embeddings: no lm_head in the checkpoint
     layers: int = 2
     vocab: int = 250
     hidden: int = 64
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -71,11 +76,10 @@ def save_tiny_hf(directory: Path, tiny: Tiny, seed: int = 0) -> dict[str, torch.
         config = transformers.Qwen3MoeConfig(
             **common, head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
             num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-            **tiny.extra,
         )
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
-        config = transformers.Qwen2Config(**common, intermediate_size=128, **tiny.extra)
+        config = transformers.Qwen2Config(**common, intermediate_size=128)
         model = transformers.Qwen2ForCausalLM(config)
     with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0: make every element distinct
         for p in model.parameters():
@@ -142,16 +146,6 @@ def build(hf_dir: str, layout: Layout, moe: bool) -> tuple[Any, list[torch.nn.Mo
 def export(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """The bridge's own export on this rank (a collective: every rank calls it)."""
     return {name: t.detach().clone() for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
-
-
-def export_worker(rank: int, world: int, port: int, hf_dir: str, layout: Layout, moe: bool, out_dir: str) -> None:
-    """Build, load, export; save this rank's export and its local parameter names/shapes."""
-    init_rank(rank, world, port)
-    bridge, model = build(hf_dir, layout, moe)
-    exported = export(bridge, model)
-    local = {n: tuple(p.shape) for chunk in model for n, p in chunk.named_parameters()}
-    torch.save({"export": exported, "local": local}, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
