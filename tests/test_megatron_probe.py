@@ -117,6 +117,8 @@ def test_probe_map_rebuilds_the_export_after_a_training_step(megatron: None, tmp
     # the layouts the map found, per kind (what the wire must carry; NOTES-59.md)
     for res in results:
         for local_name, feeds in res["owned"].items():
+            # every (local parameter, HF tensor) pair is one strided block (count 1: one span)
+            assert all(len(f.blocks()) == 1 for f in feeds), (local_name, [f.blocks() for f in feeds])
             blocks = {f.hf_name.rsplit(".", 2)[-2]: f.blocks() for f in feeds}
             if local_name.endswith("linear_fc1.weight"):  # [gate; up] of this shard: one span each
                 assert sorted(blocks) == ["gate_proj", "up_proj"] and all(len(b) == 1 and b[0][3] == 1 for b in blocks.values())
