@@ -53,7 +53,6 @@ class Fp8View:
         # daemon's copy before its first receiver) has the canonical name, read for both
         self.untied = {a: c for a, c in trainer.aliases.items() if a not in aliases}
         self.state = ModelState(tensors, [k for k in tensors if self.bases.get(k, k) in tracked], aliases)
-        self.format = settings.format
 
     def tensors(self, trainer: Mapping[str, torch.Tensor], only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """A version's trainer tensors as the rollout holds them: every key of ``trainer``
