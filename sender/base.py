@@ -51,9 +51,9 @@ def check_same(plan: SyncPlan, hello: Hello, config: SyncConfig) -> None:
     plan.metadata.require_same(hello.metadata, "the other receivers")
     if plan.view is not None:
         told = config.fp8.format if hello.quant is None else hello.quant
-        if told != plan.view.format:
+        if told != plan.view.settings.format:
             raise MetadataMismatchError(
-                f"this receiver declares {told.describe()}; the other receivers hold {plan.view.format.describe()} "
+                f"this receiver declares {told.describe()}; the other receivers hold {plan.view.settings.format.describe()} "
                 "(one sender serves one weight format: run one sender per format)"
             )
 

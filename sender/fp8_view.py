@@ -49,8 +49,10 @@ class Fp8View:
         # one quantized and one not are two tensors on the rollout, each sent on its own.
         aliases = {a: c for a, c in trainer.aliases.items() if (a in self.pairs) == (c in self.pairs)}
         aliases |= {self.pairs[a]: self.pairs[c] for a, c in aliases.items() if a in self.pairs}
+        # the ties broken so (alias -> canonical): a caller holding only each storage once (the
+        # daemon's copy before its first receiver) has the canonical name, read for both
+        self.untied = {a: c for a, c in trainer.aliases.items() if a not in aliases}
         self.state = ModelState(tensors, [k for k in tensors if self.bases.get(k, k) in tracked], aliases)
-        self.format = settings.format
 
     def tensors(self, trainer: Mapping[str, torch.Tensor], only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """A version's trainer tensors as the rollout holds them: every key of ``trainer``
@@ -60,7 +62,12 @@ class Fp8View:
         wanted = sync_keys(self.state) if only is None else only
         weights = list(dict.fromkeys(self.bases.get(k, k) for k in wanted if self.bases.get(k, k) in self.pairs))
         out = {k: t for k, t in trainer.items() if k not in self.pairs}
-        for weight, (q, scales) in zip(weights, quantize_many([materialize(trainer[weight]) for weight in weights], self.settings)):
+        out |= {a: trainer[c] for a, c in self.untied.items() if a not in trainer and a not in self.pairs and c in trainer}
+
+        def read(key: str) -> torch.Tensor:
+            return materialize(trainer[key] if key in trainer else trainer[self.untied[key]])
+
+        for weight, (q, scales) in zip(weights, quantize_many([read(weight) for weight in weights], self.settings)):
             out[weight], out[self.pairs[weight]] = q, scales
         return out
 

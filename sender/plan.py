@@ -73,8 +73,6 @@ class SyncPlan:
             return out, Mark.now(out.values())
 
         return await asyncio.to_thread(run)
-        if self.init_sync.enabled:
-            self.bootstrap_keys()  # a prefix that matches nothing is a configuration error: fail now
 
     def ordinal(self, key: str) -> int:
         return self.metadata.ordinal(key)

@@ -397,8 +397,10 @@ async def test_a_leaf_that_never_stages_is_named_through_its_relay_and_resynced(
     trainer's ``stage_timeout``) goes without it, the relay reports v1 staged naming it,
     and the trainer flips without it (``flip_missing``: ``relay/slow``) before its own
     timeout would have left the whole relay out. The stalled leaf never commits v1 until it
-    is resynced; then everyone flips v2 together. No version is committed before its flip."""
-    timeout = 2.0
+    is resynced; then everyone flips v2 together. No version is committed before its flip.
+    The trainer's deadline is 4 s, the relay's 2 s: at 2 s and 1 s the relay's report once
+    came after the trainer's own deadline, beside the whole suite on 2 cores."""
+    timeout = 4.0
     f = await fleet(mode, commit="together", stage_timeout=timeout)
     relay = await f.receiver("relay", relay_endpoint="tcp://127.0.0.1:0")
     assert relay.relay_endpoint is not None and relay.relay is not None and relay.relay.server.flips is not None

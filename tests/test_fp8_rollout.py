@@ -59,6 +59,7 @@ SETTINGS = {
     # the tied embedding quantized on both names, and on one only (the tie is then two tensors)
     "tie-both": BlockFp8(block=BLOCK, skip=tuple(p for p in DEFAULT_SKIP if p not in ("embed", r"(^|\.)lm_head\."))),
     "tie-one": BlockFp8(block=BLOCK, skip=tuple(p for p in DEFAULT_SKIP if p != "embed")),
+    "tie-head": BlockFp8(block=BLOCK, skip=tuple(p for p in DEFAULT_SKIP if p != r"(^|\.)lm_head\.")),  # the alias, not the canonical
 }
 
 
@@ -198,7 +199,7 @@ def test_a_block_size_only_the_hello_says_is_taken_from_it() -> None:
     rollout = rollout_state(trainer, settings)  # [2, 2] scales, as blocks of 32 would give too
     plan = plan_for(resolve_state(trainer), hello_of(rollout, settings.format), load_config({"fp8": {"block": [32, 32]}}))
     assert plan.view is not None and plan.view.settings.block == (40, 40)
-    assert differences(rollout, {**plan.rollout(trainer), "w.weight": plan.rollout(trainer)["w.weight"]}) == []
+    assert differences(rollout, plan.rollout(trainer)) == []
 
 
 def test_a_sharded_trainer_refuses_an_fp8_rollout() -> None:
@@ -258,6 +259,37 @@ async def test_daemons_fleet_late_joiner_relay_and_refusals(strategy: str) -> No
     finally:
         for d in reversed(daemons):
             await asyncio.wait_for(d.close(), T)
+        await s.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["tie-both", "tie-one", "tie-head"])
+async def test_daemon_serves_a_tie_quantized_on_both_names_or_one(name: str) -> None:
+    """The daemon holds each storage once until its first receiver (``TrainerSource.hold``):
+    a tie the rollout holds on one name in fp8 and the other in bf16 is two tensors there,
+    the one missing from that copy read through its canonical name."""
+    settings = SETTINGS[name]
+    config = config_of("patch-host", settings)
+    trainer = Trainer()
+    rollout = rollout_state(Trainer(seed=1).model.state_dict(), settings, 3)
+    s = Sender("tcp://127.0.0.1:0", config, heartbeat_interval=0.1, peer_timeout=5.0)
+    r: Receiver | None = None
+    try:
+        await s.start(trainer.model, version=0)
+        trainer.step(1e-5)
+        await s.sync(trainer.model, 1)  # before any receiver: only the held copy moves
+        r = Receiver(rollout, s.endpoint, config, identity="r", heartbeat_interval=0.1, peer_timeout=5.0)
+        await r.start(timeout=T)
+        for version in (1, 2):
+            if version == 2:
+                trainer.step(1e-5)
+                await s.sync(trainer.model, 2)
+            await r.wait_for_version(version, timeout=T)
+            async with r.reading():
+                assert differences(rollout_state(trainer.model.state_dict(), settings, 3), r.model) == [], version
+    finally:
+        if r is not None:
+            await asyncio.wait_for(r.close(), T)
         await s.close()
 
 
