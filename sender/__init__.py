@@ -28,7 +28,7 @@ def make_sender(config: Any = None) -> PatchSender | BucketSender:
 
 def __getattr__(name: str) -> Any:
     if name == "ShardedSync":  # torch.distributed's import, only for a sharded trainer
-        from .sharded.fsdp import ShardedSync
+        from .sharded.sync import ShardedSync
 
         return ShardedSync
     raise AttributeError(f"module 'sender' has no attribute {name!r}")

@@ -32,8 +32,8 @@ from protocol.wire.checksum import state_digest
 from receiver import Receiver
 from sender import Sender
 from sender.sharded import gathers
-from sender.sharded.fsdp import ShardedSync
 from sender.sharded.gathers import _Leader, gather_order
+from sender.sharded.sync import ShardedSync
 
 WORLD = 2
 VERSIONS = 4
@@ -54,7 +54,7 @@ async def _scenario(rank: int, mode: str) -> dict[str, Any]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(1 + rank)
     sharded = ShardedSync(model, gather=True)  # the gathering build (tests/test_fsdp2_sharded.py: the sharded one)
-    out: dict[str, Any] = {"order": sharded.order, "sequences": [], "checks": []}
+    out: dict[str, Any] = {"order": sharded.layout.order, "sequences": [], "checks": []}
     config = CONFIGS[mode]
     async with contextlib.AsyncExitStack() as stack:
         sender = Sender("tcp://127.0.0.1:0", config, trainable_keys=sharded.trainable_keys) if rank == 0 else None
@@ -88,21 +88,21 @@ async def _scenario(rank: int, mode: str) -> dict[str, Any]:
                     out["checks"].append([mode, version, receiver.identity, state_digest(rollout.state_dict()), expected])
     s = sharded.stats
     out.update(gathers=s.gathers, peak_live=s.peak_live, peak_bytes=s.peak_bytes, overlaps=s.overlaps, live=s.live)
-    largest = max(t.numel() * t.element_size() for k, t in model.state_dict().items() if k in sharded.order)
+    largest = max(t.numel() * t.element_size() for k, t in model.state_dict().items() if k in sharded.layout.order)
     out["largest_bytes"] = largest
 
     # Refusals: no collective is made, so each rank checks them alone.
     view = sharded._view()
-    hook = _Leader(sharded.gatherer, view)
+    hook = _Leader(sharded.layout.gatherer, view)
     refused = []
     with gathering(hook):
         try:
-            materialize(view[sharded.order[1]])  # skips order[0]
+            materialize(view[sharded.layout.order[1]])  # skips order[0]
         except GatherOrderError:
             refused.append("out_of_order")
     hook.active = False
     try:
-        hook(view[sharded.order[0]])
+        hook(view[sharded.layout.order[0]])
     except GatherOrderError:
         refused.append("outside_sync")
     out["refused"] = refused
@@ -116,12 +116,12 @@ async def _scenario(rank: int, mode: str) -> dict[str, Any]:
     # Control: keeping every gathered tensor is what the peak figure must catch.
     wait, gathers.RELEASE_WAIT = gathers.RELEASE_WAIT, 0.0  # nothing will be released: do not wait for it
     tensors = model.state_dict()
-    kept = [sharded.gatherer.gather(k, tensors[k]) for k in sharded.order]
+    kept = [sharded.layout.gatherer.gather(k, tensors[k]) for k in sharded.layout.order]
     out["control_peak"] = sharded.stats.peak_live
     del kept
     gathers.RELEASE_WAIT = wait
-    out["order_matches_state"] = sharded.order == gather_order(resolve_state(
-        {k: tensors[k] for k in sharded._layout}, sharded.trainable_keys))
+    out["order_matches_state"] = sharded.layout.order == gather_order(resolve_state(
+        {k: tensors[k] for k in sharded.layout.keys}, sharded.trainable_keys))
     return out
 
 

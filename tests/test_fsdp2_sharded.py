@@ -39,7 +39,7 @@ from protocol.wire.checksum import state_digest
 from protocol.wire.framing import decode_message
 from receiver import Receiver
 from sender import Sender
-from sender.sharded.fsdp import ShardedSync
+from sender.sharded.sync import ShardedSync
 
 VERSIONS = 4
 VOCAB = 251  # rows of the (tied) embedding: 126 + 125 on 2 ranks, 63 x 3 + 62 on 4
@@ -93,7 +93,7 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(1 + rank)
     sharded = ShardedSync(model, timeout=30)
-    out: dict[str, Any] = {"order": sharded.order, "gathered": [], "checks": [], "changes": [], "group_bytes": [], "parts": []}
+    out: dict[str, Any] = {"order": sharded.layout.order, "gathered": [], "checks": [], "changes": [], "group_bytes": [], "parts": []}
     config = CONFIGS[mode]
     published: list[tuple[int, Any]] = []
     failing_publish: list[bool] = []
@@ -160,7 +160,7 @@ async def _scenario(rank: int, world: int, mode: str) -> dict[str, Any]:
                 wire = None if stats is None else stats.wire_bytes
                 out["group_bytes"].append([version, sharded.part_stats.group_bytes, sharded.part_stats.sizes, wire])
             after = full_bf16(model)
-            out["model_bytes"] = sum(t.numel() * t.element_size() for k, t in after.items() if k in sharded.compared)
+            out["model_bytes"] = sum(t.numel() * t.element_size() for k, t in after.items() if k in sharded.layout.compared)
             expected = full_bf16_digest(model)
             if sender is None:
                 continue

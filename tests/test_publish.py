@@ -60,7 +60,7 @@ class Trainer:
         plan = self.sender.plan
         assert plan is not None
         tensors = self.model.state_dict()
-        self.build = ShardBuild(tensors, plan.tracked, ReceiverPlan.of(plan, PatchConfig(part_bytes=2048)))
+        self.build = ShardBuild.of_order(tensors, plan.tracked, ReceiverPlan.of(plan, PatchConfig(part_bytes=2048)))
         self.build.capture(tensors)
 
     def parts(self, version: int) -> list[Message]:

@@ -29,7 +29,7 @@ from protocol.wire.framing import Message, MessageType
 from ..plan import SyncPlan
 from ..stats import SyncStats
 from .shard_parts import PartMover, PartStats, layout_digest, pack_part, unpack_part
-from .shards import ShardCompare, shard_keys
+from .shards import ShardCompare, ShardKey, shard_keys
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,23 @@ def cut(entries: Sequence[EncodedTensor], part_bytes: int) -> list[list[EncodedT
 
 
 class ShardBuild:
-    """A rank's compare of its shards of the ``order`` keys (tracked, in the gather order) and
-    its part of each version. ``tensors``: the model's state dict as this rank holds it."""
+    """A rank's compare of its shards (``keys``, from its layout) and its part of each version.
+    ``tensors``: the rank's tensors as its compare reads them (``ShardKey.source``);
+    ``digest``: what every rank's part is built from, the same on every rank of one model
+    (``shard_parts.layout_digest``)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], order: Sequence[str], plan: ReceiverPlan) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], keys: Sequence[ShardKey], plan: ReceiverPlan, digest: int) -> None:
         self.plan = plan
-        self.keys = shard_keys(tensors, order, plan.ordinals, plan.dtypes)
+        self.keys = list(keys)
         self.compare = ShardCompare.from_config(tensors, self.keys, plan.patch)
-        # what every rank's part is built from: the same on every rank of one model
-        self.digest = layout_digest((k, tuple(tensors[k].shape)) for k in order)
+        self.digest = digest
         self.last: SyncStats | None = None
+
+    @classmethod
+    def of_order(cls, tensors: Mapping[str, torch.Tensor], order: Sequence[str], plan: ReceiverPlan) -> ShardBuild:
+        """The build of an FSDP2-style model: the ``order`` keys' shards (``shards.shard_keys``)."""
+        keys = shard_keys(tensors, order, plan.ordinals, plan.dtypes)
+        return cls(tensors, keys, plan, layout_digest((k, tuple(tensors[k].shape)) for k in order))
 
     @property
     def diverged(self) -> bool:
