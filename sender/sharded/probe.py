@@ -241,4 +241,9 @@ def fold(local: torch.Tensor, hf: torch.Tensor, what: str) -> tuple[Span, Span]:
         or int(hf_steps[0]) < length
     ):
         raise ConfigError(f"{what}: its elements do not land as one strided block ({count} runs); it cannot be sent shard by shard")
-    return Span(int(local[0]), length, count, int(local_steps[0])), Span(int(hf[0]), length, count, int(hf_steps[0]))
+    return _block(int(local[0]), length, count, int(local_steps[0])), _block(int(hf[0]), length, count, int(hf_steps[0]))
+
+
+def _block(lo: int, length: int, count: int, stride: int) -> Span:
+    """Runs end to end are one run: a span has one form."""
+    return Span(lo, length * count) if stride == length else Span(lo, length, count, stride)

@@ -1,0 +1,168 @@
+"""A Megatron trainer synced through ``ShardedSync`` over a ``MegatronLayout``, in spawned gloo
+ranks (``tests/test_megatron_sync.py``; the model and the training step: ``tests/megatron_ranks.py``).
+
+Rank 0 leads: its Sender serves an in-process receiver that joins before v1 and one that joins
+after v2 (both bootstrapped at the next version through the bridge's export). After every
+version every rank runs the bridge's own ``export_hf_weights`` (the test's, outside the sync: a
+collective) and the leader checks each receiver holds exactly it, cast to the receivers' dtype,
+bit for bit. Everything found goes to ``out_dir/rank{r}.json``; the parent asserts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.megatron_ranks import Layout, build, init_rank, train_step
+
+RECEIVER_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What one spawn does: the learning rate of each version (a large one changes every
+    element: those tensors travel dense), the patch codec, whether the receivers are Hugging
+    Face models (``hf_model``) or plain dicts in the checkpoint's names."""
+
+    lrs: tuple[float, ...] = (1e-4, 1e-4, 1e-2, 1e-4)
+    codec: str = "host"
+    hf_model: bool = True
+    late_after: int = 2  # a second receiver joins after this version
+    fail_rank: int | None = None  # this rank's part fails at the last version + 1 (then a resync version)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def receiver_model(hf_dir: str, hf_model: bool, names: dict[str, torch.Tensor], seed: int) -> Any:
+    """A rollout's weights, randomly initialised: a transformers model from the checkpoint's
+    config, or a dict of the exported names (transformers 5 fuses Qwen3-MoE experts in memory,
+    while the checkpoint and the bridge name one tensor an expert)."""
+    torch.manual_seed(seed)
+    if not hf_model:
+        return {n: torch.randn(t.shape).to(RECEIVER_DTYPE) for n, t in names.items()}
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=RECEIVER_DTYPE)
+
+
+def exported(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().to(RECEIVER_DTYPE, copy=True) for n, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
+
+
+def state_of(weights: Any) -> dict[str, torch.Tensor]:
+    return dict(weights.state_dict()) if isinstance(weights, torch.nn.Module) else weights
+
+
+def differing(held: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    """Keys whose held bits differ from the expected ones (or that are missing)."""
+    out = []
+    for name, want in expected.items():
+        got = held.get(name)
+        if got is None or got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            out.append(name)
+    return out
+
+
+def sync_worker(
+    rank: int, world: int, port: int, hf_dir: str, layout: Layout, moe: bool, out_dir: str, tokens: torch.Tensor, hidden: int,
+    scenario: Scenario,
+) -> None:
+    init_rank(rank, world, port)
+    bridge, model = build(hf_dir, layout, moe)
+    out = asyncio.run(_scenario(rank, bridge, model, hf_dir, tokens, hidden, scenario))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    torch.distributed.destroy_process_group()
+
+
+async def _scenario(rank: int, bridge: Any, model: list[torch.nn.Module], hf_dir: str, tokens: torch.Tensor, hidden: int, scenario: Scenario) -> dict[str, Any]:
+    from protocol.errors import GatherOrderError
+    from receiver import Receiver
+    from sender import Sender
+    from sender.sharded.megatron import MegatronLayout
+    from sender.sharded.sync import ShardedSync
+
+    layout = MegatronLayout(bridge, model)
+    sharded = ShardedSync(layout, timeout=60)
+    out: dict[str, Any] = {"landings": [[l.tensor, l.param, l.local.to_wire(), l.span.to_wire()] for l in layout.landings],
+                           "versions": [], "exports_at_start": layout.stats.gathers}
+    config = {"weight_syncer": {"type": "patch", "patch": {"codec": scenario.codec, "part_bytes": 4096}}}
+    async with contextlib.AsyncExitStack() as stack:
+        sender = Sender("tcp://127.0.0.1:0", config, trainable_keys=sharded.trainable_keys) if rank == 0 else None
+        if sender is not None:
+            await stack.enter_async_context(sender)
+        await sharded.start(sender, version=0)
+        receivers: list[tuple[Receiver, Any]] = []
+        joining: list[asyncio.Task[Any]] = []
+
+        async def join() -> None:
+            assert sender is not None
+            weights = receiver_model(hf_dir, scenario.hf_model, layout.meta, seed=len(receivers) + 1)
+            receiver = Receiver(weights, sender.endpoint, config, identity=f"rollout-{len(receivers)}")
+            await stack.enter_async_context(receiver)
+            receivers.append((receiver, weights))
+            joining.append(asyncio.ensure_future(receiver.start()))
+            deadline = asyncio.get_running_loop().time() + 30
+            while not sender.bootstrap_wanted:  # bootstrapped at the next version
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError("no receiver asked for a bootstrap")
+                await asyncio.sleep(0.01)
+
+        async def check(version: int) -> list[list[Any]]:
+            expected = exported(bridge, model)  # every rank: the bridge's own export of this step
+            if sender is None:
+                return []
+            for task in joining:
+                await task
+            joining.clear()
+            await sender.flush()
+            found = []
+            for receiver, weights in receivers:
+                await receiver.wait_for_version(version, timeout=60)
+                async with receiver.reading():
+                    found.append([receiver.identity, differing(state_of(weights), expected), len(expected)])
+            return found
+
+        if rank == 0:
+            await join()
+        for version, lr in enumerate(scenario.lrs, start=1):
+            train_step(model, tokens, hidden, lr=lr)
+            stats = await sharded.sync(sender, version)
+            record: dict[str, Any] = {"version": version, "exported": list(sharded.stats.last), "checks": await check(version)}
+            if stats is not None:
+                record.update(changed=stats.changed_elements, total=stats.total_elements, dense=stats.tensors_dense,
+                              tensors=stats.tensors_changed, wire=stats.wire_bytes)
+            out["versions"].append(record)
+            if version == scenario.late_after and rank == 0:
+                await join()
+        version = len(scenario.lrs)
+        if scenario.fail_rank is not None:  # one rank's part fails: every rank raises, nothing published
+            version += 1
+            train_step(model, tokens, hidden, lr=1e-4)
+            build_ = sharded._build
+            assert build_ is not None
+            real = build_.part
+            if rank == scenario.fail_rank:
+                def failing(*args: Any) -> bytes:
+                    raise RuntimeError("injected: this rank's part fails")
+                build_.part = failing  # type: ignore[method-assign]
+            try:
+                await sharded.sync(sender, version)
+                out["failure"] = None
+            except GatherOrderError as e:
+                out["failure"] = type(e).__name__
+            finally:
+                build_.part = real  # type: ignore[method-assign]
+            out["after_failure"] = None if sender is None else sender.version
+            version += 1
+            train_step(model, tokens, hidden, lr=1e-4)
+            await sharded.sync(sender, version)  # every receiver resynced by bootstrap
+            out["resync"] = {"version": version, "exported": list(sharded.stats.last), "checks": await check(version)}
+        if sender is not None:
+            out["resyncs"] = sum(int(r["resyncs"]) for r in sender.receivers.values())  # type: ignore[call-overload]
+    return out
