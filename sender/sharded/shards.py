@@ -34,6 +34,7 @@ from protocol.errors import ConfigError, MetadataMismatchError, WeightSyncError
 from protocol.state import ModelState, is_dtensor
 from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
+from protocol.wire.span import Span
 
 from ..diff.compare import make_compare
 from ..diff.snapshot import Snapshot
@@ -103,16 +104,26 @@ def local_range(t: torch.Tensor, key: str = "tensor", *, rank: int | None = None
 @dataclass(frozen=True)
 class ShardKey:
     """A tracked tensor this rank compares: its key, the receivers' ordinal and dtype of it,
-    and the flat range [lo, hi) of the full tensor its shard holds (not empty)."""
+    the flat range [lo, hi) of the full tensor its shard holds (not empty), and where this
+    rank holds those elements: ``source``, the rank's tensor (its ``tensors()`` key; "" for
+    ``key`` itself), and ``local``, which of that tensor's local elements, flat, in order
+    (None: all of them; a Megatron layout's landing: ``probe.Landing``)."""
 
     key: str
     ordinal: int
     dtype: torch.dtype
     span: tuple[int, int]
+    source: str = ""
+    local: Span | None = None
 
     @property
     def numel(self) -> int:
         return self.span[1] - self.span[0]
+
+    @property
+    def label(self) -> str:
+        """A name unique among one rank's keys (a tensor may be fed by several of its tensors)."""
+        return self.key if not self.source else f"{self.key}<-{self.source}"
 
 
 def shard_keys(
@@ -160,7 +171,7 @@ class ShardCompare:
         local = self._locals(tensors)
         # The unsharded build's plan over this rank's shards as 1-D tensors of their own: its
         # ordinals are positions in ``keys`` (made the receivers' by ``_as_span``).
-        names = tuple(k.key for k in self.keys)
+        names = tuple(k.label for k in self.keys)
         metadata = ModelMetadata(names, tuple((k.numel,) for k in self.keys), tuple(k.dtype for k in self.keys))
         self.plan = SyncPlan(ModelState(local, list(names)), metadata, InitSyncConfig(enabled=False))
         devices = {t.device for t in local.values()}
@@ -183,18 +194,23 @@ class ShardCompare:
         return cls(tensors, keys, config.options(), compare=config.codec)
 
     def _locals(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each key's local elements, flat, checked to number what its span says."""
+        """Each key's local elements, flat (a copy where they are strided in their tensor),
+        checked to number what its span says."""
         out = {}
         for k in self.keys:
-            t = tensors.get(k.key)
+            t = tensors.get(k.source or k.key)
             if t is None:
-                raise MetadataMismatchError(f"key {k.key!r} was tracked at init but is missing from the model now")
+                raise MetadataMismatchError(f"key {k.source or k.key!r} was tracked at init but is missing from the model now")
             local = local_shard(t)
+            if k.local is not None:
+                if local.numel() < k.local.hi:
+                    raise MetadataMismatchError(f"{k.source!r} holds {local.numel()} elements here, fewer than its map reads ({k.local.hi})")
+                local = k.local.of(local).reshape(-1)
             if local.numel() != k.numel:
                 raise MetadataMismatchError(
                     f"key {k.key!r}: this rank holds {local.numel()} elements, its span [{k.span[0]}, {k.span[1]}) has {k.numel}"
                 )
-            out[k.key] = local
+            out[k.label] = local
         return out
 
     def capture(self, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -279,12 +279,14 @@ class ShardedSync:
                     return agreed
 
                 parts = leader_messages(mover, own, agree)
-            bootstrap = self._bootstrap(version) if boot else None
+            bootstrap = _Bootstrap(self.layout, version) if boot else None
             try:
                 stats = await sender.publish(version, parts, bootstrap=bootstrap, stats=stats)
             finally:
                 if parts is not None:
                     await parts.aclose()  # parts posted and not taken are taken (bounded): the ranks' sends end
+                if bootstrap is not None and not bootstrap.called:  # the others take part in it: so must this rank
+                    await asyncio.to_thread(self.layout.follow)
         except BaseException as e:
             self._failed = True
             if phase in ("parts", "verdict"):  # the others wait for this rank: tell them, every rank raises
@@ -366,16 +368,6 @@ class ShardedSync:
                 raise refused from e
             raise
 
-    def _bootstrap(self, version: int) -> Callable[[SyncPlan], Awaitable[list[Message]]]:
-        """The leader's bootstrap of ``version``, gathered tensor by tensor with the other ranks
-        (``Gatherer.follow``), for ``Sender.publish``."""
-
-        async def build(plan: SyncPlan) -> list[Message]:
-            keys = set(plan.tracked) | set(plan.bootstrap_keys() if plan.init_sync.enabled else [])
-            return await self.layout.bootstrap(plan, version, [k for k in plan.state.tensors if k in keys])
-
-        return build
-
     # -- internals ----------------------------------------------------------------------
     def _expect_sender(self, sender: Sender | None) -> Sender:
         if self.is_leader and sender is None:
@@ -410,6 +402,21 @@ class ShardedSync:
         if top != -low:
             raise GatherOrderError(f"the ranks sync different versions (from {-low} to {top}): call sync in lockstep")
         return leader_flags, bool(any_failed)
+
+
+class _Bootstrap:
+    """The leader's bootstrap of one version, for ``Sender.publish``: the layout's (a collective
+    the other ranks make after their part). ``called``: whether publish got that far; if not,
+    the leader still makes the collective (``ShardLayout.follow``), so no rank is left in it."""
+
+    def __init__(self, layout: ShardLayout, version: int) -> None:
+        self.layout, self.version = layout, version
+        self.called = False
+
+    async def __call__(self, plan: SyncPlan) -> list[Message]:
+        self.called = True
+        keys = set(plan.tracked) | set(plan.bootstrap_keys() if plan.init_sync.enabled else [])
+        return await self.layout.bootstrap(plan, self.version, [k for k in plan.state.tensors if k in keys])
 
 
 def _figures(stats: SyncStats) -> list[int]:
