@@ -65,6 +65,11 @@ class Span:
     def contiguous(self) -> bool:
         return self.count == 1 or self.stride == self.length
 
+    def __str__(self) -> str:
+        if self.count == 1:
+            return f"[{self.lo}, {self.hi})"
+        return f"[{self.lo}, {self.hi}) in {self.count} runs of {self.length} every {self.stride}"
+
     def to_wire(self) -> list[int]:
         return [self.lo, self.hi] if self.count == 1 else [self.lo, self.hi, self.length, self.stride]
 

@@ -34,6 +34,7 @@ from protocol.errors import ConfigError, MetadataMismatchError, WeightSyncError
 from protocol.state import ModelState, is_dtensor
 from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
+from protocol.wire.span import Span
 
 from ..diff.compare import make_compare
 from ..diff.snapshot import Snapshot
@@ -103,16 +104,17 @@ def local_range(t: torch.Tensor, key: str = "tensor", *, rank: int | None = None
 @dataclass(frozen=True)
 class ShardKey:
     """A tracked tensor this rank compares: its key, the receivers' ordinal and dtype of it,
-    and the flat range [lo, hi) of the full tensor its shard holds (not empty)."""
+    and the flat elements of the full tensor its shard holds (a range [lo, hi) under FSDP2;
+    not empty), in the order its local elements hold them."""
 
     key: str
     ordinal: int
     dtype: torch.dtype
-    span: tuple[int, int]
+    span: Span
 
     @property
     def numel(self) -> int:
-        return self.span[1] - self.span[0]
+        return self.span.numel
 
 
 def shard_keys(
@@ -130,7 +132,7 @@ def shard_keys(
     for key in keys:
         span = local_range(tensors[key], key, rank=rank)
         if span is not None and span[0] < span[1]:
-            out.append(ShardKey(key, ordinals[key], dtypes[key], span))
+            out.append(ShardKey(key, ordinals[key], dtypes[key], Span.range(*span)))
     return out
 
 
@@ -192,7 +194,7 @@ class ShardCompare:
             local = local_shard(t)
             if local.numel() != k.numel:
                 raise MetadataMismatchError(
-                    f"key {k.key!r}: this rank holds {local.numel()} elements, its span [{k.span[0]}, {k.span[1]}) has {k.numel}"
+                    f"key {k.key!r}: this rank holds {local.numel()} elements, its span {k.span} has {k.numel}"
                 )
             out[k.key] = local
         return out
@@ -224,7 +226,7 @@ class ShardCompare:
         return entries
 
     def _as_span(self, entry: EncodedTensor) -> EncodedTensor:
-        """An entry of a shard, coded as a 1-D tensor of its hi - lo elements, as the span
-        entry of [lo, hi) of its tensor under the receivers' ordinal (``spans.as_span``)."""
+        """An entry of a shard, coded as a 1-D tensor of its local elements, as the span
+        entry of its ``ShardKey.span`` of its tensor under the receivers' ordinal (``spans.as_span``)."""
         k = self.keys[entry.key]
         return as_span(entry, k.span, k.ordinal)
