@@ -16,10 +16,11 @@ import torch
 
 from protocol.codec.tensorcodec import DecodedTensor
 from protocol.wire.metadata import ModelMetadata
+from protocol.wire.span import Span
 from receiver.apply.commit import StagedUpdate
 from receiver.apply.stage_device import Coded, stage_coded
 
-Entry = tuple[DecodedTensor, tuple[int, ...], "tuple[int, int] | None"]  # decoded, its group (() alone), its span
+Entry = tuple[DecodedTensor, tuple[int, ...], Span | None]  # decoded, its group (() alone), its span
 
 
 def stage_decoded(entries: Sequence[Entry], olds: Mapping[int, torch.Tensor]) -> list[list[StagedUpdate]]:

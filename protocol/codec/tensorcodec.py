@@ -28,6 +28,7 @@ from protocol.wire.buffers import Buffer, buffer_tensor, tensor_view
 from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import UNSIGNED_INDEX_DTYPES, bits_dtype, dtype_code, dtype_from_code, itemsize, smallest_unsigned
 from protocol.wire.framing import BufferSpec, Encoding, Role, TensorEntry, ValueEncoding
+from protocol.wire.span import Span
 
 if TYPE_CHECKING:
     from protocol.codec import entropy, packed, rans
@@ -280,7 +281,7 @@ class EncodedTensor:
     nnz: int
     buffers: list[tuple[BufferSpec, Buffer]]  # specs with frame 0, numbered by ``assemble``
     group: tuple[int, ...] = ()  # a grouped entry's ordinals (TensorEntry.group)
-    span: tuple[int, int] | None = None  # a span entry's [lo, hi) of its tensor's flat elements (TensorEntry.span)
+    span: Span | None = None  # a span entry's flat elements of its tensor (TensorEntry.span)
 
     @property
     def wire_nbytes(self) -> int:
@@ -376,10 +377,10 @@ def _gaps_or_bitmap(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Encodin
 
 def pack_entry(
     key: int, encoding: Encoding, values: ValueEncoding, nnz: int, buffers: dict[Role, torch.Tensor], codec: Codec,
-    group: tuple[int, ...] = (), span: tuple[int, int] | None = None,
+    group: tuple[int, ...] = (), span: Span | None = None,
 ) -> EncodedTensor:
-    """An entry of ``buffers`` (``span``: one covering flat elements [lo, hi) of its tensor,
-    its buffers coded as a 1-D tensor of hi - lo elements: ``protocol/codec/spans.py``)."""
+    """An entry of ``buffers`` (``span``: one covering those flat elements of its tensor,
+    its buffers coded as a 1-D tensor of ``span.numel`` elements: ``protocol/codec/spans.py``)."""
     packed = [pack_buffer(r, t, Codec.NONE if _entropy_coded(r, encoding, values) else codec) for r, t in buffers.items()]
     return EncodedTensor(key, encoding, values, nnz, packed, group, span)
 
@@ -690,20 +691,19 @@ def _decode_payloads(items: Sequence[tuple[TensorEntry, torch.Tensor, int, torch
     return [d for d in out if d is not None]
 
 
-def at_span(decoded: DecodedTensor, span: tuple[int, int]) -> DecodedTensor:
-    """A span entry's update (``decode_entry`` of its 1-D target of hi - lo elements, its
-    positions relative to lo) in its tensor's flat coordinates: sparse positions moved up by
-    lo, where they are (on a device, with no host sync); a dense one's values as the changes
-    at every position of [lo, hi) (an index a value, on the values' device), RAW. Read the old
-    values a sparse one is relative to only after this: at its tensor's positions."""
-    lo, hi = span
+def at_span(decoded: DecodedTensor, span: Span) -> DecodedTensor:
+    """A span entry's update (``decode_entry`` of its 1-D target of ``span.numel`` elements,
+    its positions relative to the span) in its tensor's flat coordinates: sparse positions
+    mapped (``Span.positions``: moved up by lo, or placed in their runs), where they are (on
+    a device, with no host sync); a dense one's values as the changes at every position the
+    span covers (an index a value, on the values' device), RAW. Read the old values a sparse
+    one is relative to only after this: at its tensor's positions."""
     if decoded.flat is not None:
-        return dataclasses.replace(decoded, flat=decoded.flat.to(torch.int64) + lo)
+        return dataclasses.replace(decoded, flat=span.positions(decoded.flat))
     values = decoded.values.reshape(-1)
-    if values.numel() != hi - lo:  # decode_entry checked it against (hi - lo,)
-        raise ConfigError(f"tensor {decoded.key}: {values.numel()} dense values for a span of {hi - lo}")
-    flat = torch.arange(lo, hi, dtype=torch.int64, device=values.device)
-    return dataclasses.replace(decoded, flat=flat, values=values, encoding=ValueEncoding.RAW)
+    if values.numel() != span.numel:  # decode_entry checked it against (span.numel,)
+        raise ConfigError(f"tensor {decoded.key}: {values.numel()} dense values for a span of {span.numel}")
+    return dataclasses.replace(decoded, flat=span.indices(values.device), values=values, encoding=ValueEncoding.RAW)
 
 
 def group_offsets(shapes: Sequence[tuple[int, ...]]) -> np.ndarray:

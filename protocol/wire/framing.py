@@ -4,7 +4,7 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack map (the header);
 frames 1..n are raw buffers, each described by one ``BufferSpec`` in the header's
 manifest. Tensor bytes never travel inside msgpack.
 
-Header keys (protocol version 6)::
+Header keys (protocol version 7; the versions before it: docs/wire.md)::
 
     type     MessageType            proto    PROTOCOL_VERSION
     session  sender session id      seq      per-session message counter
@@ -17,7 +17,10 @@ Header keys (protocol version 6)::
              a grouped entry adds a sixth item, [key, ordinal, ...]: small tensors of one
              dtype coded as one flat run, their elements end to end in that order
              a span entry adds a last item {"s": [lo, hi]}: it covers flat elements
-             [lo, hi) of its tensor only, coded as a 1-D tensor of hi - lo elements
+             [lo, hi) of its tensor only, coded as a 1-D tensor of hi - lo elements;
+             or {"s": [lo, hi, length, stride]}: a strided block, runs of length
+             elements every stride from lo, the last ending at hi, coded as a 1-D
+             tensor of its elements in order (``protocol/wire/span.py``)
     body     small type-specific map (metadata, reasons, ...)
     hsum     xxh3-64 of the msgpack encoding of all the other keys
 
@@ -44,11 +47,9 @@ from protocol.wire.buffers import Buffer
 from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import dtype_from_code
 from protocol.wire.limits import DEFAULT_LIMITS, Limits
+from protocol.wire.span import Span
 
-# 2: an ANS_GAPS + ULP tensor travels packed, one buffer (protocol/codec/packed.py);
-# 3: grouped entries (TensorEntry.group); 5: device-coded entries (Encoding.BLOCKS);
-# 6: span entries (TensorEntry.span: one shard of a tensor's changes, ranges of its flat elements)
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7  # senders and receivers match exactly; what each version added: docs/wire.md
 MAX_DIMS = 8
 
 
@@ -127,12 +128,13 @@ class TensorEntry:
     # flat tensor of their elements end to end. Small tensors are coded together because
     # each entry costs tens of microseconds a side whatever its size. () for one tensor.
     group: tuple[int, ...] = ()
-    # A span entry: it covers flat elements [lo, hi) of its tensor (row-major, of the whole
-    # tensor) and codes them as a 1-D tensor of hi - lo elements, its positions relative to
-    # lo (a dense one: exactly those hi - lo values). A tensor's changes of one version may
-    # then travel in several entries, one per trainer rank's shard, in ascending, disjoint
-    # spans. Never on a grouped entry; None: the whole tensor.
-    span: tuple[int, int] | None = None
+    # A span entry: it covers the flat elements ``span`` names of its tensor (row-major, of
+    # the whole tensor: a range [lo, hi), or a strided block of runs) and codes them as a
+    # 1-D tensor of ``span.numel`` elements, its positions relative to the span's first (a
+    # dense one: exactly those values). A tensor's changes of one version may then travel
+    # in several entries, one per trainer rank's shard, in disjoint spans in any order.
+    # Never on a grouped entry; None: the whole tensor.
+    span: Span | None = None
 
     @property
     def covers(self) -> tuple[int, ...]:
@@ -150,7 +152,7 @@ class TensorEntry:
         if self.group:
             wire.append(list(self.group))
         if self.span is not None:
-            wire.append({SPAN_KEY: list(self.span)})
+            wire.append({SPAN_KEY: self.span.to_wire()})
         return wire
 
 
@@ -273,7 +275,7 @@ _ROLES = {int(r): r for r in Role}
 _CODECS = {int(c): c for c in Codec}
 
 
-SPAN_KEY = "s"  # a span entry's last item: {SPAN_KEY: [lo, hi]}
+SPAN_KEY = "s"  # a span entry's last item: {SPAN_KEY: [lo, hi]} or {SPAN_KEY: [lo, hi, length, stride]}
 
 
 def _tensor_entry(raw: Any, where: str, max_group: int) -> TensorEntry:
@@ -301,19 +303,16 @@ def _tensor_entry(raw: Any, where: str, max_group: int) -> TensorEntry:
     return TensorEntry(key, encoding, values, _nonneg(_typed(nnz, int, "nnz"), "nnz"), specs, group, span)
 
 
-def _span(raw: dict[Any, Any], key: int, where: str) -> tuple[int, int]:
-    """A span entry's [lo, hi): two ints, 0 <= lo < hi (``hi`` against the tensor's size is
-    the receiver's check); the map holds nothing else."""
-    span = raw.get(SPAN_KEY)
-    if (
-        len(raw) != 1 or type(span) is not list or len(span) != 2
-        or type(span[0]) is not int or type(span[1]) is not int
-    ):
+def _span(raw: dict[Any, Any], key: int, where: str) -> Span:
+    """A span entry's span (``Span.from_wire``: [lo, hi], or [lo, hi, length, stride] whose
+    runs end at hi; ``hi`` against the tensor's size is the receiver's check); the map holds
+    nothing else."""
+    if len(raw) != 1 or SPAN_KEY not in raw:
         raise ProtocolError(f"{where}: tensor {key}: malformed span {raw!r:.80}")
-    lo, hi = span
-    if not 0 <= lo < hi:
-        raise ProtocolError(f"{where}: tensor {key}: span [{lo}, {hi}) is empty or negative")
-    return lo, hi
+    try:
+        return Span.from_wire(raw[SPAN_KEY])
+    except ProtocolError as e:
+        raise ProtocolError(f"{where}: tensor {key}: {e}") from None
 
 
 def _group(raw: Any, key: int, where: str, most: int) -> tuple[int, ...]:

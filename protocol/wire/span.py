@@ -65,6 +65,11 @@ class Span:
     def contiguous(self) -> bool:
         return self.count == 1 or self.stride == self.length
 
+    def __str__(self) -> str:
+        if self.count == 1:
+            return f"[{self.lo}, {self.hi})"
+        return f"[{self.lo}, {self.hi}) in {self.count} runs of {self.length} every {self.stride}"
+
     def to_wire(self) -> list[int]:
         return [self.lo, self.hi] if self.count == 1 else [self.lo, self.hi, self.length, self.stride]
 
@@ -115,25 +120,49 @@ class Span:
 
     def overlaps(self, other: Span) -> bool:
         """Whether the two share an element: exact, but for two strided spans of different
-        strides of more than ``EXACT_RUNS`` runs whose ranges meet (then True: refused)."""
+        strides of which more than ``EXACT_RUNS`` runs of the one with fewer lie within the
+        other's range (then True: refused). Costs ``overlap_cost`` run tests."""
         if self.hi <= other.lo or other.hi <= self.lo:
             return False
-        if self.count == 1 and other.count == 1:
-            return True
-        if self.count == 1 or other.count == 1:
-            one, many = (self, other) if self.count == 1 else (other, self)
-            # is some run k of ``many`` meeting [one.lo, one.hi)?
-            first = max(0, -(-(one.lo - many.lo - many.length + 1) // many.stride))
-            last = min(many.count - 1, (one.hi - 1 - many.lo) // many.stride)
-            return first <= last
+        if self.contiguous or other.contiguous:
+            one, many = (self, other) if self.contiguous else (other, self)
+            return many.contiguous or _meets(many, one.lo, one.hi)
         if self.stride == other.stride:  # each run's offset within a stride: arcs of one circle
             offset = (other.lo - self.lo) % self.stride
             if offset >= self.length and self.stride - offset >= other.length:
                 return False  # disjoint columns on every row
         few, many = (self, other) if self.count <= other.count else (other, self)
-        if few.count > EXACT_RUNS:
+        first, last = _runs_within(few, many.lo, many.hi)
+        if last - first >= EXACT_RUNS:
             return True
-        return any(Span(few.lo + k * few.stride, few.length).overlaps(many) for k in range(few.count))
+        starts = range(few.lo + first * few.stride, few.lo + (last + 1) * few.stride, few.stride)
+        return any(_meets(many, start, start + few.length) for start in starts)
+
+    def overlap_cost(self, other: Span) -> int:
+        """The run tests ``overlaps(other)`` makes (1 where it is arithmetic alone): what a
+        receiver charges a sender's span checks to (``receiver/apply/checks.py``)."""
+        if self.hi <= other.lo or other.hi <= self.lo or self.contiguous or other.contiguous or self.stride == other.stride:
+            return 1
+        few, many = (self, other) if self.count <= other.count else (other, self)
+        first, last = _runs_within(few, many.lo, many.hi)
+        return 1 + min(max(0, last - first + 1), EXACT_RUNS)
 
 
-EXACT_RUNS = 4096  # ``overlaps`` tests two strided spans run by run up to this many runs; past it, says True
+def _runs_within(span: Span, lo: int, hi: int) -> tuple[int, int]:
+    """The first and last run of ``span`` that meet [lo, hi) (last < first: none)."""
+    first = max(0, -(-(lo - span.lo - span.length + 1) // span.stride)) if span.count > 1 else 0
+    last = min(span.count - 1, (hi - 1 - span.lo) // span.stride) if span.count > 1 else 0
+    return first, last
+
+
+def _meets(span: Span, lo: int, hi: int) -> bool:
+    """Whether some run of ``span`` (strided, or one run) meets [lo, hi) (not empty)."""
+    if span.hi <= lo or hi <= span.lo:
+        return False
+    if span.contiguous:
+        return True
+    first, last = _runs_within(span, lo, hi)
+    return first <= last
+
+
+EXACT_RUNS = 4096  # ``overlaps`` tests two strided spans of different strides run by run up to this many runs; past it, says True

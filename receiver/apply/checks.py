@@ -10,22 +10,36 @@ from typing import Any
 
 import torch
 
-from protocol.errors import MetadataMismatchError, ProtocolError, StaleVersionError
+from protocol.errors import LimitError, MetadataMismatchError, ProtocolError, StaleVersionError
 from protocol.wire.checksum import state_digest
 from protocol.wire.framing import Message, MessageType, TensorEntry
 from protocol.wire.metadata import ModelMetadata
+from protocol.wire.span import Span
 
-WHOLE = -1  # ``claim``: a tensor written by an entry without a span
+MAX_SPANS = 1024  # ``claim``: span entries of one tensor in one version (past it: LimitError)
+MAX_SPAN_WORK = 1 << 20  # ``claim``: the overlap tests (``Span.overlap_cost``) a version's spans may take (LimitError past it)
 
 
-def check_span(msg: Message, key: int, span: tuple[int, int], shape: tuple[int, ...]) -> None:
-    """A span entry's rules that need the model: only in a patch, 0 <= lo < hi <= numel."""
-    lo, hi = span
+def check_span(msg: Message, key: int, span: Span, shape: tuple[int, ...]) -> None:
+    """A span entry's rules that need the model: only in a patch, within the tensor
+    (``span.hi <= numel``; the rest the wire checked: ``Span.from_wire``)."""
     numel = math.prod(shape)
     if msg.type is not MessageType.PATCH:
         raise ProtocolError(f"{msg.describe()}: tensor {key}: a span entry outside a patch")
-    if not 0 <= lo < hi <= numel:
-        raise ProtocolError(f"{msg.describe()}: tensor {key}: span [{lo}, {hi}) is not within its {numel} elements")
+    if span.hi > numel:
+        raise ProtocolError(f"{msg.describe()}: tensor {key}: span {span} is not within its {numel} elements")
+
+
+class Claims:
+    """What a version's entries wrote so far (``claim``): the tensors written whole, each
+    other tensor's spans (and the end of the last-ending), and the overlap tests made.
+    One version's, filled by one task."""
+
+    def __init__(self) -> None:
+        self.whole: set[int] = set()
+        self.spans: dict[int, list[Span]] = {}
+        self.ends: dict[int, int] = {}  # ordinal -> the largest hi of its spans so far
+        self.work = 0
 
 
 def check_first(msg: Message, bootstrap: bool, data_type: MessageType, current: int | None) -> None:
@@ -55,32 +69,42 @@ def check_same_version(first: Message, msg: Message) -> None:
         raise ProtocolError(f"{msg.describe()} arrived while {first.describe()} was incomplete")
 
 
-def claim(msg: Message, entry: TensorEntry, shapes: Sequence[tuple[int, ...]], seen: dict[int, int]) -> None:
-    """Check that ``entry`` writes what no earlier entry of its version wrote (``seen``:
-    ordinal -> ``WHOLE``, or the end of the last span of it so far), and record it: a
-    tensor travels in one entry, or in span entries only (``TensorEntry.span``), in a
-    patch, each within the tensor and after the one before (across parts too). So every
-    entry covers something new, and a version's entries are bounded by its elements.
-    ``shapes``: the model's, in metadata order."""
+def claim(msg: Message, entry: TensorEntry, shapes: Sequence[tuple[int, ...]], seen: Claims) -> None:
+    """Check that ``entry`` writes what no earlier entry of its version wrote (``seen``),
+    and record it: a tensor travels in one entry, or in span entries only
+    (``TensorEntry.span``), in a patch, each within the tensor and disjoint from the others
+    (in any order, across parts too: interleaved column blocks of tensor-parallel ranks
+    arrive as they come). So every entry covers something new, and a version's entries are
+    bounded by its elements. A span past every earlier one's end is not tested further;
+    others are tested against each (``Span.overlaps``, exact), at most ``MAX_SPANS`` spans
+    a tensor and ``MAX_SPAN_WORK`` test costs a version: a hostile sender's work stays
+    bounded (``LimitError`` past either). ``shapes``: the model's, in metadata order."""
     span = entry.span
     for key in entry.covers:
         if key >= len(shapes):
             raise ProtocolError(f"{msg.describe()}: tensor ordinal {key} out of range or repeated")
-        last = seen.get(key)
         if span is None:
-            if last is not None:
+            if key in seen.whole or key in seen.spans:
                 raise ProtocolError(f"{msg.describe()}: tensor ordinal {key} out of range or repeated"
-                                    + ("" if last == WHOLE else " (a whole entry after span entries of it)"))
-            seen[key] = WHOLE
+                                    + (" (a whole entry after span entries of it)" if key in seen.spans else ""))
+            seen.whole.add(key)
             continue
-        lo, hi = span
         check_span(msg, key, span, shapes[key])
-        if last == WHOLE:
-            raise ProtocolError(f"{msg.describe()}: tensor {key}: a span entry [{lo}, {hi}) beside a whole entry of it")
-        if last is not None and lo < last:
-            raise ProtocolError(f"{msg.describe()}: tensor {key}: span [{lo}, {hi}) overlaps or precedes one ending at {last} "
-                                "(a tensor's spans are disjoint and ascending)")
-        seen[key] = hi
+        if key in seen.whole:
+            raise ProtocolError(f"{msg.describe()}: tensor {key}: a span entry {span} beside a whole entry of it")
+        earlier = seen.spans.setdefault(key, [])
+        if len(earlier) >= MAX_SPANS:
+            raise LimitError("span entries of one tensor in a version", len(earlier) + 1, MAX_SPANS, f"{msg.describe()}: tensor {key}")
+        if span.lo < seen.ends.get(key, 0):  # not past every earlier span: test against each
+            for other in earlier:
+                seen.work += span.overlap_cost(other)
+                if seen.work > MAX_SPAN_WORK:
+                    raise LimitError("overlap tests of a version's span entries", seen.work, MAX_SPAN_WORK, f"{msg.describe()}: tensor {key}")
+                if span.overlaps(other):
+                    raise ProtocolError(f"{msg.describe()}: tensor {key}: span {span} overlaps span {other} "
+                                        "of it (a tensor's spans in a version are disjoint)")
+        earlier.append(span)
+        seen.ends[key] = max(seen.ends.get(key, 0), span.hi)
 
 
 def check_untracked(tensors: Mapping[str, Any], metadata: ModelMetadata, untracked: Sequence[tuple[int, str]]) -> None:

@@ -33,9 +33,9 @@ def decode_part(
         if entry.values is not ValueEncoding.RAW and msg.type is not MessageType.PATCH:
             raise ProtocolError(f"{msg.describe()}: {entry.values.name} values outside a patch")
         device = targets[entry.key].device
-        if entry.span is not None:  # a 1-D tensor of its hi - lo elements
+        if entry.span is not None:  # a 1-D tensor of its span's elements
             check_span(msg, entry.key, entry.span, metadata.shapes[entry.key])
-            return Placement((entry.span[1] - entry.span[0],), metadata.dtypes[entry.key], device)
+            return Placement((entry.span.numel,), metadata.dtypes[entry.key], device)
         if not entry.group:
             return Placement(metadata.shapes[entry.key], metadata.dtypes[entry.key], device)
         dtype = metadata.dtypes[entry.key]
@@ -71,8 +71,8 @@ def decode_part(
         if not entry.group:
             target = targets[entry.key]
             base = target if isinstance(target, torch.Tensor) else None  # read where the entry's values are relative
-            if entry.span is not None and base is not None:  # a span's values are relative to its range
-                base = base.view(-1)[entry.span[0]:entry.span[1]] if base.is_contiguous() else None
+            if entry.span is not None and base is not None:  # a span's values are relative to its elements
+                base = entry.span.of(base.view(-1)) if base.is_contiguous() else None  # a strided block's: not decoded onto
             decoded = decode_entry(
                 entry, msg.frames, where.shape, where.dtype, decode_device, exact_dtype=exact, base=base,
                 target_device=where.device, payload=payload,

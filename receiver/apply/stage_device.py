@@ -26,6 +26,7 @@ from protocol.codec.tensorcodec import DecodedTensor, group_offsets
 from protocol.errors import IntegrityError, ProtocolError
 from protocol.state import Placed
 from protocol.wire.metadata import ModelMetadata
+from protocol.wire.span import Span
 
 from . import fused
 from .commit import StagedUpdate, Target, read_flat
@@ -34,20 +35,29 @@ from .commit import StagedUpdate, Target, read_flat
 @dataclass(frozen=True)
 class Coded:
     """A decoded device-coded entry, its verdict unread: the tensors its run covers
-    (``keys``, one for a lone tensor) and the run's elements (``size``); ``lo`` where a
-    span's run starts in its tensor (0 otherwise)."""
+    (``keys``, one for a lone tensor) and the run's elements (``size``); a span entry's
+    ``span`` (its run's element p is at ``span.positions(p)`` in its tensor), else None."""
 
     decoded: DecodedTensor
     keys: tuple[int, ...]
     size: int
-    lo: int = 0
+    span: Span | None = None
+
+    @property
+    def lo(self) -> int:
+        """Where the run starts in its tensor."""
+        return 0 if self.span is None else self.span.lo
+
+    @property
+    def strided(self) -> bool:
+        return self.span is not None and not self.span.contiguous
 
     @classmethod
-    def of(cls, decoded: DecodedTensor, group: tuple[int, ...], span: tuple[int, int] | None, metadata: ModelMetadata) -> Coded:
+    def of(cls, decoded: DecodedTensor, group: tuple[int, ...], span: Span | None, metadata: ModelMetadata) -> Coded:
         if group:
             return cls(decoded, group, int(group_offsets([metadata.shapes[k] for k in group])[-1]))
         if span is not None:
-            return cls(decoded, (decoded.key,), span[1] - span[0], span[0])
+            return cls(decoded, (decoded.key,), span.numel, span)
         shape = metadata.shapes[decoded.key]
         return cls(decoded, (decoded.key,), int(np.prod(shape, dtype=np.int64)))
 
@@ -99,6 +109,8 @@ def _stage_batch(batch: devicecodec.DecodedBatch, coded: list[Coded], targets: l
     at = 2 * n
     pieces: list[tuple[int, int, int, int]] = []  # (entry, key, first change, end) in the batch
     offsets: list[int] = []  # what each piece's positions lose: its member's start in the run, less a span's lo
+    runs: list[int] = []  # where a strided span is in the batch: each piece's member start, lo, run length and stride
+    strided = any(c.strided for c in coded)
     for j, c in enumerate(coded):
         edges = read[at : at + len(c.keys) + 1]
         at += len(c.keys) + 1
@@ -108,6 +120,8 @@ def _stage_batch(batch: devicecodec.DecodedBatch, coded: list[Coded], targets: l
             if end > start or len(c.keys) == 1:
                 pieces.append((j, key, start, end))
                 offsets.append(int(member_starts[m]) - c.lo)
+                if strided:
+                    runs += _runs(c, int(member_starts[m]), int(member_starts[m + 1] - member_starts[m]))
     if not pieces:
         return [[] for _ in coded]
     lengths = [end - start for _, _, start, end in pieces]
@@ -122,10 +136,13 @@ def _stage_batch(batch: devicecodec.DecodedBatch, coded: list[Coded], targets: l
     fusable = [mine for w, mine in widths.items() if w is not None and fused.usable(_tensors(targets, pieces, mine), device)]
     together = [p for mine in fusable for p in mine]
     addresses = fused.table(_tensors(targets, pieces, together))
-    offset_d, length_d, address_d, fused_length_d = _host_to(device, [offsets, lengths, addresses, [lengths[p] for p in together]])
+    offset_d, length_d, address_d, fused_length_d, runs_d = _host_to(device, [offsets, lengths, addresses, [lengths[p] for p in together], runs])
     covered = sum(lengths)
     first = pieces[0][2]
-    local = batch.flat[first : first + covered] - torch.repeat_interleave(offset_d, length_d, output_size=covered)
+    if strided:  # positions placed in their spans' runs: a few ops for the batch, none a tensor
+        local = _placed(batch.flat[first : first + covered], runs_d.view(-1, 4), length_d, covered)
+    else:
+        local = batch.flat[first : first + covered] - torch.repeat_interleave(offset_d, length_d, output_size=covered)
     diffs = batch.diffs[first : first + covered]
     # pieces tile the batch's changes in order (a verdict True says every change lies in its run)
     if len(fusable) == 1 and len(together) == len(pieces):
@@ -147,6 +164,24 @@ def _stage_batch(batch: devicecodec.DecodedBatch, coded: list[Coded], targets: l
         for j, updates in enumerate(_with_values(sub, sub_local, sub_diffs, 0, targets, len(coded))):
             out[j] += updates
     return out
+
+
+def _runs(c: Coded, start: int, size: int) -> list[int]:
+    """A piece's member start in its run, where the run starts in its tensor and the run's
+    runs (length and stride): a strided span's, else one run of the member's ``size``."""
+    if c.span is not None and c.strided:
+        return [start, c.span.lo, c.span.length, c.span.stride]
+    return [start, c.lo, max(size, 1), max(size, 1)]
+
+
+def _placed(flat: torch.Tensor, runs: torch.Tensor, length_d: torch.Tensor, covered: int) -> torch.Tensor:
+    """The batch's positions (``flat``: each piece's in its entry's run) in their tensors'
+    coordinates, as ``Span.positions`` places them, every piece at once: ``runs`` a piece's
+    (member start, lo, run length, stride), ``length_d`` each piece's changes."""
+    each = torch.repeat_interleave(runs, length_d, dim=0, output_size=covered)
+    rel = flat - each[:, 0]
+    row = torch.div(rel, each[:, 2], rounding_mode="floor")
+    return each[:, 1] + row * each[:, 3] + (rel - row * each[:, 2])
 
 
 def _tensors(targets: list[Target], pieces: list[tuple[int, int, int, int]], chosen: list[int]) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from protocol.wire.framing import Message, MessageType, decode_message, encode_m
 from protocol.wire.messages import ErrorReport, Hello, Welcome
 from protocol.wire.metadata import ModelMetadata
 
-from ..apply.checks import check_first, check_same_version, check_untracked, claim
+from ..apply.checks import Claims, check_first, check_same_version, check_untracked, claim
 from ..apply.commit import StagedUpdate, Target
 from ..apply.decode import decode_part
 from ..stats import ApplyStats
@@ -232,7 +232,7 @@ class ReceiverBase(WriteSide):
         pending = PendingVersion(first.type, first.version, first.base_version, stats=ApplyStats(first.version, kind))
         received = 0
         seqs: list[int] = []  # each part's sequence number, as received: a resent part is the same message
-        seen_keys: dict[int, int] = {}  # ordinal -> WHOLE, or the end of its last span so far (``checks.claim``)
+        seen_keys = Claims()  # what the version's entries wrote so far (``checks.claim``)
         raw: list[Message] = []
         msg = first
         # A held receiver stages, to commit when asked; so does one whose versions commit at a flip

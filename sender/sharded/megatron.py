@@ -98,10 +98,10 @@ class MegatronLayout:
         """This rank's landings as shard keys, in the receivers' order."""
         keys = [
             ShardKey(landing.tensor, plan.ordinals[landing.tensor], plan.dtypes[landing.tensor],
-                     (landing.span.lo, landing.span.hi), landing.param, landing.local)
+                     landing.span, landing.param, landing.local)
             for landing in self.landings if landing.tensor in plan.ordinals
         ]
-        keys.sort(key=lambda k: (k.ordinal, k.span[0]))
+        keys.sort(key=lambda k: (k.ordinal, k.span.lo))
         digest = layout_digest((k, tuple(t.shape)) for k, t in self.meta.items())
         return ShardBuild(self.tensors(), keys, plan, digest)
 

@@ -104,21 +104,22 @@ def local_range(t: torch.Tensor, key: str = "tensor", *, rank: int | None = None
 @dataclass(frozen=True)
 class ShardKey:
     """A tracked tensor this rank compares: its key, the receivers' ordinal and dtype of it,
-    the flat range [lo, hi) of the full tensor its shard holds (not empty), and where this
-    rank holds those elements: ``source``, the rank's tensor (its ``tensors()`` key; "" for
-    ``key`` itself), and ``local``, which of that tensor's local elements, flat, in order
-    (None: all of them; a Megatron layout's landing: ``probe.Landing``)."""
+    the flat elements of the full tensor its shard holds (``span``: a range [lo, hi) under
+    FSDP2, a strided block for a Megatron row-parallel shard; not empty), and where this rank
+    holds them: ``source``, the rank's tensor (its ``tensors()`` key; "" for ``key`` itself),
+    and ``local``, which of that tensor's local elements, flat, in the span's order (None: all
+    of them; a Megatron layout's landing: ``probe.Landing``)."""
 
     key: str
     ordinal: int
     dtype: torch.dtype
-    span: tuple[int, int]
+    span: Span
     source: str = ""
     local: Span | None = None
 
     @property
     def numel(self) -> int:
-        return self.span[1] - self.span[0]
+        return self.span.numel
 
     @property
     def label(self) -> str:
@@ -141,7 +142,7 @@ def shard_keys(
     for key in keys:
         span = local_range(tensors[key], key, rank=rank)
         if span is not None and span[0] < span[1]:
-            out.append(ShardKey(key, ordinals[key], dtypes[key], span))
+            out.append(ShardKey(key, ordinals[key], dtypes[key], Span.range(*span)))
     return out
 
 
@@ -208,7 +209,7 @@ class ShardCompare:
                 local = k.local.of(local).reshape(-1)
             if local.numel() != k.numel:
                 raise MetadataMismatchError(
-                    f"key {k.key!r}: this rank holds {local.numel()} elements, its span [{k.span[0]}, {k.span[1]}) has {k.numel}"
+                    f"key {k.key!r}: this rank holds {local.numel()} elements, its span {k.span} has {k.numel}"
                 )
             out[k.label] = local
         return out
@@ -240,7 +241,7 @@ class ShardCompare:
         return entries
 
     def _as_span(self, entry: EncodedTensor) -> EncodedTensor:
-        """An entry of a shard, coded as a 1-D tensor of its hi - lo elements, as the span
-        entry of [lo, hi) of its tensor under the receivers' ordinal (``spans.as_span``)."""
+        """An entry of a shard, coded as a 1-D tensor of its local elements, as the span
+        entry of its ``ShardKey.span`` of its tensor under the receivers' ordinal (``spans.as_span``)."""
         k = self.keys[entry.key]
         return as_span(entry, k.span, k.ordinal)
