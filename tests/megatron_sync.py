@@ -60,12 +60,15 @@ def state_of(weights: Any) -> dict[str, torch.Tensor]:
 
 
 def differing(held: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
-    """Keys whose held bits differ from the expected ones (or that are missing)."""
+    """Keys whose held bits differ from the expected ones (or that are missing), each with how
+    many elements differ."""
     out = []
     for name, want in expected.items():
         got = held.get(name)
-        if got is None or got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-            out.append(name)
+        if got is None or got.shape != want.shape:
+            out.append(f"{name} (missing or shaped {None if got is None else tuple(got.shape)})")
+        elif not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            out.append(f"{name} ({int((got.view(torch.int16) != want.view(torch.int16)).sum())} of {want.numel()})")
     return out
 
 
@@ -80,7 +83,9 @@ def sync_worker(
     torch.distributed.destroy_process_group()
 
 
-async def _scenario(rank: int, bridge: Any, model: list[torch.nn.Module], hf_dir: str, tokens: torch.Tensor, hidden: int, scenario: Scenario) -> dict[str, Any]:
+async def _scenario(
+    rank: int, bridge: Any, model: list[torch.nn.Module], hf_dir: str, tokens: torch.Tensor, hidden: int, scenario: Scenario
+) -> dict[str, Any]:
     from protocol.errors import GatherOrderError
     from receiver import Receiver
     from sender import Sender
@@ -89,7 +94,7 @@ async def _scenario(rank: int, bridge: Any, model: list[torch.nn.Module], hf_dir
 
     layout = MegatronLayout(bridge, model)
     sharded = ShardedSync(layout, timeout=60)
-    out: dict[str, Any] = {"landings": [[l.tensor, l.param, l.local.to_wire(), l.span.to_wire()] for l in layout.landings],
+    out: dict[str, Any] = {"landings": [[x.tensor, x.param, x.local.to_wire(), x.span.to_wire()] for x in layout.landings],
                            "versions": [], "exports_at_start": layout.stats.gathers}
     config = {"weight_syncer": {"type": "patch", "patch": {"codec": scenario.codec, "part_bytes": 4096}}}
     async with contextlib.AsyncExitStack() as stack:
@@ -125,6 +130,9 @@ async def _scenario(rank: int, bridge: Any, model: list[torch.nn.Module], hf_dir
             for receiver, weights in receivers:
                 await receiver.wait_for_version(version, timeout=60)
                 async with receiver.reading():
+                    import os
+                    if os.environ.get("M59_DUMP"):
+                        torch.save({"held": {k: v.clone() for k, v in state_of(weights).items()}, "expected": expected}, f"{os.environ['M59_DUMP']}/v{version}-{receiver.identity}.pt")
                     found.append([receiver.identity, differing(state_of(weights), expected), len(expected)])
             return found
 

@@ -64,7 +64,7 @@ def test_receivers_hold_the_bridge_export_of_every_step(megatron: None, tmp_path
         for tensor, _, _, span in r["landings"]:
             lo, hi, *rest = span
             covered[tensor] = covered.get(tensor, 0) + (hi - lo if not rest else rest[0] * ((hi - lo - rest[0]) // rest[1] + 1))
-    strided = [l for r in results for l in r["landings"] if len(l[3]) == 4]
+    strided = [x for r in results for x in r["landings"] if len(x[3]) == 4]
     if layout.tp > 1 or layout.pp > 1:
         assert strided, "a row-parallel weight or a multi-group QKV is a strided block"
     for version in leader["versions"]:
