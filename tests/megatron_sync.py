@@ -130,9 +130,6 @@ async def _scenario(
             for receiver, weights in receivers:
                 await receiver.wait_for_version(version, timeout=60)
                 async with receiver.reading():
-                    import os
-                    if os.environ.get("M59_DUMP"):
-                        torch.save({"held": {k: v.clone() for k, v in state_of(weights).items()}, "expected": expected}, f"{os.environ['M59_DUMP']}/v{version}-{receiver.identity}.pt")
                     found.append([receiver.identity, differing(state_of(weights), expected), len(expected)])
             return found
 
