@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from protocol.errors import ConfigError
-from protocol.state import resolve_state, state_tensors
+from protocol.state import find_aliases, resolve_state, state_tensors
 
 
 class Tied(nn.Module):
@@ -41,3 +41,12 @@ def test_a_state_that_is_not_named_tensors_is_a_config_error(bad: object) -> Non
     for resolve in (state_tensors, resolve_state):
         with pytest.raises(ConfigError):
             resolve(bad)  # type: ignore[arg-type]
+
+
+def test_meta_tensors_are_never_taken_for_ties() -> None:
+    """A shape-only view of a model (a sharded trainer's checkpoint names: every tensor ``meta``,
+    every storage pointer 0) has no ties; a real shared storage still is one."""
+    meta = {n: torch.empty(4, 4, device="meta") for n in ("a", "b", "c")}
+    assert find_aliases(meta) == {}
+    shared = torch.zeros(4, 4)
+    assert find_aliases({"a": shared, "b": torch.zeros(4, 4), "c": shared}) == {"c": "a"}
