@@ -144,8 +144,10 @@ def _identity(t: torch.Tensor) -> tuple[object, ...] | None:
     if isinstance(t, Placed):
         return None  # its own placement says where it lives; no storage to share
     local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
-    if local.numel() == 0 or local.device.type == "meta":
-        return None  # no storage: a meta tensor (a shape-only view of a model) shares none
+    if local.numel() == 0:
+        return None
+    if local.device.type == "meta":  # no storage (a shape-only view of a model): one object under two names is a tie
+        return ("meta", id(local))
     ptr = local.untyped_storage().data_ptr()
     return (local.device, ptr, local.storage_offset(), tuple(local.shape), local.stride(), local.dtype)
 

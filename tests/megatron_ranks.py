@@ -7,8 +7,8 @@ tests/megatron_env.py first. Everything a rank finds is returned through files i
 (``torch.save``), never by assertion in the parent's place: the parent checks them.
 
 Also here: ``train_step`` (one microbatch, forward/backward by hand across pipeline stages, AdamW)
-and the probe map (``probe_codes``, ``decode_map``, ``Feed``): where each local element lands in
-the bridge's ``export_hf_weights``, found by exporting integer codes (NOTES-59.md, section 4).
+and ``hf_loss`` (Hugging Face's loss on the same tokens: the step's reference). The sync scenario
+that runs in these ranks: ``tests/megatron_sync.py``.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def train_step(model: list[torch.nn.Module], tokens: torch.Tensor, hidden: int, 
     prev_rank, next_rank = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
     received: torch.Tensor | None = None
     if not first:  # activations are [s, b, h] between Megatron stages
-        received = torch.empty(seq, 1, hidden, requires_grad=False)
+        received = torch.empty(seq, 1, hidden, dtype=next(chunk.parameters()).dtype)  # bf16 parameters: bf16 activations
         torch.distributed.recv(received, src=prev_rank, group=group)
         received.requires_grad_(True)
     chunk.set_input_tensor(received)
@@ -212,162 +212,6 @@ def train_step(model: list[torch.nn.Module], tokens: torch.Tensor, hidden: int, 
     return loss
 
 
-# ---------------------------------------------------------------------------------------------
-# The probe map: where each local element lands in the bridge's export, found by exporting codes.
-
-CODE_LIMIT = 1 << 24  # every integer up to 2**24 is exact in fp32
-
-
-def local_params(model: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
-    """This rank's parameters in a fixed order, named ``{chunk}.{megatron name}``."""
-    return [(f"{i}.{n}", p) for i, chunk in enumerate(model) for n, p in chunk.named_parameters()]
-
-
-def probe_codes(bridge: Any, model: list[torch.nn.Module], descending: bool = False) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """Fill every local element of every rank with a distinct integer code (1 + its global number;
-    0 means "fed by nothing"), export through the bridge, restore the weights. Returns the export as
-    int64 codes and every rank's first code (rank r owns codes [bases[r], bases[r+1])).
-
-    ``descending``: fill with last + 1 - code instead and map back, so a second probe that agrees
-    with the first rules out a bridge that moves values AND shifts them (a +1 on a zero-centred
-    norm would decode to the next element in one order and the previous one in the other)."""
-    params = local_params(model)
-    total = sum(p.numel() for _, p in params)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(sizes, torch.tensor([total]))
-    bases = [1]
-    for s in sizes:
-        bases.append(bases[-1] + int(s))
-    if bases[-1] > CODE_LIMIT:
-        raise ValueError(f"{bases[-1]} codes do not fit fp32's exact integers")
-    rank = torch.distributed.get_rank()
-    # fp32 holds every code exactly; a bf16 parameter's storage is swapped for an fp32 one for the
-    # probe (p.data = ...), and the original storage put back after it.
-    saved = [p.detach().clone() if p.dtype == torch.float32 else p.data for _, p in params]
-    with torch.no_grad():
-        code = bases[rank]
-        for _, p in params:
-            if p.dtype != torch.float32:
-                p.data = torch.empty(p.shape, dtype=torch.float32)
-            numbers = torch.arange(code, code + p.numel(), dtype=torch.float64)
-            p.copy_((bases[-1] - numbers if descending else numbers).reshape(p.shape))
-            code += p.numel()
-    try:
-        exported = export(bridge, model)
-    finally:
-        with torch.no_grad():
-            for (_, p), s in zip(params, saved):
-                if p.data.dtype != s.dtype:
-                    p.data = s
-                else:
-                    p.copy_(s)
-    codes: dict[str, torch.Tensor] = {}
-    for name, t in exported.items():
-        flat = t.flatten().to(torch.float64)
-        as_int = flat.round()
-        if not torch.equal(as_int, flat):
-            raise ValueError(f"{name}: the bridge transformed probe values (not only moved them)")
-        as_codes = as_int.to(torch.int64)
-        codes[name] = torch.where(as_codes == 0, 0, bases[-1] - as_codes) if descending else as_codes
-    return codes, bases
-
-
-@dataclass
-class Feed:
-    """Where one local parameter lands in one HF tensor: flat indices, sorted by local index."""
-
-    hf_name: str
-    local_index: torch.Tensor
-    hf_index: torch.Tensor
-
-    def spans(self) -> list[tuple[int, int, int]]:
-        """Maximal runs (local_start, hf_start, length) where both indices step by one."""
-        li, hi = self.local_index, self.hf_index
-        breaks = ((li[1:] - li[:-1] != 1) | (hi[1:] - hi[:-1] != 1)).nonzero().flatten() + 1
-        starts = [0, *breaks.tolist()]
-        ends = [*breaks.tolist(), len(li)]
-        return [(int(li[a]), int(hi[a]), b - a) for a, b in zip(starts, ends)]
-
-    def blocks(self) -> list[tuple[int, int, int, int, int, int]]:
-        """The spans folded into strided blocks (local_start, hf_start, length, count, local_stride,
-        hf_stride): consecutive spans of one length whose starts step evenly on both sides."""
-        out: list[tuple[int, int, int, int, int, int]] = []
-        for ls, hs, n in self.spans():
-            if out:
-                l0, h0, m, count, lstep, hstep = out[-1]
-                if m == n and count == 1:
-                    out[-1] = (l0, h0, m, 2, ls - l0, hs - h0)
-                    continue
-                if m == n and ls - (l0 + (count - 1) * lstep) == lstep and hs - (h0 + (count - 1) * hstep) == hstep:
-                    out[-1] = (l0, h0, m, count + 1, lstep, hstep)
-                    continue
-            out.append((ls, hs, n, 1, 0, 0))
-        return out
-
-
-def decode_map(codes: dict[str, torch.Tensor], bases: list[int], rank: int, model: list[torch.nn.Module]) -> dict[str, list[Feed]]:
-    """This rank's map: per local parameter, the HF tensors it feeds and where, from its own codes."""
-    params = local_params(model)
-    starts = [bases[rank]]
-    for _, p in params:
-        starts.append(starts[-1] + p.numel())
-    first, stop = bases[rank], bases[rank + 1]
-    table = torch.tensor(starts)
-    out: dict[str, list[Feed]] = {n: [] for n, _ in params}
-    for hf_name, c in codes.items():
-        mine = ((c >= first) & (c < stop)).nonzero().flatten()
-        if mine.numel() == 0:
-            continue
-        which = torch.searchsorted(table, c[mine], right=True) - 1
-        for k in which.unique().tolist():
-            sel = mine[which == k]
-            local = c[sel] - starts[k]
-            order = torch.argsort(local)
-            out[params[k][0]].append(Feed(hf_name, local[order], sel[order]))
-    return out
-
-
-def probe_worker(
-    rank: int, world: int, port: int, hf_dir: str, layout: Layout, moe: bool, out_dir: str, tokens: torch.Tensor, hidden: int,
-    train: bool = True,
-) -> None:
-    """Build and load; export (vs the checkpoint, in the parent); record the probe map; one real
-    training step (``train``: Megatron refuses to train MoE at TP > 1 without sequence parallelism,
-    which the local spec's torch norms refuse); export again. Saves all of it, with the local
-    parameters after the step (``loss`` None where no step ran or on a non-last stage)."""
-    import time
-
-    init_rank(rank, world, port)
-    bridge, model = build(hf_dir, layout, moe)
-    loaded = export(bridge, model)
-    t = time.monotonic()
-    codes, bases = probe_codes(bridge, model)
-    again, _ = probe_codes(bridge, model, descending=True)
-    disagree = sorted(name for name in codes if not torch.equal(codes[name], again[name]))
-    feeds = decode_map(codes, bases, rank, model)  # what this rank's own export took from it
-    # A replicated parameter (TP-replicated norms; dense parameters on the EP ranks) lands in each
-    # rank's export from that rank's own copy. One owner sends it: the rank whose codes global rank
-    # 0's export holds, so every rank decodes rank 0's codes for the map the sender would use.
-    agreed = {}
-    for name in sorted(codes):
-        c = codes[name].clone()
-        torch.distributed.broadcast(c, src=0)
-        agreed[name] = c
-    owned = decode_map(agreed, bases, rank, model)
-    probe_s = time.monotonic() - t
-    t = time.monotonic()
-    loss = train_step(model, tokens, hidden) if train else None
-    step_s = time.monotonic() - t
-    after = export(bridge, model)
-    local = {n: p.detach().clone() for n, p in local_params(model)}
-    torch.save(
-        {"loaded": loaded, "codes": codes, "bases": bases, "feeds": feeds, "owned": owned, "disagree": disagree, "loss": loss, "after": after,
-         "local": local, "probe_s": probe_s, "step_s": step_s},
-        Path(out_dir) / f"rank{rank}.pt",
-    )
-    torch.distributed.destroy_process_group()
-
-
 def hf_loss(hf_dir: str, tokens: torch.Tensor) -> float:
     """Hugging Face's mean next-token loss on ``tokens`` (the reference for train_step's)."""
     import transformers
@@ -376,41 +220,3 @@ def hf_loss(hf_dir: str, tokens: torch.Tensor) -> float:
     with torch.no_grad():
         logits = model(tokens[:, :-1]).logits
     return float(torch.nn.functional.cross_entropy(logits[0], tokens[0, 1:]))
-
-
-def scatter_through_maps(
-    results: list[dict[str, Any]], shapes: dict[str, torch.Size], key: str = "owned"
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Every HF tensor rebuilt from every rank's local parameters through its probe map alone:
-    (values, how many local elements landed on each position)."""
-    dtype = next(iter(results[0]["local"].values())).dtype  # the parameters' (fp32 or bf16)
-    rebuilt = {n: (torch.zeros(s, dtype=dtype).flatten(), torch.zeros(s, dtype=torch.int64).flatten()) for n, s in shapes.items()}
-    for res in results:
-        for local_name, feeds in res[key].items():
-            flat = res["local"][local_name].flatten()
-            for f in feeds:
-                values, hits = rebuilt[f.hf_name]
-                values[f.hf_index] = flat[f.local_index]
-                hits[f.hf_index] += 1
-    return rebuilt
-
-
-def shifted_export_worker(rank: int, world: int, port: int, hf_dir: str, layout: Layout, out_dir: str, shifted: str) -> None:
-    """The probe against a bridge that moves AND shifts one tensor's values (+1, as a zero-centred
-    norm's conversion would): the export is wrapped here to add 1 to ``shifted`` (a fault injected
-    by the test, standing for such a bridge). Saves both probes' disagreements and whether the
-    ascending probe alone decoded without complaint."""
-    init_rank(rank, world, port)
-    bridge, model = build(hf_dir, layout, False)
-    real = bridge.export_hf_weights
-
-    def shifting(*args: Any, **kwargs: Any) -> Any:
-        for name, t in real(*args, **kwargs):
-            yield name, (t + 1 if name == shifted else t)
-
-    bridge.export_hf_weights = shifting
-    codes, bases = probe_codes(bridge, model)
-    again, _ = probe_codes(bridge, model, descending=True)
-    disagree = sorted(name for name in codes if not torch.equal(codes[name], again[name]))
-    torch.save({"disagree": disagree, "decoded": bool(decode_map(codes, bases, rank, model))}, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ class Scenario:
     hf_model: bool = True
     late_after: int = 2  # a second receiver joins after this version
     fail_rank: int | None = None  # this rank's part fails at the last version + 1 (then a resync version)
-    extra: dict[str, Any] = field(default_factory=dict)
+    train: bool = True  # False: each "step" adds seeded noise to every local parameter (Megatron does not train MoE at TP > 1 here)
 
 
 def receiver_model(hf_dir: str, hf_model: bool, names: dict[str, torch.Tensor], seed: int) -> Any:
@@ -72,13 +73,37 @@ def differing(held: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
     return out
 
 
+def perturb(model: list[torch.nn.Module], version: int, scale: float) -> None:
+    """Seeded noise on every local parameter: the same for a parameter's replicas on every rank
+    (its name and shape seed it), so replicated parameters stay alike, as training keeps them."""
+    with torch.no_grad():
+        for i, chunk in enumerate(model):
+            for name, p in chunk.named_parameters():
+                g = torch.Generator().manual_seed(zlib.crc32(f"{version}/{i}/{name}/{tuple(p.shape)}".encode()))
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale)
+
+
+def step(model: list[torch.nn.Module], tokens: torch.Tensor, hidden: int, version: int, lr: float, train: bool) -> float | None:
+    if train:
+        return train_step(model, tokens, hidden, lr=lr)
+    perturb(model, version, lr)
+    return None
+
+
 def sync_worker(
     rank: int, world: int, port: int, hf_dir: str, layout: Layout, moe: bool, out_dir: str, tokens: torch.Tensor, hidden: int,
     scenario: Scenario,
 ) -> None:
     init_rank(rank, world, port)
     bridge, model = build(hf_dir, layout, moe)
+    loaded = {n: t.detach().clone() for n, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
     out = asyncio.run(_scenario(rank, bridge, model, hf_dir, tokens, hidden, scenario))
+    if rank == 0:  # the bridge's export of the loaded model is the checkpoint (in the parameters' dtype)
+        from safetensors.torch import load_file
+
+        checkpoint = load_file(str(Path(hf_dir) / "model.safetensors"))
+        out["loaded_is_checkpoint"] = sorted(loaded) == sorted(checkpoint) and all(
+            torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in checkpoint.items())
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     torch.distributed.destroy_process_group()
 
@@ -114,6 +139,8 @@ async def _scenario(
             joining.append(asyncio.ensure_future(receiver.start()))
             deadline = asyncio.get_running_loop().time() + 30
             while not sender.bootstrap_wanted:  # bootstrapped at the next version
+                if joining[-1].done():
+                    joining[-1].result()  # its start failed: say why
                 if asyncio.get_running_loop().time() > deadline:
                     raise TimeoutError("no receiver asked for a bootstrap")
                 await asyncio.sleep(0.01)
@@ -136,9 +163,9 @@ async def _scenario(
         if rank == 0:
             await join()
         for version, lr in enumerate(scenario.lrs, start=1):
-            train_step(model, tokens, hidden, lr=lr)
+            loss = step(model, tokens, hidden, version, lr, scenario.train)
             stats = await sharded.sync(sender, version)
-            record: dict[str, Any] = {"version": version, "exported": list(sharded.stats.last), "checks": await check(version)}
+            record: dict[str, Any] = {"version": version, "exported": list(sharded.stats.last), "checks": await check(version), "loss": loss}
             if stats is not None:
                 record.update(changed=stats.changed_elements, total=stats.total_elements, dense=stats.tensors_dense,
                               tensors=stats.tensors_changed, wire=stats.wire_bytes)
@@ -148,7 +175,7 @@ async def _scenario(
         version = len(scenario.lrs)
         if scenario.fail_rank is not None:  # one rank's part fails: every rank raises, nothing published
             version += 1
-            train_step(model, tokens, hidden, lr=1e-4)
+            step(model, tokens, hidden, version, 1e-4, scenario.train)
             build_ = sharded._build
             assert build_ is not None
             real = build_.part
@@ -165,7 +192,7 @@ async def _scenario(
                 build_.part = real  # type: ignore[method-assign]
             out["after_failure"] = None if sender is None else sender.version
             version += 1
-            train_step(model, tokens, hidden, lr=1e-4)
+            step(model, tokens, hidden, version, 1e-4, scenario.train)
             await sharded.sync(sender, version)  # every receiver resynced by bootstrap
             out["resync"] = {"version": version, "exported": list(sharded.stats.last), "checks": await check(version)}
         if sender is not None:

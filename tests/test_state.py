@@ -43,10 +43,12 @@ def test_a_state_that_is_not_named_tensors_is_a_config_error(bad: object) -> Non
             resolve(bad)  # type: ignore[arg-type]
 
 
-def test_meta_tensors_are_never_taken_for_ties() -> None:
+def test_meta_tensors_are_tied_only_as_one_object() -> None:
     """A shape-only view of a model (a sharded trainer's checkpoint names: every tensor ``meta``,
-    every storage pointer 0) has no ties; a real shared storage still is one."""
+    every storage pointer 0) is tied only where one tensor object has two names; a real shared
+    storage still is a tie."""
     meta = {n: torch.empty(4, 4, device="meta") for n in ("a", "b", "c")}
     assert find_aliases(meta) == {}
+    assert find_aliases({**meta, "d": meta["b"]}) == {"d": "b"}
     shared = torch.zeros(4, 4)
     assert find_aliases({"a": shared, "b": torch.zeros(4, 4), "c": shared}) == {"c": "a"}

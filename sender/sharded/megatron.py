@@ -25,7 +25,7 @@ tracked (the export names them all); frozen parameters are not told apart.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -45,6 +45,22 @@ from .shards import ShardKey
 T = TypeVar("T")
 
 
+def tied_names(bridge: Any) -> dict[str, str]:
+    """The checkpoint ties of the bridge's Hugging Face model (alias -> canonical): its
+    architecture's ``_tied_weights_keys`` when its config ties word embeddings, else none."""
+    config = getattr(getattr(bridge, "hf_pretrained", None), "config", None)
+    if config is None or not getattr(config, "tie_word_embeddings", False):
+        return {}
+    import transformers
+
+    ties: dict[str, str] = {}
+    for name in getattr(config, "architectures", None) or []:
+        tied = getattr(getattr(transformers, name, None), "_tied_weights_keys", None)
+        if isinstance(tied, Mapping):
+            ties.update({str(a): str(c) for a, c in tied.items()})
+    return ties
+
+
 def local_parameters(model: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """A rank's parameters in a fixed order, named as the model names them (prefixed by the
     chunk's index where there are several: virtual pipeline stages)."""
@@ -55,11 +71,20 @@ def local_parameters(model: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter
 class MegatronLayout:
     """A Megatron-core model's layout for ``ShardedSync`` (its ``ShardLayout``): every rank
     builds one, in lockstep (a collective), from the bridge and its model chunks (what
-    ``provide_distributed_model`` returned). ``group``: the trainer's ranks (default: the world)."""
+    ``provide_distributed_model`` returned). ``group``: the trainer's ranks (default: the world).
+
+    ``ties``: checkpoint names the export leaves out because they are another tensor
+    (alias -> canonical; default ``tied_names(bridge)``: the Hugging Face model's own tied
+    keys when its config ties word embeddings). Rollouts that hold the tie (a transformers
+    model's ``lm_head.weight`` sharing ``embed_tokens``' storage) are told it at the handshake,
+    as by any trainer holding it; an alias whose canonical tensor the export lacks is dropped."""
 
     gathers = False
 
-    def __init__(self, bridge: Any, model: nn.Module | Sequence[nn.Module], *, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, bridge: Any, model: nn.Module | Sequence[nn.Module], *, group: dist.ProcessGroup | None = None,
+        ties: Mapping[str, str] | None = None,
+    ) -> None:
         self.bridge = bridge
         self.model = [model] if isinstance(model, nn.Module) else list(model)
         self.group = group
@@ -68,8 +93,10 @@ class MegatronLayout:
         found = probe(self.params, self._raw_export, group)
         self.landings: tuple[Landing, ...] = found.landings
         self.meta = verify(self.params, self.landings, self._raw_export(), group)  # checkpoint name -> meta tensor
+        self.ties = {a: c for a, c in (tied_names(bridge) if ties is None else dict(ties)).items() if c in self.meta and a not in self.meta}
+        for alias, canonical in self.ties.items():  # the same meta tensor under both names: a tie the Sender sees
+            self.meta[alias] = self.meta[canonical]
         self.trainable_keys = list(self.meta)
-        self._exported: dict[str, torch.Tensor] | None = None
 
     def _raw_export(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.bridge.export_hf_weights(self.model, cpu=True, show_progress=False))
@@ -117,5 +144,5 @@ class MegatronLayout:
         """The bootstrap of ``keys`` at ``version`` from the bridge's export (every rank exports;
         the leader keeps the tensors until the messages are built)."""
         exported = await asyncio.to_thread(dict, self.export())
-        _, messages = plan.bootstrap(version, exported.__getitem__, list(keys))
+        _, messages = plan.bootstrap(version, lambda key: exported[self.ties.get(key, key)], list(keys))
         return await asyncio.to_thread(list, messages)
