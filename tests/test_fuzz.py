@@ -9,7 +9,7 @@ versions, and the ACK / NACK / HEARTBEAT control messages the receiver daemon se
 
 Hypothesis mutates them: bit flips and byte overwrites in any frame, truncation and
 extension, dropped / duplicated / reordered / spliced frames and messages, and header
-fields rewritten through msgpack, spans given to entries (protocol 6). Most cases are then
+fields rewritten through msgpack, spans given to entries (ranges and strided blocks). Most cases are then
 *resealed*: frame checksums, sizes and the header checksum recomputed, so the corruption gets past framing and has to be
 caught by what is behind it (the entropy decoders, index bounds, size and dtype rules); a
 device-coded payload is also damaged with its own checksum recomputed, for the device
