@@ -163,6 +163,7 @@ def _spans_and_large(pairs: list[tuple[torch.dtype, torch.dtype]]) -> None:
     ``fastdiff.PARALLEL_MIN`` elements, or whose changes overflow the room expected for them."""
     from protocol.codec.spans import encode_dense_span, encode_span
     from protocol.codec.tensorcodec import PatchOptions
+    from protocol.wire.span import Span
     from sender.diff import fastdiff
 
     for model_dtype, receiver_dtype in pairs:
@@ -172,8 +173,8 @@ def _spans_and_large(pairs: list[tuple[torch.dtype, torch.dtype]]) -> None:
             flat = torch.sort(torch.randperm(2000, generator=g)[:nnz]).values.to(torch.int32)
             old = target[1000:3000][flat.long()].clone()
             new = old + 1 if not receiver_dtype.is_floating_point else (old.float() * 1.01).to(receiver_dtype)
-            _apply_span(encode_span(0, (1000, 3000), flat, new, old, PatchOptions()), target, receiver_dtype)
-        _apply_span(encode_dense_span(0, (0, 1000), target[:1000] + 1, PatchOptions().codec), target, receiver_dtype)
+            _apply_span(encode_span(0, Span.range(1000, 3000), flat, new, old, PatchOptions()), target, receiver_dtype)
+        _apply_span(encode_dense_span(0, Span.range(0, 1000), target[:1000] + 1, PatchOptions().codec), target, receiver_dtype)
         state = _values((fastdiff.PARALLEL_MIN + 5,), model_dtype, g)
         if not fastdiff.supported(state, state.to(receiver_dtype)):
             continue
@@ -192,8 +193,8 @@ def _apply_span(entry: Any, target: torch.Tensor, dtype: torch.dtype) -> None:
 
     (spec,), frames = assemble([entry])
     frames = [bytes(f) for f in frames]
-    lo, hi = spec.span
-    decoded = at_span(decode_entry(spec, frames, (hi - lo,), dtype, torch.device("cpu"), base=target[lo:hi]), (lo, hi))
+    span = spec.span
+    decoded = at_span(decode_entry(spec, frames, (span.numel,), dtype, torch.device("cpu"), base=span.of(target)), span)
     write(target, StagedUpdate.stage(decoded, target))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from protocol.wire.framing import (
     peek_type,
 )
 from protocol.wire.metadata import ModelMetadata
+from protocol.wire.span import Span
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "examples" / "config" / "weight_syncer"
@@ -133,13 +135,43 @@ def test_header_carries_protocol_version_and_checksum():
     assert type(header["hsum"]) is int
 
 
-@pytest.mark.parametrize("proto", [0, PROTOCOL_VERSION + 1, 99])
+@pytest.mark.parametrize("proto", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 99])
 def test_protocol_version_mismatch(proto):
     frames = to_bytes(encode_message(Message(MessageType.HELLO)))
     header = header_of(frames)
     header["proto"] = proto
     with pytest.raises(ProtocolError, match=f"protocol version {proto}"):
         decode_message([reseal(header)])
+
+
+def spanned_message(span: Span) -> list[bytes]:
+    entry = dataclasses.replace(encode_dense(3, torch.ones(span.numel), Codec.NONE), span=span)
+    tensors, frames = assemble([entry])
+    return to_bytes(encode_message(Message(MessageType.PATCH, version=2, base_version=1, tensors=tensors, frames=frames)))
+
+
+@pytest.mark.parametrize("span", [Span.range(5, 17), Span(3, 4, 5, 10), Span(0, 2, 3, 2)], ids=["range", "strided", "runs-end-to-end"])
+def test_span_entries_roundtrip(span: Span) -> None:
+    """A range travels as protocol 6 wrote it ([lo, hi]); a strided block as [lo, hi, length, stride]."""
+    frames = spanned_message(span)
+    wire = header_of(frames)["tensors"][0][-1]
+    assert wire == {"s": [span.lo, span.hi] if span.count == 1 else [span.lo, span.hi, span.length, span.stride]}
+    (entry,) = decode_message(frames).tensors
+    assert entry.span == span
+
+
+@pytest.mark.parametrize("raw", [
+    {"s": [0, 10, 3, 4]},  # runs of 3 every 4 from 0 do not end at 10
+    {"s": [0, 10, 4, 3]},  # stride below length
+    {"s": [0, 4, 4, 8]},  # one run in the four-item form
+    {"s": [4, 4]}, {"s": [0, 4, 1]}, {"s": "0-4"}, {"t": [0, 4]}, {"s": [0, 4], "x": 1}, {"s": [0, 4.0]},
+])
+def test_malformed_spans_are_refused_by_the_framing(raw: dict) -> None:
+    frames = spanned_message(Span.range(0, 4))
+    header = header_of(frames)
+    header["tensors"][0][-1] = raw
+    with pytest.raises(ProtocolError, match="tensor 3"):
+        decode_message([reseal(header), *frames[1:]])
 
 
 @pytest.mark.parametrize("raw_type", [0, max(MessageType) + 1, 255, 2**40])

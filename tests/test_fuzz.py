@@ -9,7 +9,7 @@ versions, and the ACK / NACK / HEARTBEAT control messages the receiver daemon se
 
 Hypothesis mutates them: bit flips and byte overwrites in any frame, truncation and
 extension, dropped / duplicated / reordered / spliced frames and messages, and header
-fields rewritten through msgpack, spans given to entries (protocol 6). Most cases are then
+fields rewritten through msgpack, spans given to entries (ranges and strided blocks). Most cases are then
 *resealed*: frame checksums, sizes and the header checksum recomputed, so the corruption gets past framing and has to be
 caught by what is behind it (the entropy decoders, index bounds, size and dtype rules); a
 device-coded payload is also damaged with its own checksum recomputed, for the device
@@ -552,10 +552,11 @@ def edit_manifest(data: st.DataObject, header: dict[str, Any]) -> None:
 
 
 def edit_span(data: st.DataObject, header: dict[str, Any]) -> None:
-    """Give a tensor entry a span (protocol 6: a last item {"s": [lo, hi]}, flat elements
-    [lo, hi) of its tensor, coded as a tensor of hi - lo elements), or rewrite the one it
-    has: around its nnz (a dense entry's [0, nnz) is its whole tensor, and valid), empty,
-    reversed, past the tensor, or not a span at all."""
+    """Give a tensor entry a span (a last item {"s": [lo, hi]}, flat elements [lo, hi) of its
+    tensor, coded as a tensor of hi - lo elements; or {"s": [lo, hi, length, stride]}, a
+    strided block of runs, protocol 7), or rewrite the one it has: around its nnz (a dense
+    entry's [0, nnz) is its whole tensor, and valid), empty, reversed, past the tensor, runs
+    that overlap, do not end at hi or number one, or not a span at all."""
     tensors = header.get("tensors")
     if not isinstance(tensors, list) or not tensors:
         return edit_anywhere(data, header)
@@ -565,7 +566,14 @@ def edit_span(data: st.DataObject, header: dict[str, Any]) -> None:
     nnz = entry[3] if type(entry[3]) is int else 0
     lo = data.draw(st.one_of(st.integers(0, 64), st.sampled_from(INTERESTING_INTS), st.just(nnz)))
     hi = data.draw(st.one_of(st.just(lo + nnz), near(lo + nnz), st.integers(-2, 2**20), st.just(lo)))
-    span: Any = {"s": [lo, hi]} if data.draw(st.integers(0, 5)) else data.draw(st.one_of(st.just({}), near(None)))
+    wire: list[Any] = [lo, hi]
+    if data.draw(st.booleans()):  # strided: runs of ``length`` every ``stride``, often ending at hi
+        length = data.draw(st.one_of(st.integers(-1, 8), st.sampled_from(INTERESTING_INTS)))
+        stride = data.draw(st.one_of(st.integers(-1, 16), st.sampled_from(INTERESTING_INTS), st.just(length)))
+        if data.draw(st.booleans()) and type(length) is int and type(stride) is int and length > 0 and stride > 0:
+            hi = min(lo + length + stride * data.draw(st.integers(0, 64)), 2**63 - 1)
+        wire = [lo, hi, length, stride]
+    span: Any = {"s": wire} if data.draw(st.integers(0, 5)) else data.draw(st.one_of(st.just({}), near(None)))
     if isinstance(entry[-1], dict):
         entry[-1] = span
     else:

@@ -34,7 +34,7 @@ from protocol.codec.tensorcodec import (
     encode_sparse,
     pack_entry,
 )
-from protocol.errors import IntegrityError, ProtocolError, WeightSyncError
+from protocol.errors import IntegrityError, LimitError, ProtocolError, WeightSyncError
 from protocol.wire.checksum import checksum
 from protocol.wire.dtypes import dtype_code
 from protocol.wire.framing import (
@@ -47,6 +47,9 @@ from protocol.wire.framing import (
     decode_message,
     encode_message,
 )
+from protocol.wire.span import Span
+from receiver.apply import checks
+from receiver.apply.checks import MAX_SPANS
 
 CPU = torch.device("cpu")
 Targets = dict[int, tuple[tuple[int, ...], torch.dtype]]
@@ -785,7 +788,7 @@ async def test_a_hostile_device_coded_patch_leaves_the_receiver_untouched(name: 
     assert all(torch.equal(model[k].view(torch.int16), before[k].view(torch.int16)) for k in model)
 
 
-# --------------------------------------------------------------------------- span entries (protocol 6)
+# --------------------------------------------------------------------------- span entries (protocols 6 and 7)
 
 SPAN_NUMEL = 5000  # tensor 0: bf16 (50, 100); tensor 1: bf16 (300,)
 
@@ -797,7 +800,35 @@ def span_of(lo: int, hi: int, options: PatchOptions | None = None, key: int = 0,
     gen = torch.Generator().manual_seed(lo)
     old = torch.randn(local.numel(), generator=gen).to(BF16)
     new = (old.view(torch.int16) + 1).view(BF16)
-    return encode_span(key, (lo, hi), local, new, old, options or PatchOptions(dense_above=1.0, device_codec=False))
+    return encode_span(key, Span.range(lo, hi), local, new, old, options or PatchOptions(dense_above=1.0, device_codec=False))
+
+
+def columns_of(c0: int, c1: int, options: PatchOptions | None = None, every: int = 7, rows: int = 50) -> EncodedTensor:
+    """Changes at every ``every``-th element of columns [c0, c1) of the first ``rows`` rows of
+    tensor 0 (bf16 (50, 100)): a strided span entry, as a tensor-parallel rank holding that
+    column block would send it."""
+    span = Span(c0, c1 - c0, rows, 100)
+    local = torch.arange(0, span.numel, every)
+    gen = torch.Generator().manual_seed(c0)
+    old = torch.randn(local.numel(), generator=gen).to(BF16)
+    new = (old.view(torch.int16) + 1).view(BF16)
+    return encode_span(0, span, local, new, old, options or PatchOptions(dense_above=1.0, device_codec=False))
+
+
+class RawSpan:
+    """A span entry's wire form as a hostile sender writes it (a ``Span`` refuses to be one)."""
+
+    def __init__(self, *raw: int) -> None:
+        self.raw = list(raw)
+
+    def to_wire(self) -> list[int]:
+        return self.raw
+
+
+def many_spans(count: int) -> list[list[EncodedTensor]]:
+    """``count`` one-element spans of tensor 0, every fourth element, in four parts."""
+    entries = [encode_dense_span(0, Span.range(4 * i, 4 * i + 1), torch.ones(1, dtype=BF16), Codec.NONE) for i in range(count)]
+    return [entries[i::4] for i in range(4)]
 
 
 def whole_of(key: int = 0, numel: int = SPAN_NUMEL) -> EncodedTensor:
@@ -825,30 +856,73 @@ DEVICE_SPAN = PatchOptions(dense_above=1.0, device_codec=True)
 # name -> (the version's parts after a good entry for tensor 1, the message type, the error)
 SPAN_HOSTILE: dict[str, tuple[Callable[[], list[list[EncodedTensor]]], MessageType, type[WeightSyncError]]] = {
     "overlapping": (lambda: [[span_of(0, 3000), span_of(2000, 5000)]], MessageType.PATCH, ProtocolError),
-    "descending": (lambda: [[span_of(3000, 5000), span_of(0, 3000)]], MessageType.PATCH, ProtocolError),
+    "overlapping-descending": (lambda: [[span_of(3000, 5000), span_of(0, 3001)]], MessageType.PATCH, ProtocolError),
     "the-same-span-twice": (lambda: [[span_of(0, 3000), span_of(0, 3000)]], MessageType.PATCH, ProtocolError),
     "overlapping-across-parts": (lambda: [[span_of(0, 3000)], [span_of(2999, 5000)]], MessageType.PATCH, ProtocolError),
-    "descending-across-parts": (lambda: [[span_of(3000, 5000)], [span_of(0, 3000, DEVICE_SPAN)]], MessageType.PATCH, ProtocolError),
+    "inside-an-earlier-across-parts": (lambda: [[span_of(1000, 4000)], [span_of(2000, 2100, DEVICE_SPAN)]], MessageType.PATCH, ProtocolError),
     "out-of-range": (lambda: [[span_of(4000, 5001)]], MessageType.PATCH, ProtocolError),
-    "out-of-range-in-a-later-part": (lambda: [[span_of(0, 3000)], [spanned(span_of(3000, 5000), span=(3000, 2**40))]],
+    "out-of-range-in-a-later-part": (lambda: [[span_of(0, 3000)], [spanned(span_of(3000, 5000), span=Span.range(3000, 2**40))]],
                                      MessageType.PATCH, ProtocolError),
-    "empty": (lambda: [[spanned(span_of(7, 100), span=(7, 7))]], MessageType.PATCH, ProtocolError),
-    "reversed": (lambda: [[spanned(span_of(7, 100), span=(100, 7))]], MessageType.PATCH, ProtocolError),
-    "negative": (lambda: [[spanned(span_of(0, 100), span=(-1, 99))]], MessageType.PATCH, ProtocolError),
+    "empty": (lambda: [[spanned(span_of(7, 100), span=RawSpan(7, 7))]], MessageType.PATCH, ProtocolError),
+    "reversed": (lambda: [[spanned(span_of(7, 100), span=RawSpan(100, 7))]], MessageType.PATCH, ProtocolError),
+    "negative": (lambda: [[spanned(span_of(0, 100), span=RawSpan(-1, 99))]], MessageType.PATCH, ProtocolError),
+    # strided spans (protocol 7): column blocks of tensor 0, (50, 100)
+    "columns-overlapping-columns": (lambda: [[columns_of(0, 60), columns_of(50, 100)]], MessageType.PATCH, ProtocolError),
+    "columns-overlapping-later-columns": (lambda: [[columns_of(50, 100)], [columns_of(0, 51, DEVICE_SPAN)]], MessageType.PATCH, ProtocolError),
+    "columns-overlapping-a-range": (lambda: [[columns_of(0, 50)], [span_of(4940, 4941)]], MessageType.PATCH, ProtocolError),
+    "a-range-inside-later-columns": (lambda: [[span_of(120, 130)], [columns_of(0, 50, rows=2)]], MessageType.PATCH, ProtocolError),
+    "columns-runs-not-ending-at-hi": (lambda: [[spanned(columns_of(0, 50), span=RawSpan(0, 4940, 50, 100))]], MessageType.PATCH, ProtocolError),
+    "columns-stride-below-length": (lambda: [[spanned(columns_of(0, 50), span=RawSpan(0, 2500, 100, 50))]], MessageType.PATCH, ProtocolError),
+    "columns-of-one-run-in-four-items": (lambda: [[spanned(span_of(0, 50), span=RawSpan(0, 50, 50, 100))]], MessageType.PATCH, ProtocolError),
+    "columns-past-numel": (lambda: [[spanned(columns_of(0, 50), span=Span(60, 50, 50, 100))]], MessageType.PATCH, ProtocolError),
+    "columns-positions-past-the-span": (lambda: [[spanned(columns_of(0, 60), span=Span(0, 50, 50, 100))]], MessageType.PATCH, ProtocolError),
+    "columns-device-positions-past-the-span": (lambda: [[spanned(columns_of(0, 60, DEVICE_SPAN), span=Span(0, 50, 50, 100))]],
+                                               MessageType.PATCH, ProtocolError),
+    "columns-dense-values-not-the-span": (
+        lambda: [[spanned(encode_dense_span(0, Span(0, 60, 50, 100), torch.ones(3000, dtype=BF16), Codec.NONE), span=Span(0, 50, 50, 100))]],
+        MessageType.PATCH, ProtocolError),
+    "columns-in-a-bootstrap": (lambda: [[encode_dense_span(0, Span(0, 50, 50, 100), torch.ones(2500, dtype=BF16), Codec.NONE)]],
+                               MessageType.BOOTSTRAP, ProtocolError),
+    "too-many-spans-of-a-tensor": (lambda: many_spans(MAX_SPANS + 1), MessageType.PATCH, LimitError),
     "on-a-group": (lambda: [[spanned(span_of(0, 100), group=(0, 1))]], MessageType.PATCH, ProtocolError),
     "spanless-then-span": (lambda: [[whole_of(), span_of(0, 3000)]], MessageType.PATCH, ProtocolError),
     "span-then-spanless": (lambda: [[span_of(0, 3000)], [whole_of()]], MessageType.PATCH, ProtocolError),
     "span-beside-its-group": (lambda: [[span_of(0, 3000)], [spanned(whole_of(1, 300), key=0, group=(0, 1))]], MessageType.PATCH, ProtocolError),
-    "dense-beyond-numel": (lambda: [[encode_dense_span(0, (4900, 5100), torch.ones(200, dtype=BF16), Codec.NONE)]], MessageType.PATCH, ProtocolError),
-    "dense-values-not-the-span": (lambda: [[spanned(encode_dense_span(0, (0, 100), torch.ones(100, dtype=BF16), Codec.NONE), span=(0, 50))]],
-                                  MessageType.PATCH, ProtocolError),
-    "packed-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, every=3), span=(1000, 1100))]], MessageType.PATCH, ProtocolError),
-    "bitmap-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200), span=(1000, 1100))]], MessageType.PATCH, ProtocolError),
-    "gaps-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, GAPS_RAW), span=(1000, 1100))]], MessageType.PATCH, ProtocolError),
-    "device-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, DEVICE_SPAN), span=(1000, 1100))]], MessageType.PATCH, ProtocolError),
+    "dense-beyond-numel": (lambda: [[encode_dense_span(0, Span.range(4900, 5100), torch.ones(200, dtype=BF16), Codec.NONE)]],
+                           MessageType.PATCH, ProtocolError),
+    "dense-values-not-the-span": (
+        lambda: [[spanned(encode_dense_span(0, Span.range(0, 100), torch.ones(100, dtype=BF16), Codec.NONE), span=Span.range(0, 50))]],
+        MessageType.PATCH, ProtocolError),
+    "packed-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, every=3), span=Span.range(1000, 1100))]],
+                                       MessageType.PATCH, ProtocolError),
+    "bitmap-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200), span=Span.range(1000, 1100))]], MessageType.PATCH, ProtocolError),
+    "gaps-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, GAPS_RAW), span=Span.range(1000, 1100))]],
+                                     MessageType.PATCH, ProtocolError),
+    "device-positions-past-the-span": (lambda: [[spanned(span_of(1000, 1200, DEVICE_SPAN), span=Span.range(1000, 1100))]],
+                                       MessageType.PATCH, ProtocolError),
     "device-checksum": (lambda: [[span_of(0, 1000), flipped_device_span()]], MessageType.PATCH, IntegrityError),
-    "in-a-bootstrap": (lambda: [[encode_dense_span(0, (0, 100), torch.ones(100, dtype=BF16), Codec.NONE)]], MessageType.BOOTSTRAP, ProtocolError),
+    "in-a-bootstrap": (lambda: [[encode_dense_span(0, Span.range(0, 100), torch.ones(100, dtype=BF16), Codec.NONE)]],
+                       MessageType.BOOTSTRAP, ProtocolError),
 }
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])
+async def test_interleaved_spans_past_the_work_bound_are_refused(staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disjoint column blocks arriving in descending order each test every earlier one: past
+    the version's bound on those tests (made small here) a ``LimitError``, nothing written;
+    the same blocks within it apply."""
+    monkeypatch.setattr(checks, "MAX_SPAN_WORK", 40)
+    monkeypatch.setattr(checks, "SPAN_WORK_PER_SPAN", 1)  # 40 tests, and one more a span claimed
+    r, model = await span_receiver(staged)
+    before = {k: v.clone() for k, v in model.items()}
+    blocks = [[columns_of(c, c + 5, every=3)] for c in range(95, -1, -5)]  # 20 blocks, descending: 190 tests
+    with pytest.raises(LimitError):
+        await r.apply(model, recv_of(frames_of(r, blocks)))
+    assert r.version == 0 and not r.torn
+    assert all(torch.equal(model[k].view(torch.int16), before[k].view(torch.int16)) for k in model)
+    assert await r.apply(model, recv_of(frames_of(r, blocks[:9]))) == 1  # 36 tests, 48 allowed
+    assert not torch.equal(model["a"][:, 55:].view(torch.int16), before["a"][:, 55:].view(torch.int16))
+    assert torch.equal(model["a"][:, :55].view(torch.int16), before["a"][:, :55].view(torch.int16))
 
 
 async def span_receiver(staged: bool) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -862,13 +936,17 @@ async def span_receiver(staged: bool) -> tuple[Any, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])
 @pytest.mark.parametrize("name", list(SPAN_HOSTILE))
 async def test_hostile_spans_write_nothing(name: str, staged: bool) -> None:
-    """Overlapping, descending (within a part and across parts), out-of-range, empty,
-    negative spans, a span on a group, a tensor in a whole entry and in span entries, a dense
-    span past the tensor or of the wrong length, positions past a span's end (packed, raw
-    gaps, device coded), a device payload's damaged checksum, a span in a bootstrap: after a
-    good entry of the other tensor, framed with valid checksums, so the receiver's rules must
-    refuse them: exactly that error, no tensor written, the version unchanged and unpublished;
-    then a good split version still applies."""
+    """Overlapping spans (within a part and across parts, in either order), out-of-range,
+    empty, negative spans; strided ones (column blocks) overlapping another's columns or a
+    range, whose runs do not end at hi, whose stride is below their length, of one run in the
+    four-item form, past the tensor, in a bootstrap; more spans of a tensor than a version
+    may carry; a span on a group, a tensor in a whole entry and in span entries, a dense span
+    past the tensor or of the wrong length, positions past a span's end (packed, raw gaps,
+    device coded; of a column block too), a device payload's damaged checksum, a span in a
+    bootstrap: after a good entry of the other tensor, framed with valid checksums, so the
+    receiver's rules must refuse them: exactly that error, no tensor written, the version
+    unchanged and unpublished; then a good split version (column blocks and a range, in
+    descending order) still applies."""
     build, mtype, error = SPAN_HOSTILE[name]
     r, model = await span_receiver(staged)
     before = {k: v.clone() for k, v in model.items()}
@@ -879,14 +957,18 @@ async def test_hostile_spans_write_nothing(name: str, staged: bool) -> None:
     assert type(caught.value) is error, repr(caught.value)
     assert r.version == 0 and not r.torn
     assert all(torch.equal(model[k].view(torch.int16), before[k].view(torch.int16)) for k in model)
-    # the genuine article: tensor 0 in three spans (a gap between two), over two parts
+    # the genuine article: tensor 0 in three spans (a gap between two), over two parts, in
+    # descending order: columns 30-99 (strided), row 0's columns 0-29 (a range), then rows
+    # 1-39's columns 0-29 (strided); rows 40-49's columns 0-29 left out
     old = model["a"].reshape(-1)
     new = old.clone()
     new[::13] = (old[::13].view(torch.int16) + 3).view(BF16)
     spans = []
-    for (lo, hi), options in (((0, 1700), DEVICE_SPAN), ((1700, 2500), GAPS_RAW), ((3000, 5000), PatchOptions(dense_above=1.0))):
-        local = torch.nonzero(old[lo:hi].view(torch.int16) != new[lo:hi].view(torch.int16)).squeeze(1)
-        spans.append(encode_span(0, (lo, hi), local, new[lo:hi][local], old[lo:hi][local], options))
-    new[2500:3000] = before["a"].reshape(-1)[2500:3000]  # left out: unchanged
+    plan = ((Span(30, 70, 50, 100), DEVICE_SPAN), (Span.range(0, 30), GAPS_RAW), (Span(100, 30, 39, 100), PatchOptions(dense_above=1.0)))
+    for span, options in plan:
+        mine_old, mine_new = span.of(old).reshape(-1), span.of(new).reshape(-1)
+        local = torch.nonzero(mine_old.view(torch.int16) != mine_new.view(torch.int16)).squeeze(1)
+        spans.append(encode_span(0, span, local, mine_new[local], mine_old[local], options))
+    new.view(50, 100)[40:, :30] = before["a"][40:, :30]  # left out: unchanged
     assert await r.apply(model, recv_of(frames_of(r, [[whole_of(1, 300), spans[0]], spans[1:]]))) == 1
     assert torch.equal(model["a"].reshape(-1).view(torch.int16), new.view(torch.int16))

@@ -42,6 +42,7 @@ from protocol.errors import ConfigError, MetadataMismatchError
 from protocol.state import resolve_state, sync_keys
 from protocol.wire.framing import Encoding
 from protocol.wire.metadata import ModelMetadata
+from protocol.wire.span import Span
 from sender.diff.compare import make_compare
 from sender.diff.snapshot import Snapshot
 from sender.plan import SyncPlan
@@ -92,14 +93,14 @@ def simulated(model: torch.nn.Module, keys: list[str], metadata: ModelMetadata, 
         t = tensors[key]
         span = row_range(tuple(t.shape), rank, world) if t.dim() else ((0, 1) if rank == 0 else (0, 0))
         if span[0] < span[1]:
-            out.append(ShardKey(key, metadata.ordinal(key), metadata.dtypes[metadata.ordinal(key)], span))
+            out.append(ShardKey(key, metadata.ordinal(key), metadata.dtypes[metadata.ordinal(key)], Span.range(*span)))
     return out
 
 
 def slices(model: torch.nn.Module, keys: list[ShardKey]) -> dict[str, torch.Tensor]:
     """A simulated rank's local tensors: its rows of the live weights (views, as a shard is)."""
     tensors = model.state_dict()
-    return {k.key: tensors[k.key].detach().reshape(-1)[k.span[0]:k.span[1]] for k in keys}
+    return {k.key: k.span.of(tensors[k.key].detach().reshape(-1)) for k in keys}
 
 
 def carried(entries: list[EncodedTensor], dtypes: dict[int, torch.dtype], old: dict[int, torch.Tensor]) -> set[tuple[int, int]]:
@@ -109,15 +110,14 @@ def carried(entries: list[EncodedTensor], dtypes: dict[int, torch.dtype], old: d
     out: set[tuple[int, int]] = set()
     for spec in specs:
         assert spec.span is not None and not spec.group
-        lo, hi = spec.span
-        decoded = decode_entry(spec, frames, (hi - lo,), dtypes[spec.key], CPU)
+        decoded = decode_entry(spec, frames, (spec.span.numel,), dtypes[spec.key], CPU)
         if decoded.verdict is not None:  # read as the receiver reads it, against the tensor's old values
             stage_decoded([(decoded, (), spec.span)], {spec.key: old[spec.key]})
         placed = at_span(decoded, spec.span)
         assert placed.flat is not None
         flat = placed.flat
         if spec.encoding is Encoding.DENSE:
-            flat = flat[bits(placed.values) != bits(old[spec.key].reshape(-1)[lo:hi])]
+            flat = flat[bits(placed.values) != bits(spec.span.of(old[spec.key].reshape(-1)))]
         out |= {(spec.key, int(p)) for p in flat.tolist()}
     return out
 
@@ -210,7 +210,7 @@ def test_simulated_ranks_bring_receivers_to_the_full_model(codec: str) -> None:
 
 def test_a_shard_of_the_wrong_size_or_a_missing_key_is_refused() -> None:
     t = torch.zeros(4, 3)
-    key = ShardKey("w", 0, torch.bfloat16, (3, 9))
+    key = ShardKey("w", 0, torch.bfloat16, Span.range(3, 9))
     compare = ShardCompare({"w": t.reshape(-1)[3:9]}, [key], PatchConfig().options())
     with pytest.raises(MetadataMismatchError, match="holds 12 elements"):
         compare.capture({"w": t})
@@ -228,7 +228,7 @@ def test_plain_tensors_are_compared_by_rank_zero() -> None:
     assert local_range(t, "steps") == (0, 6)  # no torch.distributed here: rank 0
     ordinals, dtypes = {"a": 4, "b": 5}, {"a": torch.bfloat16, "b": torch.int64}
     tensors = {"a": t, "b": torch.zeros(0, dtype=torch.int64)}
-    assert shard_keys(tensors, ["a", "b"], ordinals, dtypes, rank=0) == [ShardKey("a", 4, torch.bfloat16, (0, 6))]
+    assert shard_keys(tensors, ["a", "b"], ordinals, dtypes, rank=0) == [ShardKey("a", 4, torch.bfloat16, Span.range(0, 6))]
     assert shard_keys(tensors, ["a", "b"], ordinals, dtypes, rank=1) == []
 
 
@@ -292,8 +292,8 @@ def _rank(rank: int, out: Path) -> None:
         entries = compare.collect(model.state_dict())
     finally:
         DTensor.full_tensor = gather  # type: ignore[method-assign]
-    record["spans"] = sorted({(k.ordinal, k.span) for k in mine})
-    record["entry_spans"] = [[e.key, list(e.span or ())] for e in entries]
+    record["spans"] = sorted({(k.ordinal, tuple(k.span.to_wire())) for k in mine})
+    record["entry_spans"] = [[e.key, e.span.to_wire() if e.span else []] for e in entries]
     wire = [(e.key, e.encoding, e.values, e.nnz, [(s, bytes(w)) for s, w in e.buffers], e.group, e.span) for e in entries]
     (out / f"entries{rank}.pkl").write_bytes(pickle.dumps(wire))
     full = {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach() for k, t in model.state_dict().items()}  # the check's own gathers
@@ -350,7 +350,7 @@ def test_gloo_ranks_entries_bring_a_receiver_to_the_full_model(gloo: Path) -> No
     for rank in range(WORLD):
         entries = [EncodedTensor(*e) for e in pickle.loads((gloo / f"entries{rank}.pkl").read_bytes())]
         spans = {(o, tuple(s)) for o, s in records[rank]["spans"]}
-        assert entries and all((e.key, e.span) in spans for e in entries)
+        assert entries and all(e.span is not None and (e.key, tuple(e.span.to_wire())) in spans for e in entries)
         parts.append(entries)
     full = torch.load(gloo / "full.pt")
 

@@ -1,6 +1,7 @@
 """``protocol.wire.span.Span`` against Python sets: the elements a span covers, its wire
-form (protocol 6's bytes for one run), the positions it maps, the view it takes and the
-overlap test a receiver refuses overlapping span entries by (``receiver/apply/checks.py``)."""
+form (protocol 6's bytes for one run), the positions it maps, the view it takes, the
+overlap test, and a receiver's ``claim`` of a tensor's spans in any order by it
+(``receiver/apply/checks.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import ProtocolError
+from protocol.wire.framing import Encoding, Message, MessageType, TensorEntry, ValueEncoding
 from protocol.wire.span import EXACT_RUNS, Span
+from receiver.apply.checks import Claims, claim
 
 
 def elements(span: Span) -> list[int]:
@@ -99,3 +102,22 @@ def test_malformed_wire_spans_are_refused(raw: Any) -> None:
 def test_invalid_spans_are_refused(args: tuple[Any, ...]) -> None:
     with pytest.raises(ProtocolError):
         Span(*args)
+
+
+@settings(max_examples=400, deadline=None)
+@given(seq=st.lists(spans(most=40), min_size=1, max_size=8))
+def test_a_receiver_claims_a_tensors_spans_iff_they_are_disjoint(seq: list[Span]) -> None:
+    """``receiver.apply.checks.claim`` over a version's span entries of one tensor, in
+    arrival order: it refuses the first that shares an element with an earlier one (a set
+    test), whatever the order, and accepts every other."""
+    msg = Message(MessageType.PATCH, version=1, base_version=0)
+    seen, covered = Claims(), set[int]()
+    for span in seq:
+        entry = TensorEntry(0, Encoding.DENSE, ValueEncoding.RAW, span.numel, (), span=span)
+        mine = set(elements(span))
+        if mine & covered:
+            with pytest.raises(ProtocolError, match="overlaps"):
+                claim(msg, entry, [(400,)], seen)
+            return
+        claim(msg, entry, [(400,)], seen)
+        covered |= mine

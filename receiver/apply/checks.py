@@ -17,7 +17,11 @@ from protocol.wire.metadata import ModelMetadata
 from protocol.wire.span import Span
 
 MAX_SPANS = 1024  # ``claim``: span entries of one tensor in one version (past it: LimitError)
-MAX_SPAN_WORK = 1 << 20  # ``claim``: the overlap tests (``Span.overlap_cost``) a version's spans may take (LimitError past it)
+# ``claim``: the overlap tests (``Span.overlap_cost``) a version's span entries may take, past
+# which a LimitError: this many, plus SPAN_WORK_PER_SPAN for each span entry claimed so far (a
+# tensor-parallel rank's column block tests each other rank's: TP - 1 tests, amortized)
+MAX_SPAN_WORK = 1 << 20
+SPAN_WORK_PER_SPAN = 64
 
 
 def check_span(msg: Message, key: int, span: Span, shape: tuple[int, ...]) -> None:
@@ -32,13 +36,14 @@ def check_span(msg: Message, key: int, span: Span, shape: tuple[int, ...]) -> No
 
 class Claims:
     """What a version's entries wrote so far (``claim``): the tensors written whole, each
-    other tensor's spans (and the end of the last-ending), and the overlap tests made.
-    One version's, filled by one task."""
+    other tensor's spans (and the end of the last-ending), the span entries claimed and
+    the overlap tests made. One version's, filled by one task."""
 
     def __init__(self) -> None:
         self.whole: set[int] = set()
         self.spans: dict[int, list[Span]] = {}
         self.ends: dict[int, int] = {}  # ordinal -> the largest hi of its spans so far
+        self.claimed = 0
         self.work = 0
 
 
@@ -77,8 +82,8 @@ def claim(msg: Message, entry: TensorEntry, shapes: Sequence[tuple[int, ...]], s
     arrive as they come). So every entry covers something new, and a version's entries are
     bounded by its elements. A span past every earlier one's end is not tested further;
     others are tested against each (``Span.overlaps``, exact), at most ``MAX_SPANS`` spans
-    a tensor and ``MAX_SPAN_WORK`` test costs a version: a hostile sender's work stays
-    bounded (``LimitError`` past either). ``shapes``: the model's, in metadata order."""
+    a tensor, and test costs of ``MAX_SPAN_WORK`` a version plus ``SPAN_WORK_PER_SPAN`` a
+    span entry: a hostile sender's work stays bounded (``LimitError`` past either). ``shapes``: the model's, in metadata order."""
     span = entry.span
     for key in entry.covers:
         if key >= len(shapes):
@@ -96,15 +101,17 @@ def claim(msg: Message, entry: TensorEntry, shapes: Sequence[tuple[int, ...]], s
         if len(earlier) >= MAX_SPANS:
             raise LimitError("span entries of one tensor in a version", len(earlier) + 1, MAX_SPANS, f"{msg.describe()}: tensor {key}")
         if span.lo < seen.ends.get(key, 0):  # not past every earlier span: test against each
+            allowed = MAX_SPAN_WORK + SPAN_WORK_PER_SPAN * seen.claimed
             for other in earlier:
                 seen.work += span.overlap_cost(other)
-                if seen.work > MAX_SPAN_WORK:
-                    raise LimitError("overlap tests of a version's span entries", seen.work, MAX_SPAN_WORK, f"{msg.describe()}: tensor {key}")
+                if seen.work > allowed:
+                    raise LimitError("overlap tests of a version's span entries", seen.work, allowed, f"{msg.describe()}: tensor {key}")
                 if span.overlaps(other):
                     raise ProtocolError(f"{msg.describe()}: tensor {key}: span {span} overlaps span {other} "
                                         "of it (a tensor's spans in a version are disjoint)")
         earlier.append(span)
         seen.ends[key] = max(seen.ends.get(key, 0), span.hi)
+        seen.claimed += 1
 
 
 def check_untracked(tensors: Mapping[str, Any], metadata: ModelMetadata, untracked: Sequence[tuple[int, str]]) -> None:

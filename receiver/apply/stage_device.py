@@ -136,11 +136,13 @@ def _stage_batch(batch: devicecodec.DecodedBatch, coded: list[Coded], targets: l
     fusable = [mine for w, mine in widths.items() if w is not None and fused.usable(_tensors(targets, pieces, mine), device)]
     together = [p for mine in fusable for p in mine]
     addresses = fused.table(_tensors(targets, pieces, together))
-    offset_d, length_d, address_d, fused_length_d, runs_d = _host_to(device, [offsets, lengths, addresses, [lengths[p] for p in together], runs])
+    offset_d, length_d, address_d, fused_length_d, *runs_d = _host_to(
+        device, [offsets, lengths, addresses, [lengths[p] for p in together]] + ([runs] if strided else [])
+    )
     covered = sum(lengths)
     first = pieces[0][2]
     if strided:  # positions placed in their spans' runs: a few ops for the batch, none a tensor
-        local = _placed(batch.flat[first : first + covered], runs_d.view(-1, 4), length_d, covered)
+        local = _placed(batch.flat[first : first + covered], runs_d[0].view(-1, 4), length_d, covered)
     else:
         local = batch.flat[first : first + covered] - torch.repeat_interleave(offset_d, length_d, output_size=covered)
     diffs = batch.diffs[first : first + covered]

@@ -26,7 +26,7 @@ from protocol.wire.framing import BufferSpec, TensorEntry
 
 class Placement(NamedTuple):
     """Where an entry of a message decodes: its target's shape (a group's: its elements
-    end to end; a span's: its hi - lo elements), dtype and device."""
+    end to end; a span's: its elements, runs end to end), dtype and device."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
