@@ -1,8 +1,9 @@
 """weightsync, actor side: build patches or buckets of the trainer's weights and send them.
 
 ``Sender`` is the daemon; ``PatchSender`` / ``BucketSender`` are the transport-free
-strategies, usable over any transport; ``ShardedSync`` drives them from every rank of an
-FSDP2 trainer (loaded on first use: ``torch.distributed``); ``adapter_state`` is a LoRA model's adapters
+strategies, usable over any transport; ``ShardedSync`` drives them from every rank of a
+sharded trainer, FSDP2 or Megatron-core (``MegatronLayout``; both loaded on first use:
+``torch.distributed``); ``adapter_state`` is a LoRA model's adapters
 alone, to track; ``SidecarClient`` hands a trainer's weights to a
 ``python -m sender`` sidecar (``write_snapshot``: to one watching a folder).
 """
@@ -31,10 +32,14 @@ def __getattr__(name: str) -> Any:
         from .sharded.sync import ShardedSync
 
         return ShardedSync
+    if name == "MegatronLayout":
+        from .sharded.megatron import MegatronLayout
+
+        return MegatronLayout
     raise AttributeError(f"module 'sender' has no attribute {name!r}")
 
 
 __all__ = [
-    "BucketSender", "PatchSender", "Sender", "SenderBase", "ShardedSync", "SidecarClient", "SyncStats", "adapter_state", "make_sender",
-    "write_snapshot",
+    "BucketSender", "MegatronLayout", "PatchSender", "Sender", "SenderBase", "ShardedSync", "SidecarClient", "SyncStats", "adapter_state",
+    "make_sender", "write_snapshot",
 ]
