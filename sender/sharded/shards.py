@@ -195,9 +195,12 @@ class ShardCompare:
         return cls(tensors, keys, config.options(), compare=config.codec)
 
     def _locals(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each key's local elements, flat (a copy where they are strided in their tensor),
-        checked to number what its span says."""
-        out = {}
+        """Each key's local elements, flat, checked to number what its span says: a view where
+        they are contiguous in their tensor; where strided (a Megatron rank's query groups in
+        its fused QKV), copied, one ``cat`` for all the keys of one run length, dtype and device
+        (kernels a version per such group, not per key)."""
+        out: dict[str, torch.Tensor] = {}
+        strided: dict[tuple[int, torch.dtype, torch.device], list[tuple[str, torch.Tensor]]] = {}
         for k in self.keys:
             t = tensors.get(k.source or k.key)
             if t is None:
@@ -206,13 +209,22 @@ class ShardCompare:
             if k.local is not None:
                 if local.numel() < k.local.hi:
                     raise MetadataMismatchError(f"{k.source!r} holds {local.numel()} elements here, fewer than its map reads ({k.local.hi})")
-                local = k.local.of(local).reshape(-1)
+                local = k.local.of(local)
             if local.numel() != k.numel:
                 raise MetadataMismatchError(
                     f"key {k.key!r}: this rank holds {local.numel()} elements, its span {k.span} has {k.numel}"
                 )
-            out[k.label] = local
-        return out
+            if local.is_contiguous():
+                out[k.label] = local.reshape(-1)
+            else:
+                strided.setdefault((local.shape[-1], local.dtype, local.device), []).append((k.label, local))
+        for views in strided.values():
+            joined = torch.cat([v for _, v in views]) if len(views) > 1 else views[0][1].contiguous()
+            at = 0
+            for label, v in views:
+                out[label] = joined[at:at + v.shape[0]].reshape(-1)
+                at += v.shape[0]
+        return {k.label: out[k.label] for k in self.keys}
 
     def capture(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Take the snapshot of this rank's shards: what the receivers hold of them after the bootstrap."""
