@@ -90,21 +90,39 @@ def step(model: list[torch.nn.Module], tokens: torch.Tensor, hidden: int, versio
     return None
 
 
-def sync_worker(
-    rank: int, world: int, port: int, hf_dir: str, layout: Layout, moe: bool, out_dir: str, tokens: torch.Tensor, hidden: int,
-    scenario: Scenario,
-) -> None:
-    init_rank(rank, world, port)
-    bridge, model = build(hf_dir, layout, moe)
-    loaded = {n: t.detach().clone() for n, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
-    out = asyncio.run(_scenario(rank, bridge, model, hf_dir, tokens, hidden, scenario))
-    if rank == 0:  # the bridge's export of the loaded model is the checkpoint (in the parameters' dtype)
-        from safetensors.torch import load_file
+@dataclass(frozen=True)
+class Case:
+    """One model and layout synced in a spawn: ``hf_dir`` the checkpoint, ``out`` its results' folder."""
 
-        checkpoint = load_file(str(Path(hf_dir) / "model.safetensors"))
-        out["loaded_is_checkpoint"] = sorted(loaded) == sorted(checkpoint) and all(
-            torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in checkpoint.items())
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    name: str
+    hf_dir: str
+    layout: Layout
+    moe: bool
+    hidden: int
+    scenario: Scenario
+    out: str
+
+
+def sync_worker(rank: int, world: int, port: int, cases: list[Case], tokens: torch.Tensor) -> None:
+    """Every case in turn on this rank's one gloo group (Megatron's model-parallel state made
+    for each and destroyed after it: one spawn, one Megatron import, for several layouts)."""
+    from megatron.core import parallel_state
+
+    init_rank(rank, world, port)
+    for case in cases:
+        bridge, model = build(case.hf_dir, case.layout, case.moe)
+        loaded = {n: t.detach().clone() for n, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
+        out = asyncio.run(_scenario(rank, bridge, model, case.hf_dir, tokens, case.hidden, case.scenario))
+        if rank == 0:  # the bridge's export of the loaded model is the checkpoint (in the parameters' dtype)
+            from safetensors.torch import load_file
+
+            checkpoint = load_file(str(Path(case.hf_dir) / "model.safetensors"))
+            out["loaded_is_checkpoint"] = sorted(loaded) == sorted(checkpoint) and all(
+                torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in checkpoint.items())
+        out["hf_dir"] = case.hf_dir
+        Path(case.out, f"rank{rank}.json").write_text(json.dumps(out))
+        del bridge, model
+        parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
 

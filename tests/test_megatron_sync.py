@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,8 +20,10 @@ import torch
 
 from tests.megatron_env import require_megatron
 from tests.megatron_ranks import Layout, Tiny, free_port, hf_loss, save_tiny_hf
-from tests.megatron_sync import Scenario, sync_worker
+from tests.megatron_sync import Case, Scenario, sync_worker
 from tests.ranks import spawn_ranks
+
+pytestmark = pytest.mark.timeout(900)  # the cases of one world size run in one spawn (the module's first test sets it up)
 
 # name: (layout, checkpoint, scenario)
 CASES = {
@@ -50,25 +51,33 @@ def megatron() -> None:
     require_megatron(__file__)
 
 
-def run(tmp_path: Path, layout: Layout, tiny: Tiny, scenario: Scenario) -> list[dict[str, Any]]:
-    hf_dir = tmp_path / "hf"
-    out = tmp_path / "out"
-    out.mkdir()
-    save_tiny_hf(hf_dir, tiny)
-    args = (layout.world, free_port(), str(hf_dir), layout, tiny.moe, str(out), TOKENS, tiny.hidden, scenario)
-    spawn_ranks(sync_worker, layout.world, args, deadline=300)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(layout.world)]
+@pytest.fixture(scope="module")
+def results(megatron: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Every case's ranks' results: the cases of one world size run in one spawn, in turn."""
+    root = tmp_path_factory.mktemp("megatron")
+    by_world: dict[int, list[Case]] = {}
+    for name, (layout, tiny, scenario) in CASES.items():
+        hf_dir, out = root / name / "hf", root / name / "out"
+        out.mkdir(parents=True)
+        save_tiny_hf(hf_dir, tiny)
+        by_world.setdefault(layout.world, []).append(Case(name, str(hf_dir), layout, tiny.moe, tiny.hidden, scenario, str(out)))
+    for world, cases in by_world.items():
+        spawn_ranks(sync_worker, world, (world, free_port(), cases, TOKENS), deadline=150 * len(cases))
+    return {
+        name: [json.loads((root / name / "out" / f"rank{r}.json").read_text()) for r in range(layout.world)]
+        for name, (layout, _, _) in CASES.items()
+    }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_receivers_hold_the_bridge_export_of_every_step(megatron: None, tmp_path: Path, name: str) -> None:
+def test_receivers_hold_the_bridge_export_of_every_step(results: dict[str, list[dict[str, Any]]], name: str) -> None:
     layout, tiny, scenario = CASES[name]
-    results = run(tmp_path, layout, tiny, scenario)
+    results = results[name]
     leader = results[0]
     assert leader["loaded_is_checkpoint"]  # the bridge loads and exports the checkpoint as is
     losses = [v["loss"] for r in results for v in r["versions"][:1] if v["loss"] is not None]
     if scenario.train:  # the training step's forward is Hugging Face's (rel 1e-5; bf16 parameters: 1e-2)
-        reference = hf_loss(str(tmp_path / "hf"), TOKENS)
+        reference = hf_loss(leader["hf_dir"], TOKENS)
         assert losses and all(math.isclose(x, reference, rel_tol=1e-2 if layout.bf16 else 1e-5) for x in losses), (losses, reference)
     if tiny.tied and layout.pp > 1:  # the last stage's copy of the embedding lands nowhere: nobody sends it
         assert not any("output_layer" in x[1] for x in results[-1]["landings"])
