@@ -36,6 +36,9 @@ class Scenario:
     hf_model: bool = True
     late_after: int = 2  # a second receiver joins after this version
     fail_rank: int | None = None  # this rank's part fails at the last version + 1 (then a resync version)
+    # then a receiver joins and the leader's Sender fails between the parts and the bootstrap the
+    # other ranks are exporting for (then a resync version)
+    leader_fails_at_boot: bool = False
     train: bool = True  # False: each "step" adds seeded noise to every local parameter (Megatron does not train MoE at TP > 1 here)
 
 
@@ -213,6 +216,31 @@ async def _scenario(
             step(model, tokens, hidden, version, 1e-4, scenario.train)
             await sharded.sync(sender, version)  # every receiver resynced by bootstrap
             out["resync"] = {"version": version, "exported": list(sharded.stats.last), "checks": await check(version)}
+        if scenario.leader_fails_at_boot:
+            if rank == 0:
+                await join()
+            version += 1
+            step(model, tokens, hidden, version, 1e-4, scenario.train)
+            source = None if sender is None else sender._sharded
+            if source is not None:
+                real_drop = source.drop_offer
+
+                def failing_drop() -> None:  # after every part, before the bootstrap: the others export for it
+                    raise RuntimeError("injected: the leader's Sender fails before the bootstrap")
+
+                source.drop_offer = failing_drop  # type: ignore[method-assign]
+            try:
+                await sharded.sync(sender, version)
+                out["boot_failure"] = None
+            except GatherOrderError as e:
+                out["boot_failure"] = type(e).__name__
+            finally:
+                if source is not None:
+                    source.drop_offer = real_drop  # type: ignore[method-assign]
+            version += 1
+            step(model, tokens, hidden, version, 1e-4, scenario.train)
+            await sharded.sync(sender, version)
+            out["boot_resync"] = {"version": version, "checks": await check(version)}
         if sender is not None:
             out["resyncs"] = sum(int(r["resyncs"]) for r in sender.receivers.values())  # type: ignore[call-overload]
     return out

@@ -285,7 +285,8 @@ class ShardedSync:
             finally:
                 if parts is not None:
                     await parts.aclose()  # parts posted and not taken are taken (bounded): the ranks' sends end
-                if bootstrap is not None and not bootstrap.called:  # the others take part in it: so must this rank
+                if bootstrap is not None and not bootstrap.called and phase == "verdict":
+                    # past the part agreement the others make the bootstrap's collective: so must this rank
                     await asyncio.to_thread(self.layout.follow)
         except BaseException as e:
             self._failed = True
