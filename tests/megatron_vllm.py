@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-LRS = (1e-4, 1e-2, 1e-4)  # v1 bootstraps the engine; 1e-2 changes most elements: those tensors travel dense
+LRS = (1e-5, 1e-2, 1e-5)  # v1 bootstraps the engine; 1e-2 changes most elements: those tensors travel dense
 TIMEOUT = 180.0  # seconds, each wait of either side
 
 
@@ -42,13 +42,22 @@ def engine_keys(worker: Any) -> list[str]:
     return sorted(worker.weight_transfer_engine.layout.tensors)
 
 
+def held_version(worker: Any) -> int | None:
+    """Run in each worker: the version its weights hold (weightsync's; vLLM's label is
+    ``finish_weight_update``'s, which a bootstrap does not call)."""
+    return worker.weight_transfer_engine.held.version  # type: ignore[no-any-return]
+
+
 def main() -> dict[str, Any]:
+    from safetensors.torch import load_file
+
     from examples.vllm_rollout import CONFIG, checksums, compare, engine, fresh_engine, generate, weights_differing
     from tests.megatron_ranks import Layout, Tiny, free_port, save_tiny_hf
     from tests.megatron_sync import Lockstep, engine_worker
     from tests.ranks import running_ranks, wait_file, wait_ranks
 
     started = time.perf_counter()
+    t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="weightsync-megatron-vllm-"))
     tiny = Tiny(hidden=128)  # 4 heads: head_dim 32, the least vLLM's CPU attention takes
     layout = Layout(tp=2)
@@ -57,12 +66,19 @@ def main() -> dict[str, Any]:
     tokens = torch.randint(0, tiny.vocab, (1, 17), generator=torch.Generator().manual_seed(1))
     lockstep = Lockstep(str(work), TIMEOUT)
     args = (layout.world, free_port(), str(hf_dir), layout, tokens, tiny.hidden, LRS, CONFIG, lockstep)
-    out: dict[str, Any] = {"versions": []}
+    out: dict[str, Any] = {"versions": [], "at_s": {}}  # at_s: seconds from the start to each phase's end
+
+    def mark(phase: str) -> None:
+        out["at_s"][phase] = round(time.perf_counter() - started, 1)
+
     with running_ranks(engine_worker, layout.world, args) as ranks:
         llm = engine(str(hf_dir), weightsync=True, tp=1, dummy=True, in_process=True)  # dummy weights: the files are not read
-        out["engine_up_s"] = round(time.perf_counter() - started, 1)
+        mark("engine_up")
         endpoint = wait_file(ranks, lockstep.path("endpoint"), TIMEOUT, "the Sender's endpoint")
+        mark("endpoint")
+        out["at_s"]["endpoint_written"] = round(lockstep.path("endpoint").stat().st_mtime - t0, 1)
         llm.init_weight_transfer_engine({"init_info": {"endpoint": endpoint, "config": CONFIG, "timeout": TIMEOUT}})
+        mark("init")
         out["keys"] = llm.collective_rpc(engine_keys)
         for version in range(1, len(LRS) + 1):
             figures = json.loads(wait_file(ranks, lockstep.path(f"v{version}.json"), TIMEOUT, f"v{version}"))
@@ -71,24 +87,22 @@ def main() -> dict[str, Any]:
                 llm.update_weights({"update_info": {"version": version, "timeout": 60}})
                 llm.finish_weight_update(str(version))
             checkpoint = str(lockstep.path(f"v{version}"))
-            figures.update(held=llm.get_weight_version(), differing=llm.collective_rpc(weights_differing, args=(checkpoint,)),
+            figures.update(held=llm.collective_rpc(held_version), differing=llm.collective_rpc(weights_differing, args=(checkpoint,)),
                            outputs=generate(llm))
             out["versions"].append(figures)
+            mark(f"v{version}")
             lockstep.path(f"v{version}.ack").write_text("")
         final = out["versions"][-1]["outputs"]
         ours = checksums(llm)
+        del llm  # one engine at a time (the ranks close meanwhile)
+        gc.collect()
+        expected, theirs = fresh_engine(checkpoint, tp=1)
+        mark("fresh_engine")
         wait_ranks(ranks, TIMEOUT, "the ranks' last version and close")
-    from safetensors import safe_open
-
-    with safe_open(str(Path(checkpoint) / "model.safetensors"), "pt") as f:
-        out["saved_keys"] = sorted(f.keys())
-    del llm  # one engine at a time
-    gc.collect()
-    expected, theirs = fresh_engine(checkpoint, tp=1)
     out.update(compare(final, expected, tp=1))
     out["checksums_equal"] = ours == theirs
     out["checksums_differing"] = [sorted(k for k in a if a[k] != b.get(k)) for a, b in zip(ours, theirs)]
-    out["wall_s"] = round(time.perf_counter() - started, 1)
+    out["saved_keys"] = sorted(load_file(str(Path(checkpoint) / "model.safetensors")))
     return out
 
 
