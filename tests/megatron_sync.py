@@ -238,6 +238,7 @@ async def _engine_versions(
 
     layout = MegatronLayout(bridge, model)
     sharded = ShardedSync(layout, timeout=60)
+    strided = sum(len(x.span.to_wire()) == 4 for x in layout.landings)  # row-parallel shards: strided in the checkpoint
     async with contextlib.AsyncExitStack() as stack:
         sender = Sender("tcp://127.0.0.1:0", config, trainable_keys=sharded.trainable_keys) if rank == 0 else None
         if sender is not None:
@@ -261,6 +262,6 @@ async def _engine_versions(
             await sender.flush()
             save_checkpoint(expected, hf_dir, lockstep.path(f"v{version}"))
             figures = {"version": version, "lr": lr, "exported": list(sharded.stats.last), "changed": stats.changed_elements,
-                       "total": stats.total_elements, "dense": stats.tensors_dense, "tensors": stats.tensors_changed}
+                       "total": stats.total_elements, "dense": stats.tensors_dense, "tensors": stats.tensors_changed, "strided": strided}
             write_file(lockstep.path(f"v{version}.json"), json.dumps(figures))
             await wait_path(lockstep.path(f"v{version}.ack"), lockstep.timeout, f"engine's answer to v{version}")

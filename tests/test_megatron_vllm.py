@@ -63,6 +63,7 @@ def run_script() -> dict[str, Any]:
 
 def test_vllm_engine_holds_the_bridge_export_of_every_step_and_equals_a_fresh_engine() -> None:
     summary = run_script()
+    print("phases (s from the start):", summary["at_s"])  # shown with -s
     versions = summary["versions"]
     assert [v["version"] for v in versions] == [1, 2, 3]
     assert [v["held"] for v in versions] == [[1], [2], [3]]
@@ -75,7 +76,8 @@ def test_vllm_engine_holds_the_bridge_export_of_every_step_and_equals_a_fresh_en
     for v in versions[1:]:  # patches: every rank compares its own shard, nothing gathered
         assert v["exported"] == [], v
     assert versions[1]["dense"] > 0, "lr 1e-2 sends tensors dense"
-    assert 0 < versions[2]["changed"] < versions[2]["total"], "lr 1e-4 changes some elements, not all"
+    assert 0 < versions[2]["changed"] < versions[2]["total"] // 4, "lr 1e-5 changes a few elements: a sparse patch"
+    assert versions[0]["strided"] > 0, "rank 0's row-parallel shards land as strided spans"
     assert len({json.dumps(v["outputs"]) for v in versions}) > 1, "the engine's outputs never changed across versions"
     assert summary["tokens_equal"], summary["versions"][-1]["outputs"]
     assert summary["logprobs_equal"], summary["logprobs_max_diff"]
