@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -49,6 +50,15 @@ def held_version(worker: Any) -> int | None:
 
 
 def main() -> dict[str, Any]:
+    """The run, in a temporary directory removed after it."""
+    work = Path(tempfile.mkdtemp(prefix="weightsync-megatron-vllm-"))
+    try:
+        return run(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(work: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from examples.vllm_rollout import CONFIG, checksums, compare, engine, fresh_engine, generate, weights_differing
@@ -58,7 +68,6 @@ def main() -> dict[str, Any]:
 
     started = time.perf_counter()
     t0 = time.time()
-    work = Path(tempfile.mkdtemp(prefix="weightsync-megatron-vllm-"))
     tiny = Tiny(hidden=128)  # 4 heads: head_dim 32, the least vLLM's CPU attention takes
     layout = Layout(tp=2)
     hf_dir = work / "hf"
