@@ -86,7 +86,7 @@ install: $(STAMP)
 TEST_WORKERS ?= 2
 VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_fp8.py
 SGLANG_TESTS := tests/test_sglang_weightsync.py tests/test_sglang_hold.py
-MEGATRON_TESTS := tests/test_megatron_sync.py
+MEGATRON_TESTS := tests/test_megatron_sync.py tests/test_megatron_vllm.py
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS) $(MEGATRON_TESTS))
 	$(PYTHON) -m pytest -q $(VLLM_TESTS)

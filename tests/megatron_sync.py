@@ -244,3 +244,97 @@ async def _scenario(
         if sender is not None:
             out["resyncs"] = sum(int(r["resyncs"]) for r in sender.receivers.values())  # type: ignore[call-overload]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A real vLLM engine as the receiver (tests/megatron_vllm.py drives it; test_megatron_vllm.py).
+
+
+@dataclass(frozen=True)
+class Lockstep:
+    """The files through which rank 0 and an engine in another process step together, in
+    ``directory``: rank 0 writes ``endpoint`` (its Sender's), then per version the bridge's
+    export of that step as a bf16 checkpoint ``v{n}/`` (with the checkpoint's config) and
+    ``v{n}.json`` (the version's figures); the engine's side answers ``v{n}.ack`` once it has
+    checked that version. Each wait is bounded by ``timeout`` seconds."""
+
+    directory: str
+    timeout: float = 180.0
+
+    def path(self, name: str) -> Path:
+        return Path(self.directory) / name
+
+
+async def wait_path(path: Path, seconds: float, what: str) -> None:
+    """Until ``path`` exists (an event loop's wait: the Sender keeps serving), at most ``seconds``."""
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + seconds
+    while not path.exists():
+        if loop.time() > ends:
+            raise TimeoutError(f"no {what} in {seconds:.0f}s ({path})")
+        await asyncio.sleep(0.02)
+
+
+def save_checkpoint(weights: dict[str, torch.Tensor], hf_dir: str, directory: Path) -> None:
+    """``weights`` as a safetensors checkpoint with ``hf_dir``'s config files (what vLLM loads)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    for config in Path(hf_dir).glob("*.json"):
+        shutil.copy(config, directory)
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(directory / "model.safetensors"))
+
+
+def engine_worker(
+    rank: int, world: int, port: int, hf_dir: str, layout: Layout, tokens: torch.Tensor, hidden: int, lrs: tuple[float, ...],
+    config: Any, lockstep: Lockstep,
+) -> None:
+    """A Megatron trainer whose rank 0 serves an engine in another process (``lockstep``): one
+    real step at each of ``lrs``, synced through ``ShardedSync`` (the leader's Sender with
+    ``config``); the engine's bootstrap is served at v1 (it asks before, rank 0 waits for it)."""
+    init_rank(rank, world, port)
+    bridge, model = build(hf_dir, layout, False)
+    asyncio.run(_engine_versions(rank, bridge, model, hf_dir, tokens, hidden, lrs, config, lockstep))
+    torch.distributed.destroy_process_group()
+
+
+async def _engine_versions(
+    rank: int, bridge: Any, model: list[torch.nn.Module], hf_dir: str, tokens: torch.Tensor, hidden: int, lrs: tuple[float, ...],
+    config: Any, lockstep: Lockstep,
+) -> None:
+    from sender import Sender
+    from sender.sharded.megatron import MegatronLayout
+    from sender.sharded.sync import ShardedSync
+    from tests.ranks import write_file
+
+    layout = MegatronLayout(bridge, model)
+    sharded = ShardedSync(layout, timeout=60)
+    strided = sum(len(x.span.to_wire()) == 4 for x in layout.landings)  # row-parallel shards: strided in the checkpoint
+    async with contextlib.AsyncExitStack() as stack:
+        sender = Sender("tcp://127.0.0.1:0", config, trainable_keys=sharded.trainable_keys) if rank == 0 else None
+        if sender is not None:
+            await stack.enter_async_context(sender)
+        await sharded.start(sender, version=0)
+        if sender is not None:  # the others wait in the first step's collectives meanwhile
+            write_file(lockstep.path("endpoint"), sender.endpoint)
+            loop = asyncio.get_running_loop()
+            ends = loop.time() + lockstep.timeout
+            while not sender.bootstrap_wanted:
+                if loop.time() > ends:
+                    raise TimeoutError(f"the engine did not ask for a bootstrap in {lockstep.timeout:.0f}s")
+                await asyncio.sleep(0.02)
+        for version, lr in enumerate(lrs, start=1):
+            train_step(model, tokens, hidden, lr=lr)
+            stats = await sharded.sync(sender, version)
+            expected = exported(bridge, model)  # every rank: the bridge's own export of this step
+            if sender is None:
+                continue
+            assert stats is not None
+            await sender.flush()
+            save_checkpoint(expected, hf_dir, lockstep.path(f"v{version}"))
+            figures = {"version": version, "lr": lr, "exported": list(sharded.stats.last), "changed": stats.changed_elements,
+                       "total": stats.total_elements, "dense": stats.tensors_dense, "tensors": stats.tensors_changed, "strided": strided}
+            write_file(lockstep.path(f"v{version}.json"), json.dumps(figures))
+            await wait_path(lockstep.path(f"v{version}.ack"), lockstep.timeout, f"engine's answer to v{version}")
