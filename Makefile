@@ -52,7 +52,7 @@ $(SGLANG_STAMP): $(STAMP)
 
 sglang-env: $(SGLANG_STAMP)
 
-# megatron-core 0.19.2 and Megatron-Bridge 0.6.2 for the Megatron tests (issue 59; NOTES-59.md).
+# megatron-core 0.19.2 and Megatron-Bridge 0.6.2 for the Megatron tests (docs/engines-megatron.md).
 # A venv layered over the main environment (--system-site-packages), like .venv-sglang: it reuses
 # torch 2.13.0+cpu, transformers 5.19.0, safetensors, einops, rich, psutil, pydantic, PyYAML,
 # antlr4 and the rest, and leaves the main environment unchanged. Both packages declare Python
@@ -80,7 +80,7 @@ install: $(STAMP)
 # machine ran them in 537 s instead of 848 s), then the vLLM engine tests alone, one at a
 # time (each engine takes every core), then the SGLang engine tests in the SGLang venv, in a
 # process of their own (SGLang's Engine.shutdown kills every child process of its caller), then
-# the Megatron tests in the Megatron venv (about 2.5 minutes; the venv about 20 s more).
+# the Megatron tests in the Megatron venv (about 3.5 minutes; the venv about 20 s more).
 # When the SGLang or Megatron venv cannot be built, its tests are said to be skipped, and the rest stands.
 # TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= 2

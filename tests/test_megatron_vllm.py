@@ -4,8 +4,9 @@ and sync it through ``ShardedSync(MegatronLayout)``, every rank comparing its ow
 row-parallel ones as strided spans); rank 0's Sender serves an offline ``vllm.LLM`` (bf16,
 TP=1, the weightsync backend, from dummy weights, bootstrapped at v1). After every version
 the engine must hold the bridge's own ``export_hf_weights`` of that step cast to bf16, bit for
-bit; at the end its greedy tokens, logprobs and vLLM checksums must equal a fresh engine's
-loaded from that export. The run is tests/megatron_vllm.py, its own process (the ranks and
+bit; at the end its greedy tokens, logprobs and vLLM checksums must equal those vLLM gives
+after loading that export itself (its loader and post-load processing, the engine reloaded
+in place: tests/test_vllm.py compares with fresh engines). The run is tests/megatron_vllm.py, its own process (the ranks and
 vLLM's workers are its children, killed with it).
 
 Runs in the Megatron venv (``make megatron-env``): ``.venv-megatron/bin/python -m pytest -q
@@ -61,7 +62,7 @@ def run_script() -> dict[str, Any]:
     return summaries[-1]
 
 
-def test_vllm_engine_holds_the_bridge_export_of_every_step_and_equals_a_fresh_engine() -> None:
+def test_vllm_engine_holds_the_bridge_export_of_every_step_and_equals_vllms_own_load() -> None:
     summary = run_script()
     print("phases (s from the start):", summary["at_s"])  # shown with -s
     versions = summary["versions"]
