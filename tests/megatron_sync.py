@@ -194,49 +194,40 @@ async def _scenario(
             if version == scenario.late_after and rank == 0:
                 await join()
         version = len(scenario.lrs)
-        if scenario.fail_rank is not None:  # one rank's part fails: every rank raises, nothing published
+
+        async def failing_version(target: Any, name: str, where: str) -> str | None:
+            """A version with ``target.name`` raising (None: this rank injects nothing): every rank's
+            error type, None where the version went through; then a version that resyncs."""
+            nonlocal version
             version += 1
             step(model, tokens, hidden, version, 1e-4, scenario.train)
-            build_ = sharded._build
-            assert build_ is not None
-            real = build_.part
-            if rank == scenario.fail_rank:
-                def failing(*args: Any) -> bytes:
-                    raise RuntimeError("injected: this rank's part fails")
-                build_.part = failing  # type: ignore[method-assign]
-            try:
-                await sharded.sync(sender, version)
-                out["failure"] = None
-            except GatherOrderError as e:
-                out["failure"] = type(e).__name__
-            finally:
-                build_.part = real  # type: ignore[method-assign]
+            with contextlib.ExitStack() as undo:
+                if target is not None:
+                    real = getattr(target, name)
+                    undo.callback(setattr, target, name, real)
+
+                    def failing(*args: Any) -> Any:
+                        raise RuntimeError(f"injected: {where}")
+
+                    setattr(target, name, failing)
+                try:
+                    await sharded.sync(sender, version)
+                    return None
+                except GatherOrderError as e:
+                    return type(e).__name__
+
+        if scenario.fail_rank is not None:  # one rank's part fails: every rank raises, nothing published
+            out["failure"] = await failing_version(sharded._build if rank == scenario.fail_rank else None, "part", "this rank's part fails")
             out["after_failure"] = None if sender is None else sender.version
             version += 1
             step(model, tokens, hidden, version, 1e-4, scenario.train)
             await sharded.sync(sender, version)  # every receiver resynced by bootstrap
             out["resync"] = {"version": version, "exported": list(sharded.stats.last), "checks": await check(version)}
-        if scenario.leader_fails_at_boot:
+        if scenario.leader_fails_at_boot:  # after every part, before the bootstrap the others export for
             if rank == 0:
                 await join()
-            version += 1
-            step(model, tokens, hidden, version, 1e-4, scenario.train)
             source = None if sender is None else sender._sharded
-            if source is not None:
-                real_drop = source.drop_offer
-
-                def failing_drop() -> None:  # after every part, before the bootstrap: the others export for it
-                    raise RuntimeError("injected: the leader's Sender fails before the bootstrap")
-
-                source.drop_offer = failing_drop  # type: ignore[method-assign]
-            try:
-                await sharded.sync(sender, version)
-                out["boot_failure"] = None
-            except GatherOrderError as e:
-                out["boot_failure"] = type(e).__name__
-            finally:
-                if source is not None:
-                    source.drop_offer = real_drop  # type: ignore[method-assign]
+            out["boot_failure"] = await failing_version(source, "drop_offer", "the leader's Sender fails before the bootstrap")
             version += 1
             step(model, tokens, hidden, version, 1e-4, scenario.train)
             await sharded.sync(sender, version)

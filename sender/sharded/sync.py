@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 # The leader's flags for a sharded version, in ``_agree``: what every rank does.
 SHARDED = 1  # the sharded build (the leader's Sender is a patch one, and not gather=True)
 PLAN = 2  # the receivers' plan is new: broadcast it, every rank captures its shards' snapshot
-BOOT = 4  # receivers wait for a bootstrap: every rank gathers the tracked tensors after its part
+BOOT = 4  # receivers wait for a bootstrap: every rank takes part in the layout's (gathers, an export) after its part
 REFUSED = 8  # the leader's Sender refuses the version (stale, not running): every rank raises
 
 
