@@ -50,6 +50,9 @@ class Tiny:
     layers: int = 2
     vocab: int = 250
     hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128  # the dense MLP's (Qwen2 only)
 
 
 def free_port() -> int:
@@ -68,7 +71,7 @@ def save_tiny_hf(directory: Path, tiny: Tiny, seed: int = 0) -> dict[str, torch.
     torch.manual_seed(seed)
     common = dict(
         vocab_size=tiny.vocab, hidden_size=tiny.hidden, num_hidden_layers=tiny.layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        num_attention_heads=tiny.heads, num_key_value_heads=tiny.kv_heads, max_position_embeddings=128,
         tie_word_embeddings=tiny.tied, torch_dtype="float32", rms_norm_eps=1e-6,
     )
     config: Any
@@ -79,7 +82,7 @@ def save_tiny_hf(directory: Path, tiny: Tiny, seed: int = 0) -> dict[str, torch.
         )
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
-        config = transformers.Qwen2Config(**common, intermediate_size=128)
+        config = transformers.Qwen2Config(**common, intermediate_size=tiny.intermediate)
         model = transformers.Qwen2ForCausalLM(config)
     with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0: make every element distinct
         for p in model.parameters():
