@@ -86,9 +86,11 @@ install: $(STAMP)
 TEST_WORKERS ?= 2
 VLLM_TESTS := tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_fp8.py
 SGLANG_TESTS := tests/test_sglang_weightsync.py tests/test_sglang_hold.py
-MEGATRON_TESTS := tests/test_megatron_sync.py tests/test_megatron_vllm.py
+MEGATRON_FILES := tests/test_megatron_sync.py tests/test_megatron_vllm.py
+# the Megatron benchmark's smoke test too (the first pass skips it: no Megatron there)
+MEGATRON_TESTS := $(MEGATRON_FILES) tests/test_benchmarks.py::test_megatron_benchmark_compares_the_sharded_sync_with_gather_and_export
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS) $(MEGATRON_TESTS))
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(VLLM_TESTS) $(SGLANG_TESTS) $(MEGATRON_FILES))
 	$(PYTHON) -m pytest -q $(VLLM_TESTS)
 	@$(MAKE) --no-print-directory sglang-env || echo "the SGLang venv could not be built: $(SGLANG_TESTS) not run"
 	@if [ -f $(SGLANG_STAMP) ]; then $(SGLANG_VENV)/bin/python -m pytest -q $(SGLANG_TESTS); fi

@@ -67,7 +67,7 @@ async def _run(rank: int, world: int, build: str, shape: dict[str, int], version
     from protocol.wire.checksum import state_digest
     from receiver import Receiver
     from sender import Sender
-    from sender.sharded.fsdp import ShardedSync
+    from sender.sharded.sync import ShardedSync
 
     model = build_sharded(world, **shape)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LRS[0], weight_decay=0.0)

@@ -20,6 +20,7 @@ from test_stage_device import CPU, coded_message, decoded_of
 from protocol.codec import devicecodec
 from protocol.state import Placed
 from protocol.wire.metadata import ModelMetadata
+from protocol.wire.span import Span
 from receiver.apply import fused
 from receiver.apply.commit import commit
 from receiver.apply.stage_device import Coded, stage_coded
@@ -69,7 +70,7 @@ def staged_batch(seed: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, torc
     old = {f"t{i}": (torch.randn(5 + i, 11, generator=gen) * 3).to(torch.bfloat16) for i in range(9)}
     new = {k: torch.where(torch.rand(v.shape, generator=gen) < 0.2, v.float() * 1.25 + 0.5, v.float()).to(torch.bfloat16) for k, v in old.items()}
     groups = [(), (1, 2, 3), (), (), ()]
-    spans: list[tuple[int, int] | None] = [None, None, (3, 40), None, (0, 20)]
+    spans: list[Span | None] = [None, None, Span.range(3, 40), None, Span.range(0, 20)]
     # lone t0; a group t1..t3; span of t4; lone t5; span of t6 (t7, t8 unchanged)
     for k, span in (("t4", (3, 40)), ("t6", (0, 20))):
         keep = old[k].reshape(-1).clone()

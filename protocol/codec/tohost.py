@@ -35,7 +35,7 @@ def to_host(
     block. CPU tensors: ``t.to(dtype)``, cloned where that is ``t`` itself and ``copy``
     (frames must not change under their checksum while queued). DTensors are gathered
     (``materialize``) one at a time, each dropped once it is in the buffer or cast: never
-    two gathered full tensors alive at once (sender/sharded/fsdp.py counts them). ``copied`` gets
+    two gathered full tensors alive at once (sender/sharded/gathers.py counts them). ``copied`` gets
     each device's copy to the host as device seconds (CUDA events)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     on_device: dict[torch.device, list[int]] = {}

@@ -100,7 +100,7 @@ class DeviceCompare:
                 raise MetadataMismatchError(f"key {key!r} changed shape from {shape} to {list(tensors[key].shape)}")
         if any(is_dtensor(tensors[k]) for k in self.plan.tracked):
             # gathered one by one, in tracked order: the order every rank of a sharded trainer
-            # gathers in (``sender.sharded.fsdp``), which runs by device and dtype would not keep
+            # gathers in (``sender.sharded.sync``), which runs by device and dtype would not keep
             return self._host.collect(tensors, stats, emit, self.plan.tracked)
         captured = self._host.collect(tensors, stats, emit, self._alone) if self._alone else []
         with torch.no_grad():

@@ -123,7 +123,7 @@ class HostCompare:
             else:
                 one_by_one.add(group)  # one by one, gathered into one run after the last
         # The rest in ``keys`` order: DTensors are gathered in this order, which every rank of
-        # a sharded trainer follows (``sender.sharded.fsdp``): a group's members keep their places.
+        # a sharded trainer follows (``sender.sharded.sync``): a group's members keep their places.
         alone = [k for k in keys if k not in self._groups or self._groups[k] in one_by_one]
         members: dict[Group, list[_Member]] = {}
         fetched = self._fetch(alone[0], tensors) if alone else None

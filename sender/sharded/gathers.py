@@ -1,5 +1,5 @@
 """One rank's gathers of a sharded (FSDP2) model's DTensors: one order on every rank, one at a
-time, counted (``sender.sharded.fsdp``'s gathering build, and the bootstraps of its sharded build).
+time, counted (``sender.sharded.sync``'s gathering build of an FSDP2 model, and the bootstraps of its sharded build).
 
 Gathering a DTensor is a collective, so every rank must gather the same tensors in the same
 order (``gather_order``). On the leader the gathers happen when the Sender asks for each
