@@ -28,7 +28,7 @@ from protocol.wire.framing import Message, MessageType
 
 from ..plan import SyncPlan
 from ..stats import SyncStats
-from .shard_parts import PartMover, PartStats, layout_digest, pack_part, unpack_part
+from .shard_parts import Part, PartMover, PartStats, layout_digest, pack_part, unpack_part
 from .shards import ShardCompare, ShardKey, shard_keys
 
 
@@ -98,7 +98,7 @@ class ShardBuild:
     def recapture(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self.compare.recapture(tensors)
 
-    def part(self, tensors: Mapping[str, torch.Tensor], version: int) -> bytes:
+    def part(self, tensors: Mapping[str, torch.Tensor], version: int) -> Part:
         """This rank's changes since the snapshot, encoded and packed (b"": none); the snapshot
         moves on. ``last`` gets this rank's stats."""
         stats = SyncStats(version, "patch")
@@ -108,14 +108,14 @@ class ShardBuild:
         for group in cut(entries, self.plan.patch.part_bytes):
             specs, frames = assemble(group)
             messages.append(Message(MessageType.PATCH, version=version, tensors=specs, frames=frames, last=False))
-        part = pack_part(messages) if messages else b""
+        part: Part = pack_part(messages) if messages else b""
         stats.build_seconds = time.perf_counter() - started
         self.last = stats
         return part
 
 
 async def leader_messages(
-    mover: PartMover, own: bytes, agree: Callable[[], Awaitable[PartStats]]
+    mover: PartMover, own: Part, agree: Callable[[], Awaitable[PartStats]]
 ) -> AsyncGenerator[Message, None]:
     """Every rank's messages of a version in rank order, for ``Sender.publish`` (which numbers
     them and marks the last): the leader's ``own`` part at once, so it travels while the other

@@ -276,9 +276,10 @@ class PartMover:
 # int64 header: [messages, frames of each message..., length of each frame...], then the frames.
 
 
-def pack_part(messages: Sequence[Message]) -> bytes:
+def pack_part(messages: Sequence[Message]) -> bytearray:
     """A rank's encoded messages of a version as one part (``unpack_part`` reverses it): the
-    leader re-frames each message (``decode_message`` checks its checksums) and stamps it."""
+    leader re-frames each message (``decode_message`` checks its checksums) and stamps it.
+    Each frame is copied once, into the buffer returned (not copied again into ``bytes``)."""
     framed = [encode_message(m) for m in messages]
     lengths = [len(f) for frames in framed for f in frames]
     header = torch.tensor([len(framed), *(len(f) for f in framed), *lengths], dtype=torch.int64)
@@ -290,7 +291,7 @@ def pack_part(messages: Sequence[Message]) -> bytes:
             n = len(f)
             out[at : at + n] = f
             at += n
-    return bytes(out)
+    return out
 
 
 def unpack_part(part: Part, limits: Limits = DEFAULT_LIMITS) -> list[Message]:

@@ -44,7 +44,7 @@ from ..streams import Mark
 from .fsdp import FsdpLayout
 from .gathers import GatherStats, gather_order
 from .shard_build import ReceiverPlan, ShardBuild, leader_messages, share_plan
-from .shard_parts import FIGURES, PartMover, PartStats
+from .shard_parts import FIGURES, Part, PartMover, PartStats
 
 if TYPE_CHECKING:
     from ..serve.service import Sender
@@ -353,7 +353,7 @@ class ShardedSync:
         build.capture(self.layout.tensors())
         self._build = build
 
-    def _own_part(self, version: int) -> bytes:
+    def _own_part(self, version: int) -> Part:
         """This rank's part of ``version``. If building it fails, this rank still makes the
         part agreement (saying it has none): every rank then raises its ``GatherOrderError``,
         this one chained from its own error."""
