@@ -76,7 +76,7 @@ def bridge(ps: Params, transform: Callable[[str, torch.Tensor], torch.Tensor] = 
 def test_splits_and_column_blocks_map_exactly_and_verify() -> None:
     ps = [*params()]
     found = probe(ps, bridge(ps))
-    got = {(x.tensor, x.param): (x.local, x.span) for x in found.landings}
+    got = {(x.tensor, x.param): (x.local, x.span) for x in found}
     assert got == {
         ("embed", "embed"): (Span(0, 512), Span(0, 512)),
         ("q_proj", "qkv"): (Span(0, 16), Span(0, 16)),
@@ -86,7 +86,7 @@ def test_splits_and_column_blocks_map_exactly_and_verify() -> None:
         ("o_proj", "right"): (Span(0, 8), Span(2, 2, 4, 4)),
         ("norm", "norm"): (Span(0, 4), Span(0, 4)),
     }
-    metas = verify(ps, found.landings, bridge(ps)())
+    metas = verify(ps, found, bridge(ps)())
     shapes = {"embed": (64, 8), "q_proj": (4, 4), "k_proj": (1, 4), "v_proj": (1, 4), "o_proj": (4, 4), "norm": (4,)}
     assert {n: tuple(t.shape) for n, t in metas.items()} == shapes
     assert all(t.device.type == "meta" for t in metas.values())
@@ -128,7 +128,7 @@ def test_a_conversion_that_only_touches_real_weights_is_caught_by_verify() -> No
 
     found = probe(ps, bridge(ps, touch))
     with pytest.raises(ConfigError, match=r"'qkv' does not equal its place in the export's 'k_proj'"):
-        verify(ps, found.landings, bridge(ps, touch)())
+        verify(ps, found, bridge(ps, touch)())
 
 
 def test_fold_makes_one_form_per_block() -> None:

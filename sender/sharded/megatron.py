@@ -90,8 +90,7 @@ class MegatronLayout:
         self.group = group
         self.params = local_parameters(self.model)
         self.stats = GatherStats()
-        found = probe(self.params, self._raw_export, group)
-        self.landings: tuple[Landing, ...] = found.landings
+        self.landings: tuple[Landing, ...] = probe(self.params, self._raw_export, group)
         self.meta = verify(self.params, self.landings, self._raw_export(), group)  # checkpoint name -> meta tensor
         self.ties = {a: c for a, c in (tied_names(bridge) if ties is None else dict(ties)).items() if c in self.meta and a not in self.meta}
         for alias, canonical in self.ties.items():  # the same meta tensor under both names: a tie the Sender sees

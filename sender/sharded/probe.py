@@ -30,7 +30,7 @@ embeddings) has no landing: nothing of it is sent.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,25 +54,16 @@ class Landing:
     span: Span
 
 
-@dataclass(frozen=True)
-class ProbeMap:
-    """A rank's landings (the export's tensor order, then local order) and every exported
-    tensor's shape and dtype (from the real export: ``verify``)."""
-
-    landings: tuple[Landing, ...]
-    shapes: Mapping[str, tuple[int, ...]]
-
-
-def probe(params: Sequence[tuple[str, torch.Tensor]], export: Export, group: dist.ProcessGroup | None = None) -> ProbeMap:
-    """This rank's map (see the module docstring). A collective of ``group``: every rank calls
+def probe(params: Sequence[tuple[str, torch.Tensor]], export: Export, group: dist.ProcessGroup | None = None) -> tuple[Landing, ...]:
+    """This rank's landings (see the module docstring), in the export's tensor order. A collective of ``group``: every rank calls
     it with its own ``params`` (its local parameters, in a fixed order) and the same
     ``export``. The parameters' values are put back whatever happens."""
     bases = _bases(params, group)
     first = _decode(params, export, bases, group, descending=False)
     second = _decode(params, export, bases, group, descending=True)
     failed = None
-    if first.landings != second.landings:
-        differ = sorted({a.tensor for a in set(first.landings) ^ set(second.landings)})
+    if first != second:
+        differ = sorted({a.tensor for a in set(first) ^ set(second)})
         failed = ConfigError(
             f"the export moves and transforms values of {differ[:4]}: two probes disagree on where they land; "
             "those tensors cannot be sent shard by shard"
@@ -165,17 +156,15 @@ def _codes(
 
 def _decode(
     params: Sequence[tuple[str, torch.Tensor]], export: Export, bases: list[int], group: dist.ProcessGroup | None, *, descending: bool
-) -> ProbeMap:
+) -> tuple[Landing, ...]:
     rank = dist.get_rank(group)
     end = bases[-1]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     starts = torch.tensor([bases[rank], *(bases[rank] + n for n in _cumulative(p.numel() for _, p in params))], dtype=torch.int64)
     landings: list[Landing] = []
-    shapes: dict[str, tuple[int, ...]] = {}
     failed: ConfigError | None = None  # the first failure: the export still runs to its end, in step with the other ranks
     with contextlib.closing(_codes(params, export, bases[rank], end, descending)) as exported:
         for name, t in exported:
-            shapes[name] = tuple(t.shape)
             values = t.reshape(-1).to("cpu", torch.float64)
             dist.broadcast(values, src=src, group=group)  # the owner of every element: whose code rank 0's export holds
             if failed is None:
@@ -184,7 +173,7 @@ def _decode(
                 except ConfigError as e:
                     failed = e
     _agree(failed, group)
-    return ProbeMap(tuple(landings), shapes)
+    return tuple(landings)
 
 
 def _landings(
